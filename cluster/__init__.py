@@ -1,0 +1,1 @@
+"""Ray actors and pools, placement, health, scaling and draining, and the `pdcluster` CLI."""

@@ -1,0 +1,95 @@
+"""Paged attention in plain torch: the CPU path and the reference for the others."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, BatchLayout
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Prefill sequences one by one with SDPA; all decode sequences in one padded batch."""
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def begin_step(self, layout: BatchLayout) -> None:
+        bs = layout.block_size
+        self.layout = layout
+        self.slot_blocks = layout.slot_mapping // bs
+        self.slot_offsets = layout.slot_mapping % bs
+        device = layout.block_tables.device
+        self.prefills = []
+        start = 0
+        for i in range(layout.num_prefills):
+            q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
+            num_blocks = -(-ctx_len // bs)
+            self.prefills.append((start, q_len, ctx_len, layout.block_tables[i, :num_blocks],
+                                  _causal_mask(q_len, ctx_len, device)))
+            start += q_len
+        self.decode_start = start
+        self._begin_decode(layout, device)
+
+    def _begin_decode(self, layout: BatchLayout, device: torch.device) -> None:
+        ctx = layout.context_lens[layout.num_prefills:]
+        if not ctx:
+            self.decode_tables = None
+            return
+        max_blocks = -(-max(ctx) // layout.block_size)
+        self.decode_tables = layout.block_tables[layout.num_prefills:, :max_blocks]
+        ctx_lens = torch.tensor(ctx, device=device)
+        positions = torch.arange(max_blocks * layout.block_size, device=device)
+        self.decode_mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B,1,1,S]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
+        kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
+        out = torch.empty_like(q)
+        for start, q_len, ctx_len, table, mask in self.prefills:
+            end = start + q_len
+            if ctx_len == q_len:  # nothing cached before: attend to the fresh keys
+                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None)
+            else:
+                keys, values = _gather(kv_layer, table, ctx_len)
+                out[start:end] = self._attend(q[start:end], keys, values, mask)
+        if self.decode_tables is not None:
+            out[self.decode_start:] = self._decode(q[self.decode_start:], kv_layer)
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        # [L, H, D] -> [1, H, L, D]
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        num_seqs = self.decode_tables.shape[0]
+        keys, values = (kv_layer[:, i].index_select(0, self.decode_tables.flatten())
+                        # [B * max_blocks, bs, H, D] -> [B, S, H, D]
+                        .view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+                        .transpose(1, 2) for i in (0, 1))  # [B, H, S, D]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
+                                             attn_mask=self.decode_mask, enable_gqa=True)
+        return out.squeeze(2)  # [B, H, D]
+
+
+def _gather(kv_layer: torch.Tensor, table: torch.Tensor,
+            ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values, `[ctx_len, H, D]` each, from its pages."""
+    keys, values = (kv_layer[:, i].index_select(0, table).flatten(0, 1)[:ctx_len]
+                    for i in (0, 1))
+    return keys, values
+
+
+def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (at absolute position ctx_len - q_len + i) sees keys up to its position."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]

@@ -1,0 +1,112 @@
+"""Frozen engine configuration, validated where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Role = Literal["mixed", "prefill", "decode"]
+Policy = Literal["continuous", "static"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype.
+
+    Raises:
+        ValueError: the name is not one of the supported dtypes.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype: {dtype} is not supported; use one of float32, bfloat16, float16")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the runtime needs, read from a Hugging Face `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    Args:
+        block_size: tokens per KV block.
+        num_blocks: blocks in the pool; None sizes the pool from `kv_cache_memory_gb`.
+        kv_cache_memory_gb: memory budget for the pool when `num_blocks` is None.
+        enable_prefix_caching: reuse full blocks whose chained token hash matches.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching policy.
+
+    Args:
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_seqs: most requests running at once.
+        enable_chunked_prefill: split prompts longer than the remaining budget over steps.
+        role: `mixed` (prefill and decode), `prefill` (stop after the first token, keep the
+            KV for transfer) or `decode` (also accepts requests whose KV arrives remotely).
+        policy: `continuous` batching, or `static` (whole batches in lock-step, for
+            comparison benchmarks).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    role: Role = "mixed"
+    policy: Policy = "continuous"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.role not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"role must be mixed, prefill or decode, got {self.role!r}")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"policy must be continuous or static, got {self.policy!r}")

@@ -1,0 +1,259 @@
+"""The engine loop: add requests, step, abort; plus the hooks the prefill and decode roles use."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import get_backend
+from engine.block_pool import BlockPool
+from engine.config import CacheConfig, SchedulerConfig, parse_dtype
+from engine.kv_cache import BufferAllocator, KVCache
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_model, read_model_config, resolve_model_dir
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer import load_tokenizer
+
+# Called after layer i wrote its KV for the step's schedule (used to stream KV out).
+StepLayerHook = Callable[[int, SchedulerOutput], None]
+
+
+class KVCacheFullError(RuntimeError):
+    """A decode reservation found too few free blocks."""
+
+
+@dataclass
+class EngineOutput:
+    """What one step changed for one request.
+
+    Args:
+        request_id: the request.
+        new_token_ids: tokens sampled this step.
+        finish_reason: `stop`, `length`, `abort`, `error`, or None while running.
+        new_logprobs: one map per new token when logprobs were asked for.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: timings in seconds (`arrival`, `first_token`, monotonic clock).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    new_logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLMEngine:
+    """A model, its paged KV cache and one scheduler, driven step by step.
+
+    Args:
+        model: `smollm2`, `tiny`, a `.gguf` file or a local Hugging Face directory.
+        dtype: `float32`, `bfloat16` or `float16`.
+        cache: KV cache sizing and prefix caching.
+        scheduler: budgets, role and batching policy.
+        device: `auto` (CUDA when present), `cpu` or `cuda[:n]`.
+        max_model_len: longest prompt + output; defaults to the model's and the pool's limit.
+        attention_backend: `auto`, `torch` or `flashinfer`.
+        kv_allocator: places the KV pool (for example in shared memory).
+        num_threads: torch intra-op threads; None leaves torch's default.
+    """
+
+    def __init__(self, model: str = "tiny", dtype: str | torch.dtype = "float32", *,
+                 cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
+                 device: str = "auto", max_model_len: int | None = None,
+                 attention_backend: str = "auto", kv_allocator: BufferAllocator | None = None,
+                 num_threads: int | None = None) -> None:
+        self.cache_config = cache or CacheConfig()
+        self.scheduler_config = scheduler or SchedulerConfig()
+        self.dtype = parse_dtype(dtype)
+        self.device = _pick_device(device)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model_dir = resolve_model_dir(model)
+        self.model_config, hf_config = read_model_config(self.model_dir, max_model_len)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        cfg = self.model_config
+        self.model = load_model(self.model_dir, cfg, hf_config, self.dtype, self.device)
+        num_blocks = self.cache_config.num_blocks or self._blocks_for_memory()
+        bs = self.cache_config.block_size
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
+                                self.dtype, self.device, kv_allocator)
+        self.block_pool = BlockPool(num_blocks, self.cache_config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.block_pool, bs)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        attn = get_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           attention_backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device)
+        self.max_model_len = min(cfg.max_model_len, num_blocks * bs)
+        if not self.scheduler_config.enable_chunked_prefill:
+            self.max_model_len = min(self.max_model_len,
+                                     self.scheduler_config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+
+    def _blocks_for_memory(self) -> int:
+        cfg = self.model_config
+        per_block = KVCache.bytes_per_block(cfg.num_layers, self.cache_config.block_size,
+                                            cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return max(int(self.cache_config.kv_cache_memory_gb * 2**30) // per_block, 1)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Check a request before it takes any resource.
+
+        Raises:
+            ValueError: the message names the field and the limit.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params)}")
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids: every token id must be an integer")
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary "
+                             f"[0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens is too long; the limit is "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} keeps room "
+                "for one output token)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        """Validate and queue a request.
+
+        Raises:
+            ValueError: bad input, or `request_id` already in use.
+        """
+        request = self._new_request(request_id, prompt_token_ids, params)
+        self.scheduler.add_request(request)
+        return request
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams) -> Request:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
+                          self.max_model_len)
+        self.requests[request_id] = request
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self, layer_hook: StepLayerHook | None = None) -> list[EngineOutput]:
+        """Schedule, run the model once, and report what changed."""
+        schedule = self.scheduler.schedule()
+        if not schedule.scheduled:
+            return []
+        hook = None if layer_hook is None else (lambda i: layer_hook(i, schedule))
+        try:
+            result = self.runner.execute(schedule, hook)
+        except Exception:
+            for item in schedule.scheduled:
+                self.abort_request(item.request.request_id, "error")
+            raise
+        changed = self.scheduler.postprocess(schedule, result.tokens)
+        outputs = []
+        for request in changed:
+            logprobs = result.logprobs.get(request.request_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            outputs.append(self._output(request, [request.output_token_ids[-1]],
+                                        None if logprobs is None else [logprobs]))
+        return outputs
+
+    def _output(self, request: Request, new_tokens: list[int],
+                logprobs: list[dict[int, float]] | None) -> EngineOutput:
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+        metrics = {"arrival": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["first_token"] = request.first_token_time
+        return EngineOutput(request.request_id, new_tokens, request.finish_reason, logprobs,
+                            request.num_cached_tokens, metrics)
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> EngineOutput | None:
+        """End a request wherever it is and release its blocks; None if unknown."""
+        request = self.scheduler.finish(request_id, reason)
+        if request is None:
+            return None
+        return self._output(request, [], None)
+
+    # ---- decode role: KV that arrives from a remote prefill ---------------------------
+
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> Request:
+        """Reserve blocks for a prompt whose KV a prefill worker will write.
+
+        Returns:
+            The request; `block_ids` are the destinations and `num_computed_tokens`
+            the prompt tokens already present through the prefix cache.
+
+        Raises:
+            ValueError: bad input.
+            KVCacheFullError: not enough free blocks now.
+        """
+        request = self._new_request(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve_remote(request):
+            del self.requests[request_id]
+            raise KVCacheFullError(
+                f"request {request_id}: {len(prompt_token_ids)} prompt tokens need more KV "
+                f"blocks than the {self.block_pool.num_free_blocks} free")
+        return request
+
+    def complete_remote(self, request_id: str, first_token_id: int) -> EngineOutput:
+        """The remote prefill finished: the request joins the decode batch.
+
+        Raises:
+            KeyError: no reservation for `request_id`.
+        """
+        request = self.scheduler.complete_remote(request_id, first_token_id)
+        return self._output(request, [first_token_id], None)
+
+    # ---- prefill role: KV kept until shipped -----------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """Free a prefilled request's blocks once its KV has been shipped."""
+        self.abort_request(request_id, "stop")
+
+    def stats(self) -> dict[str, float]:
+        """Load and memory figures for placement and metrics."""
+        pool = self.block_pool
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_parked": len(self.scheduler.parked),
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "kv_usage": pool.usage,
+            "prefix_hit_rate": pool.num_hits / pool.num_queries if pool.num_queries else 0.0,
+            "time": time.monotonic(),
+        }
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        picked = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device: {device!r} is not a torch device") from e
+    if picked.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but CUDA is not available")
+    return picked

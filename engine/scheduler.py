@@ -1,0 +1,205 @@
+"""One continuous-batching scheduler; the roles and the static policy are policies of it."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """A request and the tokens it computes this step."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        """First position computed this step."""
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token and so samples one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Picks, each step, which requests compute how many tokens.
+
+    Running requests go first (decodes and unfinished prompt chunks), in arrival order;
+    when blocks run out the newest running request is preempted and recomputed later.
+    Waiting requests are admitted while the token budget, `max_num_seqs` and the KV pool
+    allow. Role `prefill` parks a request once its first token is sampled; role `decode`
+    also holds requests whose KV is arriving from a remote prefill.
+
+    Args:
+        config: budgets, role and policy.
+        kv_manager: the KV cache manager.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests holding blocks outside the batch: remote KV in flight, or prefilled KV
+        # waiting to be shipped.
+        self.parked: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted and self._may_admit():
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _may_admit(self) -> bool:
+        # Static batching admits a new batch only once the whole previous one is done.
+        return self.config.policy == "continuous" or not self.running
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    return budget
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - request.num_computed_tokens - \
+                len(hits) * self.kv.block_size
+            num_new = self._chunk(remaining, budget)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.reset(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by what the step computed.
+
+        Args:
+            out: the step's schedule.
+            sampled: request id -> sampled token, for requests whose last token was computed.
+
+        Returns:
+            The requests that changed: got a token, finished, or were parked.
+        """
+        changed = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            changed.append(request)
+            if request.is_finished:
+                self._remove_running(request)
+                self.kv.free(request)
+            elif self.config.role == "prefill":
+                self._remove_running(request)
+                request.status = RequestStatus.PREFILLED
+                self.parked[request.request_id] = request
+        return changed
+
+    def reserve_remote(self, request: Request) -> bool:
+        """Decode role: hold blocks for a prompt whose KV another engine computes."""
+        hits = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - len(hits) * self.kv.block_size
+        if not self.kv.allocate_slots(request, num_new, hits):
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.parked[request.request_id] = request
+        return True
+
+    def complete_remote(self, request_id: str, first_token: int) -> Request:
+        """Decode role: the prompt's KV has landed; the request joins the running batch."""
+        request = self.parked.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise KeyError(f"request {request_id!r} has no remote KV reservation")
+        del self.parked[request_id]
+        request.num_computed_tokens = request.num_tokens
+        self.kv.cache_blocks(request)
+        request.append_token(first_token)
+        if request.is_finished:
+            self.kv.free(request)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return request
+
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """End a request wherever it is and free its blocks; None if unknown."""
+        request = self.parked.pop(request_id, None)
+        if request is None:
+            request = self._find(request_id)
+            if request is None:
+                return None
+            if request in self.running:
+                self._remove_running(request)
+            else:
+                self.waiting.remove(request)
+        self.kv.free(request)
+        if not request.is_finished:
+            request.finish(reason)
+        return request
+
+    def _find(self, request_id: str) -> Request | None:
+        for request in (*self.running, *self.waiting):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)

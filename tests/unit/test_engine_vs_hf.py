@@ -1,0 +1,101 @@
+"""Greedy output must equal Hugging Face `transformers` token for token (fp32, same weights)."""
+
+import random
+
+import pytest
+
+from engine import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from tests.conftest import assert_pool_free, hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int, low: int = 3, high: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randint(low, high))]
+            for _ in range(n)]
+
+
+def _check(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> None:
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy("tiny", prompt, params.max_tokens)
+        assert out.outputs[0].finish_reason == "length"
+    assert_pool_free(llm.engine)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_tiny_batch_mix_matches_hf(chunked):
+    sched = SchedulerConfig(max_num_batched_tokens=64 if chunked else 128,
+                            enable_chunked_prefill=chunked)
+    llm = LLM("tiny", scheduler=sched, cache=CacheConfig(block_size=8, num_blocks=128))
+    _check(llm, _prompts(10, seed=1))
+
+
+def test_tiny_chunked_prefill_with_tiny_budget_matches_hf():
+    # A budget of 5 tokens splits every prompt across many steps and mixes in decodes.
+    llm = LLM("tiny", scheduler=SchedulerConfig(max_num_batched_tokens=5),
+              cache=CacheConfig(block_size=4, num_blocks=256))
+    _check(llm, _prompts(4, seed=2, low=10, high=40))
+
+
+def test_tiny_prefix_cache_hits_match_hf():
+    llm = LLM("tiny", cache=CacheConfig(block_size=4, num_blocks=256))
+    shared = _prompts(1, seed=3, low=40, high=40)[0]
+    prompts = [shared + tail for tail in _prompts(5, seed=4, low=1, high=12)]
+    _check(llm, prompts[:1])
+    outputs = llm.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens >= 40 for o in outputs[:1])
+    assert all(o.num_cached_tokens >= 36 for o in outputs)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy("tiny", prompt, GREEDY.max_tokens)
+    assert_pool_free(llm.engine)
+
+
+def test_tiny_forced_preemption_matches_hf():
+    # 24 blocks of 4 tokens cannot hold eight ~30-token requests growing by 24 tokens.
+    llm = LLM("tiny", cache=CacheConfig(block_size=4, num_blocks=24, enable_prefix_caching=False))
+    prompts = _prompts(8, seed=5, low=20, high=40)
+    outputs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy("tiny", prompt, GREEDY.max_tokens)
+    assert llm.engine.block_pool.num_free_blocks == 24
+    assert_pool_free(llm.engine)
+
+
+def test_tiny_static_policy_matches_hf():
+    llm = LLM("tiny", scheduler=SchedulerConfig(policy="static", max_num_seqs=3))
+    _check(llm, _prompts(7, seed=6))
+
+
+def test_tiny_text_prompts_match_hf():
+    llm = LLM("tiny")
+    texts = ["Hello, how are you today?", "The quick brown fox", "Once upon a time"]
+    outputs = llm.generate(texts, GREEDY)
+    for text, out in zip(texts, outputs, strict=True):
+        ids = llm.tokenizer.encode(text)
+        assert out.prompt_token_ids == ids
+        expected = hf_greedy("tiny", ids, GREEDY.max_tokens)
+        assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].text == llm.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+SMOL_CHATS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea and the wind at night.",
+    "Explain in two sentences why the sky is blue during the day.",
+    "List three fruits that are red and one that is yellow.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_chat_matches_hf():
+    llm = LLM("smollm2", cache=CacheConfig(num_blocks=256))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    conversations = [[{"role": "user", "content": c}] for c in SMOL_CHATS]
+    outputs = llm.chat(conversations, params)
+    for out in outputs:
+        assert len(out.outputs[0].token_ids) == 32
+        assert out.outputs[0].token_ids == hf_greedy("smollm2", out.prompt_token_ids, 32)
+    assert outputs[0].outputs[0].text.startswith("The capital of France is Paris.")
+    assert_pool_free(llm.engine)

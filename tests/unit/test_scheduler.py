@@ -1,0 +1,105 @@
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def _scheduler(num_blocks: int = 64, block_size: int = 4, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg),
+                     KVCacheManager(BlockPool(num_blocks, enable_prefix_caching=False),
+                                    block_size))
+
+
+def _add(s: Scheduler, rid: str, n: int, max_tokens: int = 8) -> Request:
+    request = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True))
+    s.add_request(request)
+    return request
+
+
+def _step(s: Scheduler, token: int = 7) -> dict[str, int]:
+    out = s.schedule()
+    plan = {item.request.request_id: item.num_new_tokens for item in out.scheduled}
+    sampled = {i.request.request_id: token for i in out.scheduled if i.samples}
+    s.postprocess(out, sampled)
+    return plan
+
+
+def test_token_budget_chunks_long_prompts():
+    s = _scheduler(max_num_batched_tokens=8)
+    _add(s, "a", 20)
+    _add(s, "b", 3)
+    assert _step(s) == {"a": 8}
+    assert _step(s) == {"a": 8}
+    assert _step(s) == {"a": 4, "b": 3}
+    assert _step(s) == {"a": 1, "b": 1}
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    s = _scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    _add(s, "a", 6)
+    _add(s, "b", 6)
+    assert _step(s) == {"a": 6}
+    assert _step(s) == {"a": 1, "b": 6}
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = _scheduler(max_num_seqs=2)
+    for rid in "abc":
+        _add(s, rid, 4)
+    assert _step(s) == {"a": 4, "b": 4}
+    assert _step(s) == {"a": 1, "b": 1}
+
+
+def test_preemption_recomputes_the_newest_request():
+    # 4 blocks of 4 tokens: two 6-token prompts fit (2 blocks each) until both need a third.
+    s = _scheduler(num_blocks=4, block_size=4)
+    a = _add(s, "a", 6, max_tokens=8)
+    b = _add(s, "b", 6, max_tokens=8)
+    assert _step(s) == {"a": 6, "b": 6}  # 6 computed, 7 tokens each
+    assert _step(s) == {"a": 1, "b": 1}  # positions 6 and 7 still fit in 2 blocks
+    assert _step(s) == {"a": 1, "b": 1}
+    plan = _step(s)  # position 8 needs a third block: b is preempted
+    assert plan == {"a": 1}
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.block_ids == [] and b.num_preemptions == 1
+    assert len(b.output_token_ids) == 3  # recomputed later, tokens kept
+    while s.has_work():
+        _step(s)
+    assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
+    assert s.kv.pool.num_free_blocks == 4
+
+
+def test_static_policy_admits_only_when_the_batch_is_done():
+    s = _scheduler(policy="static", max_num_seqs=2)
+    _add(s, "a", 4, max_tokens=1)
+    _add(s, "b", 4, max_tokens=3)
+    _add(s, "c", 4, max_tokens=1)
+    assert _step(s) == {"a": 4, "b": 4}  # a finishes on its first token
+    assert _step(s) == {"b": 1}  # c waits although a seat is free
+    assert _step(s) == {"b": 1}
+    assert _step(s) == {"c": 4}
+
+
+def test_prefill_role_parks_requests_after_the_first_token():
+    s = _scheduler(role="prefill")
+    a = _add(s, "a", 5)
+    assert _step(s) == {"a": 5}
+    assert a.status == RequestStatus.PREFILLED and s.parked == {"a": a}
+    assert not s.has_work() and len(a.block_ids) == 2
+    s.finish("a", "stop")
+    assert s.kv.pool.num_free_blocks == 64
+
+
+def test_decode_role_remote_request_joins_running():
+    s = _scheduler(role="decode")
+    request = Request("r", list(range(1, 10)), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert s.reserve_remote(request)
+    assert request.block_ids == [0, 1, 2] and not s.has_work()
+    s.complete_remote("r", 42)
+    assert request.output_token_ids == [42] and request.num_computed_tokens == 9
+    assert _step(s) == {"r": 1}
+    assert _step(s) == {"r": 1}
+    assert request.is_finished and s.kv.pool.num_free_blocks == 64
