@@ -1,0 +1,101 @@
+"""Runs an LLMEngine on its own thread: commands in through a queue, outputs out by callback.
+
+Workers (prefill, decode, colocated) all drive their engine this way, so the engine
+itself stays single-threaded and free of any transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.llm_engine import EngineOutput, LLMEngine, StepLayerHook
+
+log = logging.getLogger(__name__)
+
+Command = Callable[[LLMEngine], Any]
+OutputSink = Callable[[list[EngineOutput]], None]
+
+
+class EngineLoop:
+    """Owns the engine thread.
+
+    Args:
+        engine: the engine; only the loop thread touches it once started.
+        on_outputs: receives every step's outputs (one call per step), on the loop thread.
+        layer_hook: passed to every `engine.step` (KV streaming in the prefill role).
+    """
+
+    def __init__(self, engine: LLMEngine, on_outputs: OutputSink,
+                 layer_hook: StepLayerHook | None = None) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._layer_hook = layer_hook
+        self._commands: queue.SimpleQueue[tuple[Command, Future | None]] = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.busy_seconds = 0.0
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._commands.put((lambda _engine: None, None))
+        self._thread.join(timeout)
+
+    def submit(self, command: Command) -> None:
+        """Run `command(engine)` on the loop thread before its next step (fire and forget)."""
+        self._commands.put((command, None))
+
+    def call(self, command: Command, timeout: float = 60.0) -> Any:
+        """Run `command(engine)` on the loop thread and return its result (or raise)."""
+        result: Future = Future()
+        self._commands.put((command, result))
+        return result.result(timeout)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain(block=not self.engine.has_unfinished_requests())
+            if self._stopped.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = self.engine.step(self._layer_hook)
+            except Exception:
+                log.exception("engine step failed; its requests were ended with error")
+                outputs = []
+            self.busy_seconds += time.perf_counter() - start
+            self.num_steps += 1
+            if outputs:
+                self._on_outputs(outputs)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(*item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, command: Command, result: Future | None) -> None:
+        try:
+            value = command(self.engine)
+        except Exception as e:
+            if result is None:
+                log.exception("engine command failed")
+            else:
+                result.set_exception(e)
+            return
+        if result is not None:
+            result.set_result(value)
