@@ -1,0 +1,60 @@
+"""Prefill on one engine, copy the KV blocks, decode on another: same tokens as one engine."""
+
+import torch
+
+from engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from tests.conftest import assert_pool_free, hf_greedy
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _engine(role: str, num_blocks: int) -> LLMEngine:
+    return LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+                     scheduler=SchedulerConfig(role=role, max_num_batched_tokens=16))
+
+
+def _run_until_idle(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_prefill_engine_to_decode_engine_matches_hf():
+    prefill, decode = _engine("prefill", 64), _engine("decode", 48)
+    # Warm the decode side's prefix cache so its reservation starts with hits.
+    shared = list(range(300, 320))
+    decode.add_request("warm", [*shared, 7], PARAMS)
+    _run_until_idle(decode)
+    prompts = {"a": [*shared, 11, 12, 13, 14, 15], "b": list(range(500, 537))}
+    first = {}
+    for rid, prompt in prompts.items():
+        dst = decode.reserve_remote(rid, prompt, PARAMS)
+        prefill.add_request(rid, prompt, PARAMS)
+        while rid not in first:  # chunked: several prefill steps
+            for out in prefill.step():
+                first[rid] = out.new_token_ids[0]
+        src = prefill.scheduler.parked[rid].block_ids
+        # Only the blocks the decode side lacks are copied.
+        skip = dst.num_computed_tokens // 4
+        for layer_src, layer_dst in zip(prefill.kv_cache.layers, decode.kv_cache.layers,
+                                        strict=True):
+            layer_dst[torch.tensor(dst.block_ids[skip:])] = layer_src[torch.tensor(src[skip:])]
+        prefill.release(rid)
+        decode.complete_remote(rid, first[rid])
+    assert decode.requests["a"].num_cached_tokens == 20
+    tokens = _run_until_idle(decode)
+    for rid, prompt in prompts.items():
+        assert [first[rid], *tokens[rid]] == hf_greedy("tiny", prompt, PARAMS.max_tokens)
+    assert_pool_free(prefill)
+    assert_pool_free(decode)
+
+
+def test_abort_during_remote_reservation_frees_blocks():
+    decode = _engine("decode", 16)
+    decode.reserve_remote("x", list(range(100, 130)), PARAMS)
+    assert decode.block_pool.num_free_blocks == 16 - 8
+    out = decode.abort_request("x")
+    assert out.finish_reason == "abort"
+    assert_pool_free(decode)
