@@ -1,0 +1,128 @@
+"""Placement: which decode worker holds a request, and whether a prefill worker computes it.
+
+Pure functions over the latest load snapshot of each worker, so they are easy to test and
+to reason about. Prefix affinity uses the router's own chained hashes of the prompt's
+leading blocks: the worker that last served the longest matching prefix is preferred while
+it has room.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class WorkerLoad:
+    """The router's view of one worker (from its pushed stats)."""
+
+    worker_id: str
+    role: str
+    num_free_blocks: int = 0
+    num_blocks: int = 1
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    in_flight: int = 0  # requests placed here and not finished, by the router's count
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode_worker: str
+    prefill_worker: str | None  # None: the decode worker prefills locally
+
+
+class PrefixIndex:
+    """Remembers which worker last saw each prompt prefix (bounded, LRU).
+
+    Args:
+        block_size: tokens per hashed block.
+        capacity: most prefixes remembered.
+    """
+
+    def __init__(self, block_size: int = 16, capacity: int = 100_000) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._owner: OrderedDict[bytes, dict[str, str]] = OrderedDict()
+
+    def hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
+        out, parent = [], b""
+        tokens = np.asarray(prompt_token_ids, dtype=np.int64)
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            parent = hashlib.blake2b(parent + tokens[start:start + self.block_size].tobytes(),
+                                     digest_size=16).digest()
+            out.append(parent)
+        return out
+
+    def match(self, hashes: list[bytes], role: str) -> tuple[str | None, int]:
+        """The worker of `role` holding the longest known prefix, and its length in blocks."""
+        best, length = None, 0
+        for i, h in enumerate(hashes):
+            owner = self._owner.get(h, {}).get(role)
+            if owner is None:
+                break
+            best, length = owner, i + 1
+        return best, length
+
+    def record(self, hashes: list[bytes], role: str, worker_id: str) -> None:
+        for h in hashes:
+            self._owner.setdefault(h, {})[role] = worker_id
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+    def forget(self, worker_id: str) -> None:
+        for owners in self._owner.values():
+            for role in [r for r, w in owners.items() if w == worker_id]:
+                del owners[role]
+
+
+def pick_decode(workers: list[WorkerLoad], preferred: str | None) -> WorkerLoad | None:
+    """The decode worker with the most free KV and least load; the prefix owner if it has room.
+
+    Returns None when there is no decode worker.
+    """
+    if not workers:
+        return None
+    by_id = {w.worker_id: w for w in workers}
+    owner = by_id.get(preferred) if preferred else None
+    if owner is not None and owner.num_free_blocks > owner.num_blocks // 8:
+        return owner
+    return max(workers, key=lambda w: (w.num_free_blocks / max(w.num_blocks, 1)
+                                       - 0.05 * (w.num_running + w.in_flight)))
+
+
+def pick_prefill(workers: list[WorkerLoad], preferred: str | None) -> WorkerLoad | None:
+    """The prefill worker with the least queued prompt tokens (prefix owner on ties)."""
+    if not workers:
+        return None
+    return min(workers, key=lambda w: (w.queued_prefill_tokens + 512 * w.in_flight,
+                                       w.worker_id != preferred))
+
+
+def place(prompt_len: int, decode: list[WorkerLoad], prefill: list[WorkerLoad],
+          decode_hit_tokens: int, decode_owner: str | None, prefill_owner: str | None,
+          local_prefill_threshold: int) -> Placement | None:
+    """Choose D, and P unless the uncached prompt is short or no prefill worker is healthy.
+
+    Args:
+        prompt_len: prompt tokens.
+        decode: healthy, non-draining decode (or mixed) workers.
+        prefill: healthy, non-draining prefill workers.
+        decode_hit_tokens: prompt tokens the preferred decode worker likely has cached.
+        decode_owner: decode worker holding the longest known prefix.
+        prefill_owner: prefill worker holding the longest known prefix.
+        local_prefill_threshold: uncached prompts at most this long are prefilled on D.
+
+    Returns:
+        None when no decode worker can take it.
+    """
+    d = pick_decode(decode, decode_owner)
+    if d is None:
+        return None
+    uncached = prompt_len - (decode_hit_tokens if d.worker_id == decode_owner else 0)
+    p = None if uncached <= local_prefill_threshold else pick_prefill(prefill, prefill_owner)
+    return Placement(d.worker_id, p.worker_id if p is not None else None)
