@@ -135,6 +135,7 @@ class ClusterBackend(Backend):
         self._ids = itertools.count()
         self._prefix = PrefixIndex(config.worker.get("block_size", 16))
         self._tasks: list[asyncio.Task] = []
+        self._sending: set[asyncio.Future] = set()
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(f"tcp://{config.host}:0")
@@ -351,7 +352,9 @@ class ClusterBackend(Backend):
         for worker_id in (stream.prefill, stream.decode):
             handle = self.workers.get(worker_id) if worker_id else None
             if handle is not None and handle.state != "dead":
-                asyncio.ensure_future(handle.socket.send(message))
+                sending = asyncio.ensure_future(handle.socket.send(message))
+                self._sending.add(sending)
+                sending.add_done_callback(self._sending.discard)
 
     def _release(self, stream: _Stream) -> None:
         for worker_id in (stream.prefill, stream.decode):

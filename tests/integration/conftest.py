@@ -1,0 +1,84 @@
+"""A local Ray instance and a cluster on the tiny model, driven from a background event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.backend import ClusterBackend, ClusterConfig
+from engine import SamplingParams
+from router.backend import GenerateRequest, TokenDelta
+
+
+class LoopThread:
+    """An asyncio loop on its own thread; `run` blocks on a coroutine scheduled there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine, timeout: float = 300) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+def start_cluster(loop_thread: LoopThread, **overrides: Any) -> ClusterBackend:
+    worker = {"num_blocks": 128, "block_size": 16, "max_num_batched_tokens": 512}
+    worker.update(overrides.pop("worker", {}))
+    config = ClusterConfig(model="tiny", local_prefill_threshold=8, worker=worker,
+                           num_cpus_per_worker=1, **overrides)
+    backend = loop_thread.run(_make(config))
+    return backend
+
+
+async def _make(config: ClusterConfig) -> ClusterBackend:
+    backend = ClusterBackend(config)
+    await backend.start()
+    return backend
+
+
+async def collect(backend: ClusterBackend, rid: str, prompt: list[int],
+                  params: SamplingParams) -> tuple[list[int], TokenDelta]:
+    tokens: list[int] = []
+    async for delta in backend.generate(GenerateRequest(rid, prompt, params, time.monotonic())):
+        tokens.extend(delta.token_ids)
+        last = delta
+    return tokens, last
+
+
+def wait_pools_free(loop_thread: LoopThread, backend: ClusterBackend, timeout: float = 20) -> None:
+    """Every worker's KV pool fully free and nothing running (stats pulled via Ray)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [ray.get(h.actor.stats.remote()) for h in backend.workers.values()]
+        busy = [s for s in stats if s["num_free_blocks"] != s["num_blocks"] or s["num_running"]
+                or s["num_waiting"] or s["num_parked"]]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not free: {busy}")
+        time.sleep(0.1)

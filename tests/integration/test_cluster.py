@@ -1,0 +1,155 @@
+"""The disaggregated path on a local Ray cluster: exact tokens, concurrency, abort, scaling."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine import LLM, CacheConfig, SamplingParams
+from tests.integration.conftest import collect, start_cluster, wait_pools_free
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int, low: int = 20, high: int = 200) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randint(low, high))]
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM("tiny", cache=CacheConfig(num_blocks=256))
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_local, loop_thread):
+    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1)
+    yield backend
+    loop_thread.run(backend.close())
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_local, loop_thread):
+    backend = start_cluster(loop_thread, mode="colocated", num_decode=1)
+    yield backend
+    loop_thread.run(backend.close())
+
+
+def _run_all(loop_thread, backend, prompts, params=GREEDY, prefix="r"):
+    async def go():
+        return await asyncio.gather(*(collect(backend, f"{prefix}{i}", p, params)
+                                      for i, p in enumerate(prompts)))
+    return loop_thread.run(go())
+
+
+def test_disaggregated_greedy_equals_engine_and_colocated(disagg, colocated, loop_thread,
+                                                          reference):
+    prompts = _prompts(6, seed=1)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
+    got = _run_all(loop_thread, disagg, prompts, prefix="d")
+    assert [tokens for tokens, _ in got] == expected
+    # Long prompts went through the prefill worker and the KV transfer.
+    assert all("prefill" in last.timings and "transfer" in last.timings for _, last in got)
+    got_colocated = _run_all(loop_thread, colocated, prompts, prefix="c")
+    assert [tokens for tokens, _ in got_colocated] == expected
+    wait_pools_free(loop_thread, disagg)
+    wait_pools_free(loop_thread, colocated)
+
+
+def test_short_prompt_is_prefilled_on_the_decode_worker(disagg, loop_thread, reference):
+    prompt = [101, 102, 103]
+    tokens, last = loop_thread.run(collect(disagg, "short", prompt, GREEDY))
+    assert tokens == reference.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert "prefill" not in last.timings
+    wait_pools_free(loop_thread, disagg)
+
+
+def test_32_concurrent_streams_complete(disagg, loop_thread, reference):
+    prompts = _prompts(32, seed=2, low=5, high=120)
+    got = _run_all(loop_thread, disagg, prompts, prefix="c32-")
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
+    assert [tokens for tokens, _ in got] == expected
+    assert all(last.finish_reason == "length" for _, last in got)
+    wait_pools_free(loop_thread, disagg)
+
+
+def test_abort_mid_stream_frees_blocks_on_both_workers(disagg, loop_thread):
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def go():
+        tokens, finish = [], None
+        async for delta in disagg.generate(_request("abort-me", _prompts(1, 3)[0], params)):
+            tokens.extend(delta.token_ids)
+            if len(tokens) >= 5 and finish is None:
+                assert await disagg.abort("abort-me")
+                finish = "sent"
+            if delta.finish_reason:
+                return tokens, delta.finish_reason
+    tokens, reason = loop_thread.run(go())
+    assert reason == "abort" and 5 <= len(tokens) < 500
+    assert not loop_thread.run(disagg.abort("no-such-request"))
+    wait_pools_free(loop_thread, disagg)
+
+
+def test_scale_up_and_down_under_load_loses_nothing(disagg, loop_thread, reference):
+    prompts = _prompts(16, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def go():
+        jobs = [asyncio.ensure_future(collect(disagg, f"s{i}", p, params))
+                for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.2)
+        status = await disagg.scale(num_prefill=2, num_decode=2)
+        assert len(status["pools"]["prefill"]) == 2 and len(status["pools"]["decode"]) == 2
+        await asyncio.sleep(0.2)
+        await disagg.scale(num_prefill=1, num_decode=1)
+        return await asyncio.gather(*jobs)
+    got = loop_thread.run(go())
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    assert [tokens for tokens, _ in got] == expected
+    assert all(last.finish_reason == "length" for _, last in got)
+
+    async def settled():
+        while any(h.state == "draining" for h in disagg.workers.values()):
+            await asyncio.sleep(0.1)
+        return await disagg.status()
+    status = loop_thread.run(settled())
+    assert len(status["pools"]["prefill"]) == 1 and len(status["pools"]["decode"]) == 1
+    wait_pools_free(loop_thread, disagg)
+
+
+def _request(rid, prompt, params):
+    import time
+
+    from router.backend import GenerateRequest
+    return GenerateRequest(rid, prompt, params, time.monotonic())
+
+
+def test_decode_worker_death_ends_its_requests_and_is_replaced(disagg, loop_thread, reference):
+    import ray
+
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def go():
+        victim = next(h for h in disagg.workers.values() if h.role == "decode")
+        stream = disagg.generate(_request("doomed", _prompts(1, 5)[0], params))
+        first = await stream.__anext__()
+        assert first.token_ids
+        ray.kill(victim.actor)
+        async for delta in stream:
+            if delta.finish_reason:
+                return victim.worker_id, delta
+    victim_id, last = loop_thread.run(go(), timeout=60)
+    assert last.finish_reason == "error" and victim_id in last.error
+
+    async def replaced():
+        while not any(h.role == "decode" and h.state == "ready" for h in disagg.workers.values()):
+            await asyncio.sleep(0.1)
+    loop_thread.run(replaced(), timeout=60)
+    prompt = _prompts(1, 6)[0]
+    tokens, _ = loop_thread.run(collect(disagg, "after-death", prompt, GREEDY))
+    assert tokens == reference.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    wait_pools_free(loop_thread, disagg)
