@@ -1,36 +1,154 @@
-"""The `pdcluster` command line."""
+"""The `pdcluster` command line: serve, generate, status, scale."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
+from typing import Any
 
 
-def _generate_local(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.backend import ClusterConfig
+    from cluster.serve import TRANSPORTS, ServeOptions, run
+    from router.frontend import RouterConfig
+
+    worker: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb,
+                              "max_num_batched_tokens": args.max_num_batched_tokens,
+                              "max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
+    cluster = ClusterConfig(
+        model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
+        transports=TRANSPORTS[args.transport], host=args.worker_host,
+        num_cpus_per_worker=args.num_cpus_per_worker,
+        num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
+        local_prefill_threshold=args.local_prefill_threshold, worker=worker)
+    options = ServeOptions(cluster, args.address, args.host, args.grpc_port, args.http_port,
+                           RouterConfig(max_running=args.max_running, max_queue=args.max_queue))
+    asyncio.run(run(options))
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from cluster.serve import endpoint_file
+    from router.client import PdClusterClient
+
+    address = args.address
+    if address is None:
+        path = endpoint_file()
+        address = json.loads(path.read_text())["grpc"] if path.exists() else "127.0.0.1:50051"
+    return PdClusterClient(address, timeout=args.timeout)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                "seed": args.seed}
+    if args.local:
+        return _generate_local(args, sampling)
+    messages = [{"role": "user", "content": args.prompt}]
+    with _client(args) as client:
+        for out in client.generate(messages=messages, **sampling):
+            print(out.text, end="", flush=True)
+            if out.finish_reason == "error":
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
+    print()
+    return 0
+
+
+def _generate_local(args: argparse.Namespace, sampling: dict[str, Any]) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, args.dtype)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
     messages = [{"role": "user", "content": args.prompt}]
-    output = llm.chat(messages, params)[0].outputs[0]
-    print(output.text)
+    print(llm.chat(messages, SamplingParams(**sampling))[0].outputs[0].text)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    with _client(args) as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+        return 0
+    table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
+    for column in ("worker", "role", "state", "running", "waiting", "KV used", "prefix hits",
+                   "busy"):
+        table.add_column(column)
+    for workers in status.get("pools", {}).values():
+        for w in workers:
+            busy = w.get("busy_seconds", 0) / max(w.get("uptime_s", 1), 1e-9)
+            table.add_row(str(w.get("worker_id")), str(w.get("role")), str(w.get("state")),
+                          str(w.get("num_running", 0)), str(w.get("num_waiting", 0)),
+                          f"{w.get('kv_usage', 0):.0%}", f"{w.get('prefix_hit_rate', 0):.0%}",
+                          f"{busy:.0%}")
+    Console().print(table)
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        status = client.scale(prefill=args.prefill, decode=args.decode)
+    sizes = {role: len(workers) for role, workers in status.get("pools", {}).items()}
+    print(f"pools now: {sizes} (removed workers drain before stopping)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="answer one prompt")
+
+    serve = sub.add_parser("serve", help="start the cluster and its gRPC + OpenAI endpoints")
+    serve.add_argument("--model", default="smollm2")
+    serve.add_argument("--mode", choices=["disaggregated", "colocated"],
+                       default="disaggregated")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    serve.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
+    serve.add_argument("--transport", choices=["shm", "zmq", "torch"], default="shm",
+                       help="KV transport (shm falls back to zmq across hosts)")
+    serve.add_argument("--address", default=None,
+                       help="existing Ray cluster ('auto', 'ray://host:10001'); "
+                            "default: embedded local Ray")
+    serve.add_argument("--host", default="127.0.0.1", help="interface of the front doors")
+    serve.add_argument("--worker-host", default="127.0.0.1",
+                       help="address workers bind for ZMQ and KV (a node IP on a cluster)")
+    serve.add_argument("--grpc-port", type=int, default=50051)
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--num-cpus-per-worker", type=float, default=1.0)
+    serve.add_argument("--num-gpus-per-worker", type=float, default=0.0)
+    serve.add_argument("--torch-threads", type=int, default=1)
+    serve.add_argument("--kv-cache-gb", type=float, default=1.0)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--local-prefill-threshold", type=int, default=32)
+    serve.add_argument("--max-running", type=int, default=256)
+    serve.add_argument("--max-queue", type=int, default=1024)
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="stream an answer from a running cluster")
     gen.add_argument("prompt")
     gen.add_argument("--local", action="store_true",
                      help="run the engine in this process instead of asking a cluster")
-    gen.add_argument("--model", default="smollm2")
-    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--model", default="smollm2", help="with --local")
+    gen.add_argument("--dtype", default="float32", help="with --local")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.set_defaults(func=_generate_local)
+
+    status = sub.add_parser("status", help="pools, workers, load and KV usage")
+    status.add_argument("--json", action="store_true")
+    scale = sub.add_parser("scale", help="resize the pools live")
+    scale.add_argument("--prefill", type=int, default=None)
+    scale.add_argument("--decode", type=int, default=None)
+    for command, func in ((gen, _generate), (status, _status), (scale, _scale)):
+        command.add_argument("--address", default=None,
+                             help="gRPC host:port (default: the running serve's endpoint)")
+        command.add_argument("--timeout", type=float, default=600.0)
+        command.set_defaults(func=func)
     return parser
 
 
@@ -42,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        import grpc
+
+        if isinstance(e, grpc.RpcError):
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":
