@@ -1,0 +1,124 @@
+"""A small typed gRPC client for `pdcluster.v1` (used by the CLI, benchmarks and tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.outputs import GenerateOutput
+from router.proto.pdcluster.v1 import pdcluster_pb2 as pb
+from router.proto.pdcluster.v1 import pdcluster_pb2_grpc as pb_grpc
+from router.proto_convert import output_from_proto, status_from_proto
+
+
+class PdClusterClient:
+    """Blocking client over one channel; errors surface as `grpc.RpcError` with the server's
+    status code (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, ...).
+
+    Args:
+        address: `host:port` of the gRPC server.
+        timeout: default deadline in seconds for every call; None for none.
+    """
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.PdClusterStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+                 prompt_token_ids: list[int] | None = None, *, request_id: str | None = None,
+                 model: str = "", timeout: float | None = None,
+                 **sampling: Any) -> Iterator[GenerateOutput]:
+        """Stream a request's outputs; the last has finish_reason, usage and timings.
+
+        Args:
+            prompt: text; or
+            messages: a chat (`[{"role": ..., "content": ...}]`); or
+            prompt_token_ids: token ids.
+            request_id: the id to use (for `abort`); None lets the server pick.
+            model: the model asked for; empty for the served one.
+            timeout: deadline for the whole stream; defaults to the client's.
+            **sampling: SamplingParams fields (max_tokens, temperature, stop, ...).
+
+        Returns:
+            The outputs as they arrive; closing the iterator cancels the call (and the
+            request).
+
+        Raises:
+            ValueError: more than one of prompt, messages, prompt_token_ids.
+        """
+        request = _generate_request(prompt, messages, prompt_token_ids, request_id, model,
+                                    sampling)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        try:
+            for msg in call:
+                yield output_from_proto(msg)
+        finally:
+            call.cancel()
+
+    def generate_text(self, prompt: str | None = None,
+                      messages: list[dict[str, str]] | None = None,
+                      prompt_token_ids: list[int] | None = None, **kwargs: Any) -> str:
+        """The whole generated text (same arguments as `generate`).
+
+        Raises:
+            RuntimeError: the request ended with finish_reason `error`.
+        """
+        parts = []
+        for out in self.generate(prompt, messages, prompt_token_ids, **kwargs):
+            parts.append(out.text)
+            if out.finish_reason == "error":
+                raise RuntimeError(f"generation failed: {out.error}")
+        return "".join(parts)
+
+    def abort(self, request_id: str) -> None:
+        """End a queued or running request (grpc.RpcError NOT_FOUND when unknown)."""
+        self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout)
+
+    def status(self) -> dict[str, Any]:
+        """Model, mode, the router's queue and each pool's workers."""
+        return status_from_proto(self._stub.Status(pb.StatusRequest(), timeout=self.timeout))
+
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
+        """Resize the pools (None leaves one as it is); returns the new status."""
+        request = pb.ScalePoolRequest(prefill=prefill, decode=decode)
+        return status_from_proto(self._stub.ScalePool(request, timeout=self.timeout))
+
+    def health(self, service: str = "") -> str:
+        """`SERVING` or `NOT_SERVING` (grpc.health.v1); "" asks about the whole server."""
+        reply = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                   timeout=self.timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PdClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _generate_request(prompt: str | None, messages: list[dict[str, str]] | None,
+                      prompt_token_ids: list[int] | None, request_id: str | None, model: str,
+                      sampling: dict[str, Any]) -> pb.GenerateRequest:
+    if sum(x is not None for x in (prompt, messages, prompt_token_ids)) > 1:
+        raise ValueError("give only one of prompt, messages or prompt_token_ids")
+    if isinstance(sampling.get("stop"), str):  # one stop string, not its characters
+        sampling = {**sampling, "stop": [sampling["stop"]]}
+    params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    request = pb.GenerateRequest(model=model, request_id=request_id, sampling_params=params)
+    if prompt is not None:
+        request.prompt = prompt
+    if messages is not None:
+        request.messages.CopyFrom(pb.ChatMessages(messages=[pb.ChatMessage(**m)
+                                                            for m in messages]))
+    if prompt_token_ids is not None:
+        request.prompt_token_ids.CopyFrom(pb.TokenIds(ids=prompt_token_ids))
+    return request

@@ -1,0 +1,357 @@
+"""`Router`: the core both servers share — validation, tokenization, admission, streaming."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from engine import IncrementalDetokenizer, SamplingParams, apply_chat_template, load_tokenizer
+from router.admission import AdmissionQueue
+from router.backend import Backend, GenerateRequest, TokenDelta
+from router.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestNotFoundError,
+    RouterError,
+)
+from router.metrics import RouterMetrics
+from router.outputs import GenerateOutput, Timings, TokenLogprob, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Admission limits.
+
+    Args:
+        max_running: most requests inside the backend at once.
+        max_queue: most requests waiting for admission; beyond it requests are refused at once.
+        queue_timeout_s: longest wait for admission (a shorter client deadline wins);
+            None waits as long as it takes.
+    """
+
+    max_running: int = 256
+    max_queue: int = 1024
+    queue_timeout_s: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0 or None, got {self.queue_timeout_s}")
+
+
+class Router:
+    """Turns client requests into backend requests and backend deltas into text.
+
+    Args:
+        backend: what serves the requests (the cluster, or one in-process engine).
+        config: admission limits.
+    """
+
+    def __init__(self, backend: Backend, config: RouterConfig | None = None) -> None:
+        self.backend = backend
+        self.config = config or RouterConfig()
+        self.model_info = backend.model_info()
+        self.tokenizer = load_tokenizer(self.model_info.model_dir)
+        self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
+        self.metrics = RouterMetrics(self.admission)
+        self._active: dict[str, _Stream] = {}
+
+    # ---- admission -------------------------------------------------------------------
+
+    def prepare(self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                messages: list[dict[str, Any]] | None = None,
+                params: dict[str, Any] | None = None, model: str | None = None,
+                request_id: str | None = None) -> GenerateRequest:
+        """Validate and tokenize a request; exactly one of prompt, prompt_token_ids, messages.
+
+        Args:
+            prompt: text.
+            prompt_token_ids: token ids.
+            messages: a chat, rendered with the model's chat template.
+            params: SamplingParams fields; a missing or None field takes the default.
+            model: the model asked for; None or empty for the served one.
+            request_id: the client's id; None to have one made.
+
+        Returns:
+            The request, ready for `generate`.
+
+        Raises:
+            InvalidRequestError: the message names the field and the limit.
+            ModelNotFoundError: `model` is not the served model.
+        """
+        arrival = time.monotonic()
+        try:
+            self._check_model(model)
+            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages)
+            sampling = _sampling_params(params or {})
+            rid = _request_id(request_id)
+        except RouterError as e:
+            self.metrics.rejected.labels(e.code).inc()
+            raise
+        return GenerateRequest(rid, token_ids, sampling, arrival)
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_info.name:
+            raise ModelNotFoundError(f"model: {model!r} is not served here; the model is "
+                                     f"{self.model_info.name!r}", "model")
+
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                          messages: list[dict[str, Any]] | None) -> list[int]:
+        inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
+        given = [name for name, value in inputs.items() if value is not None]
+        if len(given) != 1:
+            raise InvalidRequestError("prompt: give exactly one of prompt, prompt_token_ids or "
+                                      f"messages (got {', '.join(given) or 'none'})")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("prompt: must be a non-empty string")
+            ids = self.tokenizer.encode(prompt)
+        elif messages is not None:
+            try:
+                ids = apply_chat_template(self.tokenizer, messages)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
+        else:
+            ids = list(prompt_token_ids or [])
+        self._check_prompt(given[0], ids)
+        return ids
+
+    def _check_prompt(self, field: str, ids: list[int]) -> None:
+        info = self.model_info
+        if not ids:
+            raise InvalidRequestError(f"{field}: must not be empty")
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{field}: token id {bad!r} is outside the vocabulary "
+                                      f"[0, {info.vocab_size})")
+        if len(ids) >= info.max_model_len:
+            raise InvalidRequestError(
+                f"{field}: {len(ids)} tokens is too long; the limit is {info.max_model_len - 1} "
+                f"(max_model_len {info.max_model_len} keeps room for one output token)")
+
+    # ---- streaming -------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest,
+                       timeout: float | None = None
+                       ) -> AsyncGenerator[GenerateOutput, None]:
+        """Admit the request and stream its outputs; the last one has a finish_reason.
+
+        Closing the iterator early (client gone) aborts the request in the backend.
+
+        Args:
+            request: from `prepare`.
+            timeout: seconds the caller will wait (e.g. a gRPC deadline); the admission wait
+                is bounded by the smaller of it and `config.queue_timeout_s`.
+
+        Raises:
+            InvalidRequestError: the request id is already in use.
+            QueueFullError: the admission queue is full.
+            QueueTimeoutError: the request was not admitted in time.
+        """
+        stream = self._register(request)
+        try:
+            if not await self._admit(request, timeout):
+                yield stream.finish("abort")
+                return
+            try:
+                async with aclosing(self._run(stream)) as outs:
+                    async for out in outs:
+                        yield out
+            finally:
+                self.admission.release()
+                if stream.finish_reason is None:  # the consumer left early: client disconnect
+                    self.metrics.aborted.labels("disconnect").inc()
+                    stream.finish("abort")
+        finally:
+            del self._active[request.request_id]
+
+    def _register(self, request: GenerateRequest) -> _Stream:
+        if request.request_id in self._active:
+            self.metrics.rejected.labels(InvalidRequestError.code).inc()
+            raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
+        stream = _Stream(self, request)
+        self._active[request.request_id] = stream
+        return stream
+
+    async def _admit(self, request: GenerateRequest, timeout: float | None) -> bool:
+        limits = [t for t in (timeout, self.config.queue_timeout_s) if t is not None]
+        try:
+            admitted = await self.admission.acquire(request.request_id, min(limits, default=None))
+        except RouterError as e:
+            self.metrics.rejected.labels(e.code).inc()
+            raise
+        self.metrics.queue_time.observe(time.monotonic() - request.arrival_time)
+        return admitted
+
+    async def _run(self, stream: _Stream) -> AsyncGenerator[GenerateOutput, None]:
+        stream.admitted = time.monotonic()
+        self.metrics.prompt_tokens.inc(len(stream.request.prompt_token_ids))
+        try:
+            async with aclosing(self.backend.generate(stream.request)) as deltas:
+                async for delta in deltas:
+                    out = stream.take(delta)
+                    if stream.stop_matched:
+                        # A stop string ended the text; the backend would go on otherwise.
+                        await self.backend.abort(stream.request.request_id)
+                    if out is not None:
+                        yield out
+                    if stream.finish_reason is not None:
+                        return
+        except Exception as e:
+            log.exception("backend failed on request %s", stream.request.request_id)
+            yield stream.finish("error", f"backend failed: {e}")
+            return
+        yield stream.finish("error", "backend stream ended without a finish_reason")
+
+    # ---- control ---------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        """End a queued or running request; its stream ends with finish_reason `abort`.
+
+        Raises:
+            RequestNotFoundError: no queued or running request has this id.
+        """
+        stream = self._active.get(request_id)
+        if stream is None:
+            raise RequestNotFoundError(f"request_id: no queued or running request "
+                                       f"{request_id!r}", "request_id")
+        self.metrics.aborted.labels("api").inc()
+        stream.abort_requested = True
+        if not self.admission.cancel(request_id):
+            await self.backend.abort(request_id)
+
+    async def status(self) -> dict[str, Any]:
+        """The backend's status plus `model` and the router's own queue (`router`)."""
+        status = await self.backend.status()
+        queue = self.admission
+        return {**status, "model": self.model_info.name,
+                "router": {"num_running": queue.num_running, "num_waiting": queue.num_waiting,
+                           "max_running": queue.max_running, "max_queue": queue.max_queue}}
+
+    async def scale(self, prefill: int | None, decode: int | None) -> dict[str, Any]:
+        """Resize the pools; None leaves a pool as it is.
+
+        Returns:
+            The new status.
+
+        Raises:
+            InvalidRequestError: a size is negative or beyond what the backend allows, or
+                neither is given.
+            NotImplementedError: the backend cannot be resized.
+        """
+        if prefill is None and decode is None:
+            raise InvalidRequestError("prefill: give prefill and/or decode")
+        for name, size in (("prefill", prefill), ("decode", decode)):
+            if size is not None and (not isinstance(size, int) or size < 0):
+                raise InvalidRequestError(f"{name}: must be an integer >= 0, got {size!r}")
+        try:
+            await self.backend.scale(prefill, decode)
+        except ValueError as e:  # the backend's own limits, e.g. "decode: must be >= 1"
+            raise InvalidRequestError(str(e)) from None
+        return await self.status()
+
+    def healthy(self) -> bool:
+        return self.backend.healthy()
+
+
+class _Stream:
+    """One admitted request's progress: detokenizer, counts and clocks."""
+
+    def __init__(self, router: Router, request: GenerateRequest) -> None:
+        self.router = router
+        self.request = request
+        self.detok = IncrementalDetokenizer(router.tokenizer, request.prompt_token_ids,
+                                            request.params)
+        self.admitted = request.arrival_time
+        self.first_token: float | None = None
+        self.last_token = 0.0
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self.backend_timings: dict[str, float] = {}
+        self.abort_requested = False
+        self.stop_matched = False
+        self.finish_reason: str | None = None
+
+    def take(self, delta: TokenDelta) -> GenerateOutput | None:
+        """Fold in one backend delta; the output to send, if any."""
+        self._clock(len(delta.token_ids))
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.backend_timings.update(delta.timings)
+        text = self.detok.add(delta.token_ids)
+        reason = delta.finish_reason
+        if reason is None and self.detok.stopped:
+            reason, self.stop_matched = "stop", True
+        elif reason is None and self.abort_requested:
+            reason = "abort"
+        out = GenerateOutput(self.request.request_id, text, list(delta.token_ids),
+                             self._logprobs(delta))
+        if reason is not None:
+            return self.finish(reason, delta.error, out)
+        return out if out.text or out.token_ids else None
+
+    def _clock(self, num_new: int) -> None:
+        if not num_new:
+            return
+        now = time.monotonic()
+        metrics = self.router.metrics
+        if self.first_token is None:
+            self.first_token = now
+            metrics.ttft.observe(now - self.request.arrival_time)
+        else:
+            metrics.itl.observe((now - self.last_token) / num_new)
+        self.last_token = now
+        self.num_tokens += num_new
+        metrics.generation_tokens.inc(num_new)
+
+    def _logprobs(self, delta: TokenDelta) -> list[TokenLogprob] | None:
+        if delta.logprobs is None:
+            return None
+        top_n = self.request.params.logprobs or 0
+        return [TokenLogprob(t, lp[t], dict(sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]))
+                for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]
+
+    def finish(self, reason: str, error: str | None = None,
+               out: GenerateOutput | None = None) -> GenerateOutput:
+        """The last output: what was held back, usage and timings; records the metrics."""
+        self.finish_reason = reason
+        now = time.monotonic()
+        arrival = self.request.arrival_time
+        metrics = self.router.metrics
+        metrics.finished.labels(reason).inc()
+        metrics.e2e.observe(now - arrival)
+        out = out or GenerateOutput(self.request.request_id)
+        timings = Timings(queue=self.admitted - arrival,
+                          prefill=self.backend_timings.get("prefill", 0.0),
+                          transfer=self.backend_timings.get("transfer", 0.0),
+                          ttft=0.0 if self.first_token is None else self.first_token - arrival,
+                          e2e=now - arrival)
+        usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.num_cached_tokens)
+        return GenerateOutput(out.request_id, out.text + self.detok.flush(), out.token_ids,
+                              out.logprobs, reason, usage, timings,
+                              error if reason == "error" else None)
+
+
+def _sampling_params(params: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**{k: v for k, v in params.items() if v is not None})
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(str(e)) from None
+
+
+def _request_id(request_id: str | None) -> str:
+    if request_id is None:
+        return f"req-{uuid.uuid4().hex}"
+    if not request_id:
+        raise InvalidRequestError("request_id: must not be empty when given")
+    return request_id

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for pdcluster.v1 (see router/proto/generate.sh)."""

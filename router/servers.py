@@ -1,0 +1,58 @@
+"""Start the gRPC and HTTP front doors together, in the caller's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from router.backend import Backend
+from router.frontend import Router, RouterConfig
+from router.grpc_server import GrpcServer
+from router.http_server import HttpServer
+
+
+@dataclass
+class Servers:
+    """The running front doors; `stop()` ends both."""
+
+    router: Router
+    grpc: GrpcServer
+    http: HttpServer
+
+    @property
+    def grpc_port(self) -> int:
+        return self.grpc.port
+
+    @property
+    def http_port(self) -> int:
+        return self.http.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop both; streams still open after `grace` seconds are cancelled (and aborted)."""
+        await asyncio.gather(self.grpc.stop(grace), self.http.stop(grace))
+
+    async def wait(self) -> None:
+        """Return when the gRPC server has terminated (after `stop`)."""
+        await self.grpc.wait_for_termination()
+
+
+async def start_servers(backend: Backend, host: str = "127.0.0.1", grpc_port: int = 0,
+                        http_port: int = 0, config: RouterConfig | None = None) -> Servers:
+    """Serve `backend` over gRPC and OpenAI HTTP, sharing one `Router`.
+
+    Args:
+        backend: what serves the requests.
+        host: interface both servers bind.
+        grpc_port: 0 picks a free port (see `Servers.grpc_port`).
+        http_port: 0 picks a free port (see `Servers.http_port`).
+        config: admission limits.
+
+    Returns:
+        The running servers, with their bound ports.
+    """
+    router = Router(backend, config)
+    grpc_server = GrpcServer(router, host, grpc_port)
+    http_server = HttpServer(router, host, http_port)
+    await grpc_server.start()
+    await http_server.start()
+    return Servers(router, grpc_server, http_server)

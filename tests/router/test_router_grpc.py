@@ -1,0 +1,189 @@
+"""The gRPC front door against a real tiny engine: exact tokens, errors, queueing, aborts."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from engine import SamplingParams
+from router.client import PdClusterClient
+
+PROMPT = "The quick brown fox"
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+LONG = {"max_tokens": 1000, **GREEDY}  # runs for about a second: long enough to queue behind
+
+
+def _reference(offline, prompt, **params):
+    return offline.generate(prompt, SamplingParams(**params))[0].outputs[0]
+
+
+@pytest.mark.parametrize("kind", ["prompt", "prompt_token_ids", "messages"])
+def test_stream_matches_offline_greedy(client, offline, kind):
+    messages = [{"role": "user", "content": PROMPT}]
+    if kind == "messages":
+        ref = offline.chat(messages, SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0]
+        outs = list(client.generate(messages=messages, max_tokens=20, **GREEDY))
+    else:
+        prompt = PROMPT if kind == "prompt" else offline.tokenizer.encode(PROMPT)
+        ref = _reference(offline, prompt, max_tokens=20, **GREEDY)
+        outs = list(client.generate(**{kind: prompt}, max_tokens=20, **GREEDY))
+    assert [t for out in outs for t in out.token_ids] == ref.token_ids
+    assert "".join(out.text for out in outs) == ref.text
+    final = outs[-1]
+    assert final.finish_reason == "length" and all(not o.finished for o in outs[:-1])
+    assert final.usage.completion_tokens == 20 and final.usage.prompt_tokens > 0
+    assert 0 < final.timings.ttft <= final.timings.e2e
+    if kind == "prompt":
+        assert client.generate_text(PROMPT, max_tokens=20, **GREEDY) == ref.text
+
+
+def test_logprobs_match_offline(client, offline):
+    ref = _reference(offline, PROMPT, max_tokens=5, logprobs=3, **GREEDY)
+    outs = list(client.generate(PROMPT, max_tokens=5, logprobs=3, **GREEDY))
+    logprobs = [lp for out in outs for lp in out.logprobs or []]
+    assert [lp.token_id for lp in logprobs] == ref.token_ids
+    for lp, expected in zip(logprobs, ref.logprobs, strict=True):
+        assert len(lp.top_logprobs) == 3
+        assert lp.logprob == pytest.approx(expected[lp.token_id], abs=1e-5)
+        assert lp.logprob == pytest.approx(max(lp.top_logprobs.values()), abs=1e-6)  # greedy
+
+
+def test_stop_string_ends_text(client, offline):
+    full = _reference(offline, PROMPT, max_tokens=24, **GREEDY).text
+    stop = full.split()[3]
+    ref = _reference(offline, PROMPT, max_tokens=24, stop=[stop], **GREEDY)
+    outs = list(client.generate(PROMPT, max_tokens=24, stop=[stop], **GREEDY))
+    text = "".join(out.text for out in outs)
+    assert text == ref.text == full[:full.index(stop)]
+    assert [t for out in outs for t in out.token_ids] == ref.token_ids
+    assert outs[-1].finish_reason == "stop" and outs[-1].usage.completion_tokens < 24
+
+
+@pytest.mark.parametrize(("inputs", "field"), [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt_token_ids": [5] * 1024}, "prompt_token_ids: 1024 tokens is too long; the limit "
+                                       "is 1023"),
+    ({"prompt_token_ids": [5, 49152]}, "prompt_token_ids: token id 49152 is outside"),
+    ({"prompt": PROMPT, "temperature": -1.0}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0.0}, "top_p"),
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
+    ({}, "prompt"),
+])
+def test_bad_input_is_invalid_argument(client, inputs, field):
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.generate(**inputs))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field)
+
+
+def test_client_refuses_two_inputs(client):
+    with pytest.raises(ValueError, match="only one"):
+        list(client.generate(PROMPT, prompt_token_ids=[1, 2]))
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.generate(PROMPT, model="gpt-17"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "model" in e.value.details() and "gpt-17" in e.value.details()
+
+
+def test_queue_full_rejects_at_once_and_queued_abort(make_servers, wait_until):
+    servers = make_servers(max_running=1, max_queue=1)
+    client = PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30)
+    running = client.generate(PROMPT, request_id="running", **LONG)
+    next(running)  # admitted and decoding
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(lambda: list(client.generate(PROMPT, request_id="queued",
+                                                          max_tokens=4)))
+        wait_until(lambda: servers.router.admission.num_waiting == 1)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.generate(PROMPT, **LONG))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - start < 5  # not after the 60 s queue timeout
+        client.abort("queued")
+        outs = queued.result(timeout=10)
+    assert outs[-1].finish_reason == "abort" and outs[-1].usage.completion_tokens == 0
+    client.abort("running")
+    assert list(running)[-1].finish_reason == "abort"
+
+
+def test_queue_deadline(make_servers):
+    servers = make_servers(max_running=1, max_queue=1, queue_timeout_s=0.2)
+    client = PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30)
+    running = client.generate(PROMPT, request_id="running", **LONG)
+    next(running)
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.generate(PROMPT, max_tokens=4))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert e.value.details().startswith("deadline")
+    assert servers.router.admission.num_waiting == 0
+    client.abort("running")
+    assert list(running)[-1].finish_reason == "abort"
+
+
+def test_abort_mid_stream(client):
+    stream = client.generate(PROMPT, request_id="abort-me", **LONG)
+    first = next(stream)
+    with pytest.raises(grpc.RpcError) as e:  # the id is taken while the request lives
+        list(client.generate(PROMPT, request_id="abort-me"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    client.abort("abort-me")
+    outs = [first, *stream]
+    assert outs[-1].finish_reason == "abort"
+    assert 0 < outs[-1].usage.completion_tokens < 1000
+    assert outs[-1].usage.completion_tokens == sum(len(o.token_ids) for o in outs)
+
+
+def test_abort_unknown_is_not_found(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("no-such-request")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-request" in e.value.details()
+
+
+def test_client_disconnect_aborts(client, servers, backend, wait_until):
+    registry = servers.router.metrics.registry
+    labels = {"cause": "disconnect"}
+    before = registry.get_sample_value("pdcluster:requests_aborted_total", labels) or 0
+    stream = client.generate(PROMPT, **LONG)
+    next(stream)
+    stream.close()  # cancels the call
+    wait_until(lambda: servers.router.admission.num_running == 0)
+    assert not backend.loop.call(lambda engine: engine.has_unfinished_requests())
+    assert registry.get_sample_value("pdcluster:requests_aborted_total", labels) == before + 1
+
+
+def test_status_health_reflection(client, servers):
+    status = client.status()
+    assert status["model"] == "tiny" and status["mode"] == "engine"
+    worker = status["pools"]["mixed"][0]
+    assert worker["worker_id"] == "engine-0" and worker["role"] == "mixed"
+    assert worker["num_blocks"] == worker["num_free_blocks"] == 256
+    assert worker["num_parked"] == 0  # carried in extra_json
+    assert status["router"] == {"num_running": 0, "num_waiting": 0, "max_running": 256,
+                                "max_queue": 1024}
+    assert client.health() == "SERVING" and client.health("pdcluster.v1.PdCluster") == "SERVING"
+    with grpc.insecure_channel(f"127.0.0.1:{servers.grpc_port}") as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert {"pdcluster.v1.PdCluster", "grpc.health.v1.Health"} <= set(db.get_services())
+        proto = db.FindFileContainingSymbol("pdcluster.v1.PdCluster")
+        assert proto.name == "pdcluster/v1/pdcluster.proto"
+
+
+def test_scale(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.scale(decode=2)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as e:
+        client.scale(prefill=-1)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("prefill")
