@@ -180,7 +180,7 @@ class LLMEngine:
 
     def _output(self, request: Request, new_tokens: list[int],
                 logprobs: list[dict[int, float]] | None) -> EngineOutput:
-        if request.is_finished:
+        if request.is_finished and request.request_id not in self.scheduler.parked:
             self.requests.pop(request.request_id, None)
         metrics = {"arrival": request.arrival_time}
         if request.first_token_time is not None:

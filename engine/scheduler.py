@@ -144,13 +144,15 @@ class Scheduler:
                 continue
             request.append_token(token)
             changed.append(request)
-            if request.is_finished:
+            if self.config.role == "prefill":
+                # The KV stays until shipped, even when the first token already ends it.
+                self._remove_running(request)
+                self.parked[request.request_id] = request
+                if not request.is_finished:
+                    request.status = RequestStatus.PREFILLED
+            elif request.is_finished:
                 self._remove_running(request)
                 self.kv.free(request)
-            elif self.config.role == "prefill":
-                self._remove_running(request)
-                request.status = RequestStatus.PREFILLED
-                self.parked[request.request_id] = request
         return changed
 
     def reserve_remote(self, request: Request) -> bool:

@@ -76,9 +76,11 @@ class TorchAttentionBackend(AttentionBackend):
                         # [B * max_blocks, bs, H, D] -> [B, S, H, D]
                         .view(num_seqs, -1, self.num_kv_heads, self.head_dim)
                         .transpose(1, 2) for i in (0, 1))  # [B, H, S, D]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
-                                             attn_mask=self.decode_mask, enable_gqa=True)
-        return out.squeeze(2)  # [B, H, D]
+        # The query heads sharing a KV head act as that head's queries: no KV repeat needed.
+        group = self.num_heads // self.num_kv_heads
+        grouped = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.decode_mask)
+        return out.reshape(num_seqs, self.num_heads, self.head_dim)
 
 
 def _gather(kv_layer: torch.Tensor, table: torch.Tensor,

@@ -11,7 +11,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding, apply_rope
 
 LayerHook = Callable[[int], None]
 
@@ -44,7 +44,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(self.input_layernorm(x)).split(
@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
         q = q.view(num_tokens, -1, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, -1, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, -1, self.head_dim)
-        q, k = rope.apply(q, k, positions)
+        q, k = apply_rope(q, k, *rope)
         attn_out = attn.forward(q, k, v, kv_layer)
         x = x + self.o_proj(attn_out.reshape(num_tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
@@ -85,8 +85,9 @@ class LlamaForCausalLM(nn.Module):
         can overlap the compute of the next ones.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, attn, kv_cache.layers[i])
+            x = layer(x, rope, attn, kv_cache.layers[i])
             if layer_hook is not None:
                 layer_hook(i)
         return x

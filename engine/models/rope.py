@@ -44,12 +44,17 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scaling).to(device)
         self.sin = (emb.sin() * scaling).to(device)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate `q` `[T, Hq, D]` and `k` `[T, Hkv, D]` by their token positions `[T]`."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, D]` for token positions `[T]` (once per step, shared by layers)."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `q` `[T, Hq, D]` and `k` `[T, Hkv, D]` by `RotaryEmbedding.lookup` tables."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""Every attention backend against the same dense reference."""
+
+import pytest
+import torch
+
+from engine.attention import BatchLayout, get_backend
+
+HEADS, KV_HEADS, DIM, BS = 6, 2, 16, 4
+
+
+def _dense(q, k, v, ctx_len):
+    """Causal attention of the last q_len positions over ctx_len keys, with KV repeat."""
+    q_len = q.shape[0]
+    rep = HEADS // KV_HEADS
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / DIM**0.5
+    pos_q = torch.arange(ctx_len - q_len, ctx_len)[:, None]
+    scores = scores.masked_fill(torch.arange(ctx_len)[None, :] > pos_q, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _case(device):
+    """Three sequences: prefill with cached context, fresh prefill, decode."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(5, 13), (7, 7), (1, 10)]  # (query_len, context_len)
+    tables = [[9, 2, 7, 4], [0, 5, 0, 0], [3, 8, 1, 0]]
+    kv = torch.zeros(10, 2, BS, KV_HEADS, DIM)
+    full_k, full_v, qs = [], [], []
+    for (q_len, ctx), table in zip(seqs, tables, strict=True):
+        k = torch.randn(ctx, KV_HEADS, DIM, generator=gen)
+        v = torch.randn(ctx, KV_HEADS, DIM, generator=gen)
+        for pos in range(ctx - q_len):  # the cached part is already in the pages
+            kv[table[pos // BS], 0, pos % BS] = k[pos]
+            kv[table[pos // BS], 1, pos % BS] = v[pos]
+        full_k.append(k)
+        full_v.append(v)
+        qs.append(torch.randn(q_len, HEADS, DIM, generator=gen))
+    slots = [table[p // BS] * BS + p % BS for (q_len, ctx), table in zip(seqs, tables,
+                                                                          strict=True)
+             for p in range(ctx - q_len, ctx)]
+    layout = BatchLayout([s[0] for s in seqs], [s[1] for s in seqs],
+                         torch.tensor(tables, device=device),
+                         torch.tensor(slots, device=device), num_prefills=2, block_size=BS)
+    new_k = torch.cat([k[ctx - q:] for k, (q, ctx) in zip(full_k, seqs, strict=True)])
+    new_v = torch.cat([v[ctx - q:] for v, (q, ctx) in zip(full_v, seqs, strict=True)])
+    expected = torch.cat([_dense(q, k, v, ctx) for q, k, v, (_, ctx)
+                          in zip(qs, full_k, full_v, seqs, strict=True)])
+    return layout, torch.cat(qs), new_k, new_v, kv, expected, full_k, tables, seqs
+
+
+@pytest.mark.parametrize("name", [
+    "torch",
+    pytest.param("flashinfer", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="FlashInfer needs CUDA (checked on the GPU box)")),
+])
+def test_backend_matches_dense_reference(name):
+    device = torch.device("cuda" if name == "flashinfer" else "cpu")
+    layout, q, k, v, kv, expected, full_k, tables, seqs = _case(device)
+    backend = get_backend(device, HEADS, KV_HEADS, DIM, name)
+    backend.begin_step(layout)
+    kv = kv.to(device)
+    out = backend.forward(q.to(device), k.to(device), v.to(device), kv)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    # The new keys landed in their pages.
+    for key, table, (_, ctx) in zip(full_k, tables, seqs, strict=True):
+        pages = kv[torch.tensor(table, device=device), 0].flatten(0, 1)[:ctx].cpu()
+        torch.testing.assert_close(pages, key)
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="attention backend must be"):
+        get_backend(torch.device("cpu"), HEADS, KV_HEADS, DIM, "magic")
