@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -38,7 +39,7 @@ class ClusterConfig:
         num_prefill: prefill workers (disaggregated).
         num_decode: decode workers, or mixed workers when colocated.
         transports: KV transports decode workers offer.
-        host: address workers and the router bind and advertise.
+        host: address workers and the router bind and advertise; `auto` is each node's IP.
         num_cpus_per_worker: Ray CPUs per worker.
         num_gpus_per_worker: Ray GPUs per worker (fractional shares a GPU).
         torch_threads: intra-op threads per worker.
@@ -69,14 +70,21 @@ class ClusterConfig:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
 
 
+def resolve_host(host: str) -> str:
+    """`auto` means this node's IP as Ray sees it (multi-node clusters)."""
+    return ray.util.get_node_ip_address() if host == "auto" else host
+
+
 @ray.remote
 class WorkerActor:
     """Ray owns the process; the `Worker` inside does the work on its own threads."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        from dataclasses import replace
+
         from cluster.worker import Worker
 
-        self.worker = Worker(spec)
+        self.worker = Worker(replace(spec, host=resolve_host(spec.host)))
 
     def info(self) -> dict[str, Any]:
         return self.worker.info()
@@ -138,9 +146,17 @@ class ClusterBackend(Backend):
         self._sending: set[asyncio.Future] = set()
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(f"tcp://{config.host}:0")
+        self._pull.bind(f"tcp://{resolve_host(config.host)}:0")
         self.endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._model_info: ModelInfo | None = None
+        self.transfer_registry = CollectorRegistry()
+        self.transfer_seconds = Histogram(
+            "pdcluster:kv_transfer_seconds", "End of prefill to KV landed on the decode worker.",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+            registry=self.transfer_registry)
+        self.transfer_bytes = Counter("pdcluster:kv_transfer_bytes",
+                                      "KV bytes shipped from prefill to decode workers.",
+                                      registry=self.transfer_registry)
 
     # ---- lifecycle ----
 
@@ -393,6 +409,7 @@ class ClusterBackend(Backend):
             self._release_prefill(stream)
         elif kind == "transferred":
             stream.timings["transfer"] = message["transfer_s"]
+            self._count_transfer(stream, message)
         elif kind == "error":
             self._fail(stream, message["error"])
 
@@ -404,6 +421,12 @@ class ClusterBackend(Backend):
             record["request_id"], record["token_ids"], record["finish_reason"],
             record.get("logprobs"), record.get("num_cached_tokens", 0),
             error=record.get("error")))
+
+    def _count_transfer(self, stream: _Stream, message: dict[str, Any]) -> None:
+        decode = self.workers.get(stream.decode) if stream.decode else None
+        self.transfer_seconds.observe(message["transfer_s"])
+        if decode is not None:
+            self.transfer_bytes.inc(message["num_blocks"] * decode.info["block_bytes"])
 
     def _release_prefill(self, stream: _Stream) -> None:
         handle = self.workers.get(stream.prefill) if stream.prefill else None

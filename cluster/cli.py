@@ -19,7 +19,8 @@ def _serve(args: argparse.Namespace) -> int:
                               "max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
     cluster = ClusterConfig(
         model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
-        transports=TRANSPORTS[args.transport], host=args.worker_host,
+        transports=TRANSPORTS[args.transport],
+        host=args.worker_host or ("auto" if args.address else "127.0.0.1"),
         num_cpus_per_worker=args.num_cpus_per_worker,
         num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
         local_prefill_threshold=args.local_prefill_threshold, worker=worker)
@@ -113,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="existing Ray cluster ('auto', 'ray://host:10001'); "
                             "default: embedded local Ray")
     serve.add_argument("--host", default="127.0.0.1", help="interface of the front doors")
-    serve.add_argument("--worker-host", default="127.0.0.1",
-                       help="address workers bind for ZMQ and KV (a node IP on a cluster)")
+    serve.add_argument("--worker-host", default=None,
+                       help="address workers and the router bind for ZMQ and KV; 'auto' "
+                            "(each node's IP) with --address, else 127.0.0.1")
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--dtype", default="float32")
@@ -144,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="resize the pools live")
     scale.add_argument("--prefill", type=int, default=None)
     scale.add_argument("--decode", type=int, default=None)
+    from bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     for command, func in ((gen, _generate), (status, _status), (scale, _scale)):
         command.add_argument("--address", default=None,
                              help="gRPC host:port (default: the running serve's endpoint)")

@@ -6,13 +6,14 @@ import asyncio
 import json
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 from rich.console import Console
 
 from cluster.backend import ClusterBackend, ClusterConfig
+from cluster.metrics import WorkerCollector
 from engine.model_loader import cache_dir, resolve_model_dir
 from router.frontend import RouterConfig
 from router.servers import Servers, start_servers
@@ -39,7 +40,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 8000
-    router: RouterConfig = RouterConfig()
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 def endpoint_file() -> Path:
@@ -59,17 +60,19 @@ def init_ray(address: str | None, num_workers: int) -> None:
 
 async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGINT/SIGTERM)."""
-    stop = stop or _signal_event()
     with console.status(f"Preparing model {options.cluster.model!r}"):
         resolve_model_dir(options.cluster.model)  # convert once here, not in every worker
     cfg = options.cluster
     num_workers = cfg.num_decode + (cfg.num_prefill if cfg.mode == "disaggregated" else 0)
     with console.status(f"Starting Ray and {num_workers} workers ({cfg.mode})"):
         init_ray(options.address, num_workers)
+        # After ray.init, whose native signal handlers would otherwise replace ours.
+        stop = stop or _signal_event()
         backend = ClusterBackend(cfg)
         await backend.start()
     servers = await start_servers(backend, options.host, options.grpc_port, options.http_port,
                                   options.router)
+    servers.router.metrics.registry.register(WorkerCollector(backend))
     _announce(options, servers)
     try:
         await stop.wait()

@@ -22,6 +22,7 @@ from decode_worker import DecodeRole
 from decode_worker.role import output_record
 from engine import CacheConfig, EngineOutput, LLMEngine, SchedulerConfig
 from engine.engine_loop import EngineLoop
+from engine.hardware import measure_peaks
 from kv_transfer import CompatRecord, KVReceiver, KVSender, SharedKVPool, TransferConfig
 from prefill_worker import PrefillRole
 
@@ -92,6 +93,9 @@ class Worker:
         self._cmd.bind(f"tcp://{spec.host}:0")
         self.endpoint = self._cmd.getsockopt_string(zmq.LAST_ENDPOINT)
         self.engine = self._build_engine()
+        self.peaks = measure_peaks(self.engine.device, self.engine.dtype, size=512, read_mb=64)
+        self.utilization: dict[str, float] = {}
+        self._last_sample: tuple[float, ...] | None = None
         self._build_role()
         self.loop = EngineLoop(self.engine, self._on_outputs, self._layer_hook)
         self._stop = threading.Event()
@@ -228,14 +232,33 @@ class Worker:
         stats.update(worker_id=self.spec.worker_id, role=self.spec.role,
                      busy_seconds=self.loop.busy_seconds, uptime_s=uptime,
                      num_steps=self.loop.num_steps, draining=self.draining,
-                     pid=os.getpid())
+                     pid=os.getpid(), transfer_wait_seconds=self.loop.transfer_wait_seconds,
+                     peak_flops=self.peaks["flops"], peak_bandwidth=self.peaks["bandwidth"],
+                     utilization=self.utilization)
         if self.prefill is not None:
             stats.update(self.prefill.load())
         return stats
 
     def _push_stats(self) -> None:
         while not self._stop.wait(_STATS_INTERVAL_S):
+            self._sample_utilization()
             self.send({"type": "stats", "stats": self.stats()})
+
+    def _sample_utilization(self) -> None:
+        """Where the last interval went: compute (and how well), KV waits, idle."""
+        counters = self.engine.runner.counters
+        sample = (time.monotonic(), self.loop.busy_seconds, self.loop.transfer_wait_seconds,
+                  counters["flops"], counters["bytes"])
+        last, self._last_sample = self._last_sample, sample
+        if last is None:
+            return
+        dt = max(sample[0] - last[0], 1e-9)
+        busy, wait, flops, nbytes = ((now - then) / dt for now, then in
+                                     zip(sample[1:], last[1:], strict=True))
+        self.utilization = {
+            "busy": busy, "idle": max(1.0 - busy - wait, 0.0), "transfer_wait": wait,
+            "flops_utilization": flops / self.peaks["flops"],
+            "bandwidth_utilization": nbytes / self.peaks["bandwidth"]}
 
     def info(self) -> dict[str, Any]:
         """What the router needs: endpoints, role, model facts, KV peer info."""
@@ -245,6 +268,7 @@ class Worker:
             "endpoint": self.endpoint, "model_dir": str(self.engine.model_dir),
             "max_model_len": self.engine.max_model_len, "vocab_size": cfg.vocab_size,
             "block_size": self.spec.block_size, "num_blocks": self.engine.block_pool.num_blocks,
+            "block_bytes": self.engine.kv_cache.block_bytes * cfg.num_layers,
             "peer_info": self.receiver.peer_info() if self.receiver is not None else None,
             "spec": asdict(self.spec), "torch_threads": torch.get_num_threads(),
         }

@@ -40,6 +40,8 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.busy_seconds = 0.0
+        # Idle time while requests waited for remote KV (decode role): the transfer's cost.
+        self.transfer_wait_seconds = 0.0
         self.num_steps = 0
 
     def start(self) -> None:
@@ -62,7 +64,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._drain(block=not self.engine.has_unfinished_requests())
+            idle = not self.engine.has_unfinished_requests()
+            waiting_for_kv = idle and self.engine.stats()["num_waiting_for_kv"] > 0
+            start = time.perf_counter()
+            self._drain(block=idle)
+            if waiting_for_kv:
+                self.transfer_wait_seconds += time.perf_counter() - start
             if self._stopped.is_set() or not self.engine.has_unfinished_requests():
                 continue
             start = time.perf_counter()

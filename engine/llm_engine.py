@@ -15,7 +15,7 @@ from engine.kv_cache import BufferAllocator, KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
 from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import load_tokenizer
@@ -243,7 +243,10 @@ class LLMEngine:
             "num_free_blocks": pool.num_free_blocks,
             "kv_usage": pool.usage,
             "prefix_hit_rate": pool.num_hits / pool.num_queries if pool.num_queries else 0.0,
+            "num_waiting_for_kv": sum(1 for r in self.scheduler.parked.values()
+                                      if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
             "time": time.monotonic(),
+            **self.runner.counters,
         }
 
 

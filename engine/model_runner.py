@@ -21,6 +21,39 @@ class StepResult:
     logprobs: dict[str, dict[int, float]]
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """Analytic cost of a step: matmul FLOPs and the bytes it must read (weights + KV)."""
+
+    linear_params: int  # per token, all layers (lm_head excluded)
+    lm_head_params: int  # per sampled token
+    weight_bytes: int
+    attn_flops_per_key: int  # per query token, per context token, all layers
+    kv_bytes_per_token: int  # all layers, K and V
+
+    @staticmethod
+    def for_model(model: LlamaForCausalLM, kv_cache: KVCache) -> StepCosts:
+        cfg = model.cfg
+        per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters()
+                        if "layernorm" not in n)
+        elem = kv_cache.buffer.element_size()
+        weights = sum(p.numel() for p in model.parameters()) * elem
+        return StepCosts(per_layer * cfg.num_layers, cfg.vocab_size * cfg.hidden_size, weights,
+                         4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
+                         2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * elem)
+
+    def estimate(self, layout: BatchLayout, num_sampled: int) -> tuple[float, float]:
+        """(FLOPs, bytes read) of one step."""
+        tokens = sum(layout.query_lens)
+        flops = 2.0 * (tokens * self.linear_params + num_sampled * self.lm_head_params)
+        # Causal attention: query i of a chunk sees the context before it and itself.
+        keys = sum(q * (c - q) + q * (q + 1) / 2
+                   for q, c in zip(layout.query_lens, layout.context_lens, strict=True))
+        flops += keys * self.attn_flops_per_key
+        nbytes = self.weight_bytes + sum(layout.context_lens) * self.kv_bytes_per_token
+        return flops, float(nbytes)
+
+
 class ModelRunner:
     """Runs one forward pass over the scheduled requests.
 
@@ -38,6 +71,9 @@ class ModelRunner:
         self.attn = attn
         self.device = device
         self.block_size = kv_cache.block_size
+        self.costs = StepCosts.for_model(model, kv_cache)
+        # Running totals for utilization metrics: tokens, model FLOPs, bytes read.
+        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "flops": 0.0, "bytes": 0.0}
 
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput, layer_hook: LayerHook | None = None
@@ -48,6 +84,7 @@ class ModelRunner:
         input_ids, positions, layout = self._prepare(batch)
         self.attn.begin_step(layout)
         hidden = self.model(input_ids, positions, self.kv_cache, self.attn, layer_hook)
+        self._count(layout, sum(1 for s in batch if s.samples))
         ends = torch.tensor(layout.query_lens, device=self.device).cumsum(0) - 1
         sampling = [i for i, s in enumerate(batch) if s.samples]
         if not sampling:
@@ -59,6 +96,16 @@ class ModelRunner:
         logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs, strict=True)
                     if lp is not None}
         return StepResult(tokens, logprobs)
+
+    def _count(self, layout: BatchLayout, num_sampled: int) -> None:
+        prefill = layout.num_prefill_tokens
+        decode = len(layout.query_lens) - layout.num_prefills
+        flops, nbytes = self.costs.estimate(layout, num_sampled)
+        c = self.counters
+        c["prefill_tokens"] += prefill
+        c["decode_tokens"] += decode
+        c["flops"] += flops
+        c["bytes"] += nbytes
 
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:

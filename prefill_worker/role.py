@@ -95,7 +95,8 @@ class PrefillRole:
             if job is None:
                 continue
             message = {"type": "transferred", "request_id": event.request_id,
-                       "transfer_s": time.monotonic() - (job.prefill_done or job.started)}
+                       "transfer_s": time.monotonic() - (job.prefill_done or job.started),
+                       "num_blocks": len(job.dst_block_ids)}
             if not isinstance(event, TransferDone):
                 message = {"type": "error", "request_id": event.request_id,
                            "error": f"KV transfer failed: {event.reason}"}

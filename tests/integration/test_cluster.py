@@ -153,3 +153,30 @@ def test_decode_worker_death_ends_its_requests_and_is_replaced(disagg, loop_thre
     tokens, _ = loop_thread.run(collect(disagg, "after-death", prompt, GREEDY))
     assert tokens == reference.generate([prompt], GREEDY)[0].outputs[0].token_ids
     wait_pools_free(loop_thread, disagg)
+
+
+def test_worker_metrics_are_exported(disagg, loop_thread):
+    import time
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.metrics import WorkerCollector
+
+    _run_all(loop_thread, disagg, _prompts(4, seed=7), prefix="m")
+    time.sleep(1.2)  # two stats pushes: utilization needs an interval
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(disagg))
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(registry).decode())}
+    roles = {s.labels["role"] for s in families["pdcluster:worker_kv_usage"].samples}
+    assert roles == {"prefill", "decode"}
+    prefill_tokens = {s.labels["role"]: s.value
+                      for s in families["pdcluster:worker_prefill_tokens"].samples}
+    assert prefill_tokens["prefill"] > 0
+    busy = families["pdcluster:worker_busy_fraction"].samples
+    assert busy and all(0.0 <= s.value <= 1.0 for s in busy)
+    count = [s for s in families["pdcluster:kv_transfer_seconds"].samples
+             if s.name.endswith("_count")]
+    assert count[0].value >= 4
+    assert families["pdcluster:kv_transfer_bytes"].samples[0].value > 0

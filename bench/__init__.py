@@ -1,0 +1,1 @@
+"""Load generation, serving metrics, reports and peer comparisons (client side only)."""

@@ -1,0 +1,255 @@
+"""`pdcluster bench`: load a serving endpoint with a workload and report latency and throughput.
+
+    pdcluster bench --address 127.0.0.1:50051 --rate 4 --num-requests 200 --out runs/pd
+    pdcluster bench --backend openai --base-url http://127.0.0.1:8000/v1 --rate 4 \\
+        --num-requests 200 --out runs/vllm
+    pdcluster bench --compare runs/vllm/report.json runs/pd/report.json
+
+Also `python -m bench.cli ...`. Requests are greedy with EOS ignored, so every output has
+exactly the length asked for; prompts are random token ids (the same over both backends).
+The exit status is 1 when any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from contextlib import aclosing
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import (
+    GrpcBackend,
+    LoadOptions,
+    LoadResult,
+    OpenAIBackend,
+    run_load,
+    served_model,
+)
+from bench.report import build_report, load_report, print_comparison, print_summary, write_report
+from bench.serving_metrics import Slo, summarize
+from bench.traces import (
+    ARRIVALS,
+    DEFAULT_VOCAB_RANGE,
+    WORKLOADS,
+    TraceRequest,
+    WorkloadSpec,
+    arrival_times,
+    make_workload,
+    read_trace,
+    write_trace,
+)
+
+DEFAULT_NUM_REQUESTS = 100
+# Flags that shape a synthetic workload; a trace brings its own arrivals and lengths.
+_WORKLOAD_FLAGS = ("workload", "prompt_len", "output_len", "num_prefix_groups", "prefix_len",
+                   "rate", "arrival", "burstiness")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `bench` subcommand (its handler is `run`, set as `func`).
+
+    Args:
+        subparsers: what `ArgumentParser.add_subparsers()` returned.
+
+    Returns:
+        The subcommand's parser.
+    """
+    parser = subparsers.add_parser(
+        "bench", help="load a serving endpoint and report TTFT/TPOT/ITL/E2E, goodput",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags.
+
+    Args:
+        parser: the parser to add them to.
+    """
+    target = parser.add_argument_group("target")
+    target.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                        help="grpc: pdcluster's client; openai: any OpenAI-compatible server "
+                             "(vLLM, SGLang, pdcluster's HTTP port) via streaming /completions")
+    target.add_argument("--address", help="gRPC host:port (--backend grpc)")
+    target.add_argument("--base-url", help="e.g. http://127.0.0.1:8000/v1 (--backend openai)")
+    target.add_argument("--model", help="model name (--backend openai); default: the first "
+                                        "one the server lists")
+    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token (--backend openai); default: $OPENAI_API_KEY")
+    target.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds before a streaming request counts as failed")
+
+    load = parser.add_argument_group("workload")
+    load.add_argument("--workload", choices=WORKLOADS,
+                      help="synthetic lengths (default synthetic)")
+    load.add_argument("--prompt-len", type=_int_range, metavar="LO:HI",
+                      help="prompt tokens, uniform (after the prefix for shared-prefix)")
+    load.add_argument("--output-len", type=_int_range, metavar="LO:HI",
+                      help="output tokens, uniform")
+    load.add_argument("--num-prefix-groups", type=int, help="shared prefixes (default 4)")
+    load.add_argument("--prefix-len", type=int, help="tokens per shared prefix (default 256)")
+    load.add_argument("--vocab-range", type=_int_range, metavar="LO:HI",
+                      default=DEFAULT_VOCAB_RANGE,
+                      help="random prompt ids come from [LO, HI) (default %(default)s)")
+    load.add_argument("--trace", type=Path, metavar="FILE.jsonl",
+                      help="replay a trace (timestamp, prompt or prompt_len, output_len) "
+                           "instead of a synthetic workload")
+    load.add_argument("--num-requests", type=int,
+                      help=f"requests to send (default {DEFAULT_NUM_REQUESTS}; a trace: all)")
+    load.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
+
+    arrivals = parser.add_argument_group("arrivals")
+    arrivals.add_argument("--rate", type=float,
+                          help="mean requests/s (default: all at once)")
+    arrivals.add_argument("--arrival", choices=ARRIVALS,
+                          help="inter-arrival law (default poisson; gamma with --burstiness)")
+    arrivals.add_argument("--burstiness", type=float, metavar="CV",
+                          help="gamma inter-arrivals with this coefficient of variation "
+                               "(1 is Poisson; larger is burstier)")
+    arrivals.add_argument("--max-concurrency", type=int,
+                          help="at most this many requests in flight")
+    arrivals.add_argument("--duration", type=float,
+                          help="send nothing after this many seconds (in-flight ones finish)")
+
+    out = parser.add_argument_group("report")
+    out.add_argument("--slo", type=_slo, metavar="ttft=MS,tpot=MS",
+                     help="objectives for goodput and SLO attainment")
+    out.add_argument("--out", type=Path, metavar="DIR",
+                     help="write report.json, trace.jsonl, latency_cdf.png, throughput.png")
+    out.add_argument("--label", help="the run's name in the report and comparisons")
+    out.add_argument("--compare", type=Path, nargs="+", metavar="REPORT",
+                     help="print these report.json files side by side (ratios against the "
+                          "first) and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the flags describe (or the comparison).
+
+    Args:
+        args: parsed by a parser with `add_arguments`.
+
+    Returns:
+        The exit status: 0, or 1 when any request failed.
+
+    Raises:
+        ValueError: flags that do not fit together; the message says which.
+    """
+    if args.compare:
+        print_comparison([load_report(path) for path in args.compare])
+        return 0
+    _check_target(args)
+    requests = _requests(args)
+    config = _config(args)
+    result, model = asyncio.run(_drive(args, requests))
+    config["model"] = model
+    summary = summarize(result.records, result.duration, args.slo)
+    label = args.label or _default_label(args)
+    print_summary(label, summary)
+    if args.out:
+        write_report(args.out, build_report(label, config, summary, result), result)
+        write_trace(args.out / "trace.jsonl", requests[:len(result.records)])
+    return 1 if summary["failed"] else 0
+
+
+async def _drive(args: argparse.Namespace, requests: list[TraceRequest]
+                 ) -> tuple[LoadResult, str | None]:
+    options = LoadOptions(args.max_concurrency, args.duration, args.request_timeout)
+    if args.backend == "grpc":
+        async with aclosing(GrpcBackend(args.address)) as backend:
+            return await run_load(backend, requests, options), args.model
+    model = args.model or await served_model(args.base_url, args.api_key)
+    async with aclosing(OpenAIBackend(args.base_url, model, args.api_key)) as backend:
+        return await run_load(backend, requests, options), model
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    if args.backend == "grpc" and not args.address:
+        raise ValueError("--backend grpc needs --address host:port")
+    if args.backend == "openai" and not args.base_url:
+        raise ValueError("--backend openai needs --base-url http://host:port/v1")
+
+
+def _requests(args: argparse.Namespace) -> list[TraceRequest]:
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.trace:
+        given = [f"--{name.replace('_', '-')}" for name in _WORKLOAD_FLAGS
+                 if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not with --trace (it has its own arrivals "
+                             "and lengths)")
+        return read_trace(args.trace, args.vocab_range, args.seed)[:args.num_requests]
+    knobs = {"kind": args.workload, "prompt_len": args.prompt_len,
+             "output_len": args.output_len, "num_prefix_groups": args.num_prefix_groups,
+             "prefix_len": args.prefix_len}
+    spec = WorkloadSpec(vocab_range=args.vocab_range, seed=args.seed,
+                        **{key: value for key, value in knobs.items() if value is not None})
+    return make_workload(spec, _arrivals(args, args.num_requests or DEFAULT_NUM_REQUESTS))
+
+
+def _arrivals(args: argparse.Namespace, num_requests: int) -> list[float]:
+    if args.rate is None and (args.arrival or args.burstiness is not None):
+        raise ValueError("--arrival and --burstiness need --rate")
+    process = args.arrival or ("gamma" if args.burstiness is not None else "poisson")
+    if args.burstiness is not None and process != "gamma":
+        raise ValueError(f"--burstiness sets gamma inter-arrivals, not {process}")
+    rate = math.inf if args.rate is None else args.rate
+    burstiness = 1.0 if args.burstiness is None else args.burstiness
+    return arrival_times(num_requests, rate, process, burstiness, args.seed).tolist()
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    skip = ("func", "command", "compare", "api_key")
+    config = {key: value for key, value in vars(args).items() if key not in skip}
+    config["workload"] = None if args.trace else args.workload or "synthetic"
+    config["slo"] = None if args.slo is None else asdict(args.slo)
+    config["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    return config
+
+
+def _default_label(args: argparse.Namespace) -> str:
+    workload = args.trace.name if args.trace else args.workload or "synthetic"
+    return f"{args.backend} {workload}"
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI or N, got {text!r}") from None
+    if bounds[0] > bounds[1]:
+        raise argparse.ArgumentTypeError(f"LO must be <= HI, got {text!r}")
+    return bounds
+
+
+def _slo(text: str) -> Slo:
+    try:
+        return Slo.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.cli`: the same flags as `pdcluster bench`."""
+    parser = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Transports: `shm` (same host), `zmq` (TCP, any host), `torch_dist` (gloo / NCCL).
+
+Control messages always travel over ZMQ; a transport only decides how a layer's bytes move.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from engine.kv_cache import KVCache
+from kv_transfer.config import TransferConfig
+from kv_transfer.transports.base import RecvChannel, SendChannel
+from kv_transfer.transports.shm import ShmRecvChannel, ShmSendChannel, map_peer_pool
+from kv_transfer.transports.torch_dist import (
+    SENDER_RANK,
+    DistRecvChannel,
+    DistSendChannel,
+    open_pair_group,
+)
+from kv_transfer.transports.zmq_tcp import ZmqRecvChannel, ZmqSendChannel
+
+
+def locality() -> str:
+    """Equal for two processes exactly when one can map the other's `/proc/<pid>/fd`."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot_id = f.read().strip()
+    return f"{boot_id}/{os.readlink('/proc/self/ns/pid')}"
+
+
+def open_send_channel(transport: str, peer_info: dict[str, Any], kv: KVCache,
+                      config: TransferConfig, pair_name: str) -> SendChannel:
+    """Set up the sender's half of a connection (may block: mapping, group rendezvous).
+
+    Args:
+        transport: "shm", "zmq" or "torch_dist".
+        peer_info: the receiver's `KVReceiver.peer_info()`.
+        kv: the sender's pool.
+        config: the sender's settings.
+        pair_name: unique name of the connection.
+
+    Returns:
+        The channel.
+    """
+    if transport != "torch_dist" and kv.buffer.device.type != "cpu":
+        raise ValueError(f"transport {transport!r} needs a CPU KV pool; use torch_dist (NCCL)")
+    if transport == "shm":
+        shape = (kv.num_layers, peer_info["num_blocks"], *kv.buffer.shape[2:])
+        return ShmSendChannel(map_peer_pool(peer_info["shm"], shape, kv.dtype))
+    if transport == "zmq":
+        return ZmqSendChannel()
+    return DistSendChannel(open_pair_group(peer_info["store"], pair_name, SENDER_RANK,
+                                           kv.buffer.device, config.host, config.peer_timeout_s))
+
+
+def open_recv_channel(transport: str, store: dict[str, Any] | None, kv: KVCache,
+                      config: TransferConfig, pair_name: str,
+                      notify: Callable[..., None]) -> RecvChannel:
+    """Set up the receiver's half of a connection (never blocks).
+
+    Args:
+        transport: "shm", "zmq" or "torch_dist".
+        store: the receiver's rendezvous store address (torch_dist only).
+        kv: the receiver's pool.
+        config: the receiver's settings.
+        pair_name: unique name of the connection.
+        notify: runs a callback on the receiver's IO thread.
+
+    Returns:
+        The channel.
+    """
+    if transport == "shm":
+        return ShmRecvChannel()
+    if transport == "zmq":
+        return ZmqRecvChannel()
+    if store is None:
+        raise ValueError("torch_dist needs the receiver's rendezvous store")
+    return DistRecvChannel(store, pair_name, kv.buffer.device, config.host,
+                           config.peer_timeout_s, notify)

@@ -1,0 +1,57 @@
+"""The two halves of a transport: how one layer of a request's blocks leaves and lands."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import zmq
+
+from kv_transfer.blocks import Run
+
+# Called once per layer on the receiver's IO thread: None when the bytes are in place,
+# else why they are not.
+Landed = Callable[[str | None], None]
+
+
+class SendChannel(Protocol):
+    """The sender's side of one connection; used only on the sender's IO thread."""
+
+    def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,
+                   runs: list[Run]) -> None:
+        """Move one layer of a request's blocks and send `header` on the control socket.
+
+        Args:
+            sock: the control socket to the receiver.
+            header: the "layer" control message; a transport may add fields.
+            src: the sender's pool for this layer, `[num_blocks, 2, block_size, H, D]`.
+            runs: the request's blocks as runs consecutive on both sides.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release what the connection holds (mappings, process groups)."""
+        ...
+
+
+class RecvChannel(Protocol):
+    """The receiver's side of one connection; used only on the receiver's IO thread."""
+
+    def recv_layer(self, sock: zmq.Socket, header: dict[str, Any], dst: torch.Tensor,
+                   runs: list[tuple[int, int]], landed: Landed) -> None:
+        """Land one layer whose "layer" header just arrived.
+
+        Args:
+            sock: the control socket, positioned after the header (tensor frames follow
+                on zmq).
+            header: the "layer" control message.
+            dst: the receiver's pool for this layer, `[num_blocks, 2, block_size, H, D]`.
+            runs: `(dst_start, num_blocks)` of the request, already validated.
+            landed: called exactly once, now or later on the IO thread.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release what the connection holds."""
+        ...

@@ -1,0 +1,105 @@
+"""Serving metric math on hand-made records: exact TTFT/TPOT/ITL/E2E, percentiles, goodput."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.loadgen import RequestRecord
+from bench.serving_metrics import (
+    Slo,
+    distribution,
+    e2e,
+    itls,
+    summarize,
+    token_throughput_over_time,
+    tpot,
+    ttft,
+)
+
+
+def record(send: float, chunks: list[tuple[float, int]], finish: float, *,
+           finish_reason: str | None = "length", error: str | None = None,
+           prompt_tokens: int = 10) -> RequestRecord:
+    output_tokens = sum(n for _, n in chunks)
+    return RequestRecord(index=0, arrival=send, max_tokens=output_tokens,
+                         prompt_tokens=prompt_tokens, send=send, chunks=chunks, finish=finish,
+                         output_tokens=output_tokens, finish_reason=finish_reason, error=error)
+
+
+def test_latencies_of_one_request() -> None:
+    # Sent at 1.0; tokens at 1.5, 1.7 and two together at 2.1; the stream ends at 2.2.
+    r = record(1.0, [(1.5, 1), (1.7, 1), (2.1, 2)], 2.2)
+    assert ttft(r) == pytest.approx(0.5)
+    assert e2e(r) == pytest.approx(1.2)
+    assert tpot(r) == pytest.approx(0.7 / 3)
+    # The two-token chunk's 0.4 s gap is split evenly between its tokens.
+    assert itls(r) == pytest.approx([0.2, 0.2, 0.2])
+
+
+def test_one_token_output_has_no_tpot_or_itl() -> None:
+    r = record(0.0, [(0.3, 1)], 0.3)
+    assert tpot(r) is None
+    assert itls(r) == []
+    assert Slo(ttft_ms=400, tpot_ms=1).met(r)
+    assert not Slo(ttft_ms=200).met(r)
+
+
+def test_distribution_percentiles_interpolate_linearly() -> None:
+    stats = distribution([float(v) for v in range(1, 101)], scale=2.0)
+    assert stats == pytest.approx({"mean": 101.0, "p50": 101.0, "p90": 180.2, "p99": 198.02})
+    assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_summary_counts_throughput_and_goodput() -> None:
+    records = [
+        record(0.0, [(0.1, 1), (0.3, 1), (0.5, 1)], 0.5),        # ttft 100 ms, tpot 200 ms
+        record(0.5, [(1.0, 1), (1.1, 1)], 1.1),                  # ttft 500 ms, tpot 100 ms
+        record(1.0, [(1.2, 1), (1.8, 1), (2.0, 1)], 2.0,         # ttft 200 ms, tpot 400 ms
+               finish_reason="stop"),
+        record(1.5, [(1.6, 1)], 1.7, finish_reason="error", error="boom"),
+        record(1.8, [], 1.9, finish_reason=None, error="UNAVAILABLE: gone"),
+    ]
+    summary = summarize(records, duration=2.0, slo=Slo(ttft_ms=300, tpot_ms=250))
+    assert summary["num_requests"] == 5
+    assert summary["completed"] == 3
+    assert summary["failed"] == 2
+    assert summary["total_prompt_tokens"] == 30
+    assert summary["total_output_tokens"] == 8
+    assert summary["request_throughput"] == pytest.approx(1.5)
+    assert summary["output_throughput"] == pytest.approx(4.0)
+    assert summary["total_token_throughput"] == pytest.approx(19.0)
+    assert summary["ttft_ms"]["mean"] == pytest.approx(800 / 3)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert summary["tpot_ms"]["mean"] == pytest.approx(700 / 3)
+    assert summary["e2e_ms"]["p50"] == pytest.approx(600.0)
+    # ITLs: 200, 200 | 100 | 600, 200 ms.
+    assert summary["itl_ms"]["mean"] == pytest.approx(260.0)
+    # Only the first request meets both: the second is late to its first token, the third
+    # too slow per token, and failed requests never count.
+    assert summary["goodput"] == pytest.approx(0.5)
+    assert summary["slo_attainment"] == pytest.approx(0.2)
+    assert summary["slo"] == {"ttft_ms": 300.0, "tpot_ms": 250.0}
+
+
+def test_summary_without_slo_leaves_goodput_out() -> None:
+    summary = summarize([record(0.0, [(0.1, 1)], 0.1)], duration=1.0)
+    assert summary["slo"] is None
+    assert summary["goodput"] is None and summary["slo_attainment"] is None
+
+
+def test_slo_parse() -> None:
+    assert Slo.parse("ttft=200,tpot=50") == Slo(ttft_ms=200.0, tpot_ms=50.0)
+    assert Slo.parse("tpot=12.5") == Slo(tpot_ms=12.5)
+    for text, message in (("e2e=3", "unknown objective"), ("ttft=-1", "must be > 0"),
+                          ("ttft=fast", "must be a number"), ("", "give ttft")):
+        with pytest.raises(ValueError, match=message):
+            Slo.parse(text)
+
+
+def test_throughput_over_time_bins_tokens_by_arrival() -> None:
+    records = [record(0.0, [(0.2, 1), (0.9, 2)], 0.9),
+               record(0.5, [(1.2, 1), (1.5, 2)], 1.5, finish_reason="error", error="x")]
+    # [0, 1): 3 tokens; [1, 1.5]: 3 tokens over half a second.
+    assert token_throughput_over_time(records, duration=1.5) == pytest.approx([3.0, 6.0])
+    assert token_throughput_over_time(records, duration=1.5, bin_s=0.5) == pytest.approx(
+        [2.0, 4.0, 6.0])

@@ -1,0 +1,119 @@
+"""Peer death, timeouts, corruption and refused handshakes end requests cleanly."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from kv_peer import (
+    RECEIVER_BLOCKS,
+    SEED,
+    SENDER_BLOCKS,
+    ask,
+    child,
+    collect,
+    compat_of,
+    config,
+    make_kv,
+    receiver_main,
+    sender_main,
+)
+
+from kv_transfer import (
+    TRANSPORTS,
+    KVCompatibilityError,
+    KVReceiver,
+    KVSender,
+    SharedKVPool,
+    TransferFailed,
+)
+
+SRC, DST = [3, 4, 5, 9], [20, 21, 40, 7]
+
+
+def receiver_for(transport: str, **overrides: object) -> KVReceiver:
+    pool = SharedKVPool() if transport == "shm" else None
+    kv = make_kv(RECEIVER_BLOCKS, allocator=pool)
+    return KVReceiver(kv, compat_of(kv), config(transport, **overrides), shm_pool=pool)
+
+
+def only_failure(events: list, request_id: str) -> str:
+    assert len(events) == 1, events
+    assert isinstance(events[0], TransferFailed) and events[0].request_id == request_id
+    return events[0].reason
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_receiver_killed_mid_transfer_fails_and_releases_the_request(transport: str) -> None:
+    kv = make_kv(SENDER_BLOCKS, seed=SEED)
+    with KVSender(kv, compat_of(kv), config(transport)) as tx, \
+            child(receiver_main, transport) as (proc, conn):
+        peer_id = tx.connect(ask(conn), transport)
+        ask(conn, "expect", "r1", DST)
+        tx.begin("r1", peer_id, SRC, DST)
+        tx.send_layer("r1", 0)
+        tx.send_layer("r1", 1)
+        time.sleep(0.3)
+        proc.kill()
+        proc.join(5)
+        tx.send_layer("r1", 2)
+        tx.send_layer("r1", 3)
+        tx.finish("r1")
+        start = time.monotonic()
+        reason = only_failure(collect(tx, 1, timeout_s=10), "r1")
+        assert "lost the decode peer" in reason
+        assert time.monotonic() - start < 5
+        # Released: the id is free again, and the lost peer fails new requests at once.
+        tx.begin("r1", peer_id, SRC, DST)
+        assert "lost the decode peer" in only_failure(collect(tx, 1, timeout_s=5), "r1")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sender_killed_mid_transfer_fails_on_the_receiver(transport: str) -> None:
+    with receiver_for(transport) as rx, child(sender_main, transport) as (proc, conn):
+        peer_id = ask(conn, "connect", rx.peer_info())
+        rx.expect("r1", DST)
+        ask(conn, "start", peer_id, "r1", SRC, DST, 2)
+        proc.kill()
+        proc.join(5)
+        start = time.monotonic()
+        reason = only_failure(collect(rx, 1, timeout_s=10), "r1")
+        assert "lost the sender" in reason
+        assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_checksum_mismatch_fails_both_sides(transport: str) -> None:
+    with receiver_for(transport) as rx, child(sender_main, transport, True) as (_, conn):
+        peer_id = ask(conn, "connect", rx.peer_info())
+        rx.expect("r1", DST)
+        sender_events = ask(conn, "run", peer_id, [("r1", SRC, DST)])
+        reason = only_failure(collect(rx, 1), "r1")
+    assert reason.startswith(f"checksum mismatch in layer 1, block {DST[0]}: xxh3_64 0x")
+    assert "checksum mismatch" in only_failure(sender_events, "r1")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_mismatched_handshake_is_refused_by_both_sides(transport: str) -> None:
+    kv = make_kv(SENDER_BLOCKS, block_size=8)
+    with receiver_for(transport) as rx, KVSender(kv, compat_of(kv), config(transport)) as tx:
+        info = rx.peer_info()
+        with pytest.raises(KVCompatibilityError, match="block_size: 8 here, 4 on the peer"):
+            tx.connect(info, transport)
+        # A sender that skips its own check is refused by the receiver.
+        info["compat"] = compat_of(kv).to_dict()
+        with pytest.raises(KVCompatibilityError,
+                           match=r"refused the handshake.*block_size: 4 here, 8 on the peer"):
+            tx.connect(info, transport)
+
+
+def test_compat_error_names_every_field_with_both_values() -> None:
+    kv = make_kv(SENDER_BLOCKS)
+    with receiver_for("zmq") as rx:
+        theirs = dataclasses.replace(compat_of(kv), model="other", num_layers=2).to_dict()
+        with KVSender(kv, compat_of(kv), config("zmq")) as tx, \
+                pytest.raises(KVCompatibilityError) as err:
+            tx.connect({**rx.peer_info(), "compat": theirs})
+    assert str(err.value) == ("incompatible KV caches: model: 'tiny-test-model' here, 'other' "
+                              "on the peer; num_layers: 4 here, 2 on the peer")

@@ -1,0 +1,173 @@
+"""Protocol rules, in one process over real sockets: who may write where, and when it ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kv_peer import (
+    NUM_LAYERS,
+    RECEIVER_BLOCKS,
+    SEED,
+    SENDER_BLOCKS,
+    collect,
+    compat_of,
+    config,
+    make_kv,
+)
+
+from kv_transfer import TRANSPORTS, KVReceiver, KVSender, SharedKVPool, TransferDone, TransferFailed
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVReceiver, KVSender, str]]:
+    """A connected receiver and sender; the receiver's pool must stay all zeros unless a
+    test transfers into it."""
+    transport = request.param
+    pool = SharedKVPool() if transport == "shm" else None
+    rx_kv = make_kv(RECEIVER_BLOCKS, allocator=pool)
+    tx_kv = make_kv(SENDER_BLOCKS, seed=SEED)
+    with KVReceiver(rx_kv, compat_of(rx_kv), config(transport), shm_pool=pool) as rx, \
+            KVSender(tx_kv, compat_of(tx_kv), config(transport)) as tx:
+        yield rx, tx, tx.connect(rx.peer_info(), transport)
+    if pool is not None:
+        pool.close()
+
+
+def reasons(events: list) -> list[str]:
+    assert all(isinstance(e, TransferFailed) for e in events), events
+    return [e.reason for e in events]
+
+
+def send_all(tx: KVSender, rid: str) -> None:
+    for layer in range(NUM_LAYERS):
+        tx.send_layer(rid, layer)
+    tx.finish(rid, [1, 2])
+
+
+def test_unexpected_request_is_refused_and_nothing_written(pair) -> None:
+    rx, tx, peer = pair
+    tx.begin("nobody-expects", peer, [1, 2], [3, 4])
+    send_all(tx, "nobody-expects")
+    assert "does not expect this request" in reasons(collect(tx, 1))[0]
+    assert rx.poll() == []
+    assert not rx.kv.buffer.any()
+
+
+def test_begin_must_match_the_reserved_blocks(pair) -> None:
+    rx, tx, peer = pair
+    rx.expect("r1", [3, 4])
+    tx.begin("r1", peer, [1, 2], [3, 5])
+    send_all(tx, "r1")
+    assert "begin does not match the reservation" in reasons(collect(rx, 1))[0]
+    assert "begin does not match the reservation" in reasons(collect(tx, 1))[0]
+    assert not rx.kv.buffer.any()
+
+
+def test_expect_and_begin_reject_bad_arguments(pair) -> None:
+    rx, tx, peer = pair
+    with pytest.raises(ValueError, match=r"ids \[64\] are outside the pool of 64 blocks"):
+        rx.expect("r1", [1, RECEIVER_BLOCKS])
+    with pytest.raises(ValueError, match="repeated ids"):
+        rx.expect("r1", [1, 1])
+    rx.expect("r1", [1])
+    with pytest.raises(ValueError, match="already in flight"):
+        rx.expect("r1", [2])
+    with pytest.raises(ValueError, match="1 source blocks but 2 destination blocks"):
+        tx.begin("r1", peer, [1], [1, 2])
+    with pytest.raises(ValueError, match="unknown peer_id"):
+        tx.begin("r1", "no-such-peer", [1], [1])
+    with pytest.raises(ValueError, match="out of range"):
+        tx.send_layer("r1", NUM_LAYERS)
+    with pytest.raises(TypeError, match="msgpack-able"):
+        tx.finish("r1", object())
+
+
+def test_receiver_times_out_when_nothing_arrives(pair) -> None:
+    rx, _, _ = pair
+    start = time.monotonic()
+    rx.expect("r1", [1, 2], timeout_s=0.3)
+    assert reasons(collect(rx, 1)) == ["timed out after 0.3s with 0 of 4 layers received"]
+    assert time.monotonic() - start < 2
+
+
+def test_receiver_cancel_stops_the_sender_first(pair) -> None:
+    rx, tx, peer = pair
+    rx.expect("r1", [1, 2])
+    tx.begin("r1", peer, [1, 2], [1, 2])
+    tx.send_layer("r1", 0)
+    time.sleep(0.1)
+    rx.cancel("r1")
+    assert reasons(collect(rx, 1)) == ["cancelled by the decode side"]
+    # The receiver waited for the sender's acknowledgement, so the sender has stopped.
+    assert reasons(tx.poll()) == ["the decode side failed it: cancelled by the decode side"]
+    tx.send_layer("r1", 1)  # ended requests ignore late calls
+    time.sleep(0.1)
+    assert not rx.kv.buffer[1, [1, 2]].any()
+
+
+def test_sender_abort_and_timeout_reach_the_receiver(pair) -> None:
+    rx, tx, peer = pair
+    rx.expect("r1", [1])
+    rx.expect("r2", [2])
+    tx.begin("r1", peer, [1], [1])
+    tx.begin("r2", peer, [2], [2], timeout_s=0.3)
+    tx.abort("r1")
+    assert sorted(reasons(collect(rx, 2))) == ["aborted by the sender: aborted by the prefill side",
+                                               "aborted by the sender: timed out after 0.3s"]
+    assert sorted(reasons(collect(tx, 2))) == ["aborted by the prefill side",
+                                               "timed out after 0.3s"]
+
+
+def test_finish_with_missing_layers_fails(pair) -> None:
+    rx, tx, peer = pair
+    rx.expect("r1", [1])
+    tx.begin("r1", peer, [1], [1])
+    tx.send_layer("r1", 2)
+    tx.finish("r1")
+    assert reasons(collect(rx, 1)) == ["the sender finished without layers [0, 1, 3]"]
+
+
+def test_closing_the_receiver_fails_the_senders_requests(pair) -> None:
+    rx, tx, peer = pair
+    rx.expect("r1", [1])
+    tx.begin("r1", peer, [1], [1])
+    rx.close()
+    assert reasons(collect(rx, 1)) == ["the receiver closed"]
+    assert "the decode side left" in reasons(collect(tx, 1))[0]
+
+
+class GatedSender(KVSender):
+    """Holds every layer's transmission until `gate` opens; notes the receiver's begin_ok."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.gate = threading.Event()
+        self.accepted = threading.Event()
+
+    def _on_begin_ok(self, peer: object, request_id: str) -> None:
+        super()._on_begin_ok(peer, request_id)
+        self.accepted.set()
+
+    def _transmit(self, req: object, layer: int) -> None:
+        self.gate.wait(10)
+        super()._transmit(req, layer)
+
+
+def test_send_layer_returns_while_the_transport_is_busy() -> None:
+    rx_kv, tx_kv = make_kv(RECEIVER_BLOCKS), make_kv(SENDER_BLOCKS, seed=SEED)
+    with KVReceiver(rx_kv, compat_of(rx_kv), config("zmq")) as rx, \
+            GatedSender(tx_kv, compat_of(tx_kv), config("zmq")) as tx:
+        rx.expect("r1", [1, 2])
+        tx.begin("r1", tx.connect(rx.peer_info()), [5, 6], [1, 2])
+        assert tx.accepted.wait(5)
+        start = time.monotonic()
+        send_all(tx, "r1")
+        assert time.monotonic() - start < 5  # the IO thread is stuck for 10 s per layer
+        assert rx.poll() == [] and tx.poll() == []
+        tx.gate.set()
+        assert collect(rx, 1) == [TransferDone("r1", [1, 2])]
+    assert torch.equal(rx_kv.buffer[:, [1, 2]], tx_kv.buffer[:, [5, 6]])
