@@ -1,0 +1,33 @@
+"""The disaggregated path over each KV transport gives the engine's exact tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine import LLM, CacheConfig, SamplingParams
+from tests.integration.conftest import collect, start_cluster, wait_pools_free
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("transports", [("zmq",), ("torch_dist",)])
+def test_transport_end_to_end(ray_local, loop_thread, transports):
+    rng = random.Random(9)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 150))]
+               for _ in range(4)]
+    expected = [o.outputs[0].token_ids for o in
+                LLM("tiny", cache=CacheConfig(num_blocks=64)).generate(prompts, GREEDY)]
+    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=transports)
+    try:
+        async def go():
+            return await asyncio.gather(*(collect(backend, f"t{i}", p, GREEDY)
+                                          for i, p in enumerate(prompts)))
+        got = loop_thread.run(go())
+        assert [tokens for tokens, _ in got] == expected
+        assert all("transfer" in last.timings for _, last in got)
+        wait_pools_free(loop_thread, backend)
+    finally:
+        loop_thread.run(backend.close())
