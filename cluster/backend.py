@@ -18,10 +18,10 @@ from typing import Any
 import ray
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.metrics import transfer_metrics
 from cluster.worker import WorkerSpec, pack, unpack
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 from router.placement import PrefixIndex, WorkerLoad, place
@@ -149,14 +149,7 @@ class ClusterBackend(Backend):
         self._pull.bind(f"tcp://{resolve_host(config.host)}:0")
         self.endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._model_info: ModelInfo | None = None
-        self.transfer_registry = CollectorRegistry()
-        self.transfer_seconds = Histogram(
-            "pdcluster:kv_transfer_seconds", "End of prefill to KV landed on the decode worker.",
-            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
-            registry=self.transfer_registry)
-        self.transfer_bytes = Counter("pdcluster:kv_transfer_bytes",
-                                      "KV bytes shipped from prefill to decode workers.",
-                                      registry=self.transfer_registry)
+        self.transfer_registry, self.transfer_seconds, self.transfer_bytes = transfer_metrics()
 
     # ---- lifecycle ----
 

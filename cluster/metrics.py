@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+_TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 _GAUGES = {
     "worker_kv_usage": ("kv_usage", "Fraction of the worker's KV blocks in use."),
@@ -28,6 +31,23 @@ _COUNTERS = {
     "worker_prefill_tokens": ("prefill_tokens", "Prompt tokens computed."),
     "worker_decode_tokens": ("decode_tokens", "Tokens decoded."),
 }
+
+
+def transfer_metrics() -> tuple[CollectorRegistry, Histogram, Counter]:
+    """The cluster's KV transfer metrics, in a registry of their own that `WorkerCollector`
+    re-exports (a backend owns one; tests build the same one).
+
+    Returns:
+        (registry, seconds per transfer: end of prefill to KV landed on the decode worker,
+        bytes shipped from prefill to decode workers).
+    """
+    registry = CollectorRegistry()
+    seconds = Histogram("pdcluster:kv_transfer_seconds",
+                        "End of prefill to KV landed on the decode worker.",
+                        buckets=_TRANSFER_BUCKETS, registry=registry)
+    nbytes = Counter("pdcluster:kv_transfer_bytes",
+                     "KV bytes shipped from prefill to decode workers.", registry=registry)
+    return registry, seconds, nbytes
 
 
 class WorkerCollector(Collector):

