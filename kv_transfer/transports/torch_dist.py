@@ -2,8 +2,9 @@
 
 The receiver hosts a `TCPStore`; each connection rendezvous under its own prefix, so no
 global `init_process_group` is needed. gloo moves CPU tensors; NCCL is chosen when the pool
-is on CUDA (that path is written but only exercised on GPU machines). Rank 0 sends, rank 1
-receives straight into the reserved destination slices.
+is on CUDA (that path is written but only exercised on GPU machines; NCCL ignores tags, which
+is fine because both ranks post in the same order). Rank 0 sends, rank 1 receives straight
+into the reserved destination slices.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -92,7 +92,7 @@ class DistSendChannel:
     """Posts one send per run after the header that tells the receiver the tags."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = group
+        self._group: dist.ProcessGroup | None = group
         self._next_tag = 0
         self._works: list[dist.Work] = []  # kept alive until done; gloo needs its buffers
 
@@ -108,6 +108,7 @@ class DistSendChannel:
 
     def close(self) -> None:
         self._works.clear()
+        self._group = None  # tears the pair down once gloo finishes what is in flight
 
 
 class DistRecvChannel:
@@ -128,24 +129,38 @@ class DistRecvChannel:
     def __init__(self, store: dict[str, Any], name: str, device: torch.device, host: str,
                  timeout_s: float, notify: Callable[..., None]) -> None:
         self._timeout_s = timeout_s
-        self._group: Future = Future()
+        self._lock = threading.Lock()
+        self._joined = threading.Event()
+        self._group: dist.ProcessGroup | None = None
+        self._error: Exception | None = None
+        self._closed = False
         self._waiter = _WorkWaiter(notify, device)
         args = (store, name, RECEIVER_RANK, device, host, timeout_s)
         threading.Thread(target=self._join, args=args, name="kv-dist-join", daemon=True).start()
 
     def _join(self, *args: Any) -> None:
         try:
-            self._group.set_result(open_pair_group(*args))
+            group = open_pair_group(*args)
         except Exception as exc:  # surfaces on the IO thread at the first layer
-            self._group.set_exception(exc)
+            self._error = exc
+        else:
+            with self._lock:
+                if not self._closed:
+                    self._group = group
+        self._joined.set()
 
     def recv_layer(self, sock: zmq.Socket, header: dict[str, Any], dst: torch.Tensor,
                    runs: list[tuple[int, int]], landed: Landed) -> None:
-        group = self._group.result(timeout=self._timeout_s)
+        if not self._joined.wait(self._timeout_s) or self._group is None:
+            raise ConnectionError(f"no torch.distributed group with the sender: {self._error}")
         tag = header["tag"]
-        works = [group.recv([dst[d:d + n]], SENDER_RANK, (tag + i) & _TAG_MASK)
+        works = [self._group.recv([dst[d:d + n]], SENDER_RANK, (tag + i) & _TAG_MASK)
                  for i, (d, n) in enumerate(runs)]
         self._waiter.watch(works, landed)
 
     def close(self) -> None:
+        """Tear the pair down now rather than at interpreter exit, where gloo aborts."""
         self._waiter.stop()
+        with self._lock:
+            self._closed = True
+            self._group = None

@@ -32,10 +32,10 @@ from kv_transfer import (
 SRC, DST = [3, 4, 5, 9], [20, 21, 40, 7]
 
 
-def receiver_for(transport: str, **overrides: object) -> KVReceiver:
+def receiver_for(transport: str) -> KVReceiver:
     pool = SharedKVPool() if transport == "shm" else None
     kv = make_kv(RECEIVER_BLOCKS, allocator=pool)
-    return KVReceiver(kv, compat_of(kv), config(transport, **overrides), shm_pool=pool)
+    return KVReceiver(kv, compat_of(kv), config(transport), shm_pool=pool)
 
 
 def only_failure(events: list, request_id: str) -> str:

