@@ -16,7 +16,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     worker: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb,
                               "max_num_batched_tokens": args.max_num_batched_tokens,
-                              "max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
+                              "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
+                              "policy": args.policy,
+                              "enable_prefix_caching": not args.no_prefix_caching}
     cluster = ClusterConfig(
         model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
         transports=TRANSPORTS[args.transport],
@@ -127,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--local-prefill-threshold", type=int, default=32)
+    serve.add_argument("--policy", choices=["continuous", "static"], default="continuous",
+                       help="batching policy of every worker (static: for comparison)")
+    serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--max-running", type=int, default=256)
     serve.add_argument("--max-queue", type=int, default=1024)
     serve.set_defaults(func=_serve)

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgpack
@@ -56,6 +56,8 @@ class WorkerSpec:
         max_num_seqs: most running requests.
         transports: KV transports a decode worker offers (`shm`, `zmq`, `torch_dist`).
         torch_threads: intra-op threads for this worker.
+        policy: `continuous` batching, or `static` (for comparison benchmarks).
+        enable_prefix_caching: reuse cached prompt blocks.
     """
 
     worker_id: str
@@ -71,7 +73,8 @@ class WorkerSpec:
     max_num_seqs: int = 64
     transports: tuple[str, ...] = ("shm", "zmq")
     torch_threads: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    policy: str = "continuous"
+    enable_prefix_caching: bool = True
 
 
 class Worker:
@@ -114,9 +117,11 @@ class Worker:
         return LLMEngine(
             spec.model, spec.dtype,
             cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
-                              kv_cache_memory_gb=spec.kv_cache_memory_gb),
+                              kv_cache_memory_gb=spec.kv_cache_memory_gb,
+                              enable_prefix_caching=spec.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
-                                      max_num_seqs=spec.max_num_seqs, role=engine_role),
+                                      max_num_seqs=spec.max_num_seqs, role=engine_role,
+                                      policy=spec.policy),
             num_threads=spec.torch_threads, kv_allocator=self.shm_pool)
 
     def _build_role(self) -> None:

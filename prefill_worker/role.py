@@ -83,6 +83,7 @@ class PrefillRole:
                                                 "logprobs": logprobs})
             messages.append({"type": "prefilled", "request_id": out.request_id,
                              "prefill_s": job.prefill_done - job.started,
+                             "prefill_end": job.prefill_done,
                              "num_cached_tokens": out.num_cached_tokens})
         return messages
 
