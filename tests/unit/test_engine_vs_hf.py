@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from engine import LLM, CacheConfig, SamplingParams, SchedulerConfig
 from tests.conftest import assert_pool_free, hf_greedy
@@ -99,3 +100,15 @@ def test_smollm2_chat_matches_hf():
         assert out.outputs[0].token_ids == hf_greedy("smollm2", out.prompt_token_ids, 32)
     assert outputs[0].outputs[0].text.startswith("The capital of France is Paris.")
     assert_pool_free(llm.engine)
+
+
+def test_tiny_bf16_runs_paged_and_agrees_with_fp32_on_the_first_token():
+    prompts = _prompts(4, seed=8)
+    bf16 = LLM("tiny", dtype="bfloat16", cache=CacheConfig(num_blocks=64))
+    assert bf16.engine.kv_cache.buffer.dtype == torch.bfloat16
+    out16 = bf16.generate(prompts, GREEDY)
+    out32 = LLM("tiny", cache=CacheConfig(num_blocks=64)).generate(prompts, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out16)
+    assert [o.outputs[0].token_ids[0] for o in out16] == \
+        [o.outputs[0].token_ids[0] for o in out32]
+    assert_pool_free(bf16.engine)
