@@ -58,6 +58,8 @@ class WorkerSpec:
         torch_threads: intra-op threads for this worker.
         policy: `continuous` batching, or `static` (for comparison benchmarks).
         enable_prefix_caching: reuse cached prompt blocks.
+        kv_wait_timeout_s: how long reserved decode blocks wait for a remote prefill's KV
+            (queueing on the prefill worker included; peer loss is detected sooner).
     """
 
     worker_id: str
@@ -75,6 +77,7 @@ class WorkerSpec:
     torch_threads: int | None = None
     policy: str = "continuous"
     enable_prefix_caching: bool = True
+    kv_wait_timeout_s: float = 600.0
 
 
 class Worker:
@@ -136,7 +139,7 @@ class Worker:
         else:
             if spec.role == "decode":
                 self.receiver = KVReceiver(self.engine.kv_cache, compat, config, self.shm_pool)
-            self.decode = DecodeRole(self.engine, self.receiver)
+            self.decode = DecodeRole(self.engine, self.receiver, spec.kv_wait_timeout_s)
 
     # ---- outbound ----
 

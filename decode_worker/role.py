@@ -30,11 +30,15 @@ class DecodeRole:
     Args:
         engine: an engine with scheduler role `decode` (or `mixed` when colocated).
         receiver: the KV receiver over this engine's pool; None when colocated.
+        kv_wait_timeout_s: how long a reservation waits for its KV, from the reservation:
+            it covers the prompt's wait in the prefill worker's queue, not just the bytes.
     """
 
-    def __init__(self, engine: LLMEngine, receiver: KVReceiver | None) -> None:
+    def __init__(self, engine: LLMEngine, receiver: KVReceiver | None,
+                 kv_wait_timeout_s: float = 600.0) -> None:
         self.engine = engine
         self.receiver = receiver
+        self.kv_wait_timeout_s = kv_wait_timeout_s
         self.block_size = engine.cache_config.block_size
         self._expecting: set[str] = set()
         self._aborting: set[str] = set()
@@ -57,7 +61,7 @@ class DecodeRole:
             return {"type": "rejected", "request_id": rid, "reason": str(e)}
         skip = request.num_computed_tokens // self.block_size
         dst = request.block_ids[skip:]
-        self.receiver.expect(rid, dst)
+        self.receiver.expect(rid, dst, timeout_s=self.kv_wait_timeout_s)
         self._expecting.add(rid)
         return {"type": "reserved", "request_id": rid, "dst_block_ids": dst,
                 "num_cached_tokens": request.num_computed_tokens}
