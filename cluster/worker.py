@@ -105,7 +105,6 @@ class Worker:
         self._build_role()
         self.loop = EngineLoop(self.engine, self._on_outputs, self._layer_hook)
         self._stop = threading.Event()
-        self.draining = False
         self.loop.start()
         self._threads = [threading.Thread(target=target, daemon=True, name=target.__name__)
                          for target in (self._read_commands, self._pump_events, self._push_stats)]
@@ -239,7 +238,7 @@ class Worker:
         uptime = time.monotonic() - self.started
         stats.update(worker_id=self.spec.worker_id, role=self.spec.role,
                      busy_seconds=self.loop.busy_seconds, uptime_s=uptime,
-                     num_steps=self.loop.num_steps, draining=self.draining,
+                     num_steps=self.loop.num_steps,
                      pid=os.getpid(), transfer_wait_seconds=self.loop.transfer_wait_seconds,
                      peak_flops=self.peaks["flops"], peak_bandwidth=self.peaks["bandwidth"],
                      utilization=self.utilization)
