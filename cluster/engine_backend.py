@@ -75,7 +75,7 @@ class EngineBackend(Backend):
         raise NotImplementedError("a single in-process engine cannot be resized")
 
     def healthy(self) -> bool:
-        return self.loop._thread.is_alive()
+        return self.loop.is_alive()
 
     def close(self) -> None:
         self.loop.stop()

@@ -19,6 +19,8 @@ def output_record(out: EngineOutput, error: str | None = None) -> dict[str, Any]
               "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens}
     if out.new_logprobs:
         record["logprobs"] = out.new_logprobs
+    if error is None and out.finish_reason == "error":
+        error = "the decode worker's engine step failed"
     if error:
         record["error"] = error
     return record

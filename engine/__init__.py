@@ -6,7 +6,7 @@ The public surface other packages may use: `LLM`, `LLMEngine`, `SamplingParams`,
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm import LLM
-from engine.llm_engine import EngineOutput, KVCacheFullError, LLMEngine
+from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, LLMEngine
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
@@ -16,6 +16,7 @@ __all__ = [
     "CacheConfig",
     "CompletionOutput",
     "EngineOutput",
+    "EngineStepError",
     "IncrementalDetokenizer",
     "KVCacheFullError",
     "LLMEngine",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.llm_engine import EngineOutput, LLMEngine, StepLayerHook
+from engine.llm_engine import EngineOutput, EngineStepError, LLMEngine, StepLayerHook
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._commands.put((lambda _engine: None, None))
@@ -75,9 +78,9 @@ class EngineLoop:
             start = time.perf_counter()
             try:
                 outputs = self.engine.step(self._layer_hook)
-            except Exception:
-                log.exception("engine step failed; its requests were ended with error")
-                outputs = []
+            except EngineStepError as e:
+                log.exception("engine step failed; its requests end with error")
+                outputs = e.outputs
             self.busy_seconds += time.perf_counter() - start
             self.num_steps += 1
             if outputs:

@@ -28,6 +28,19 @@ class KVCacheFullError(RuntimeError):
     """A decode reservation found too few free blocks."""
 
 
+class EngineStepError(RuntimeError):
+    """A step failed; its requests were ended with `error` and their blocks freed.
+
+    Args:
+        outputs: the final output of every request the step had scheduled, so a caller
+            that streams results can still answer each of them.
+    """
+
+    def __init__(self, message: str, outputs: list[EngineOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
 @dataclass
 class EngineOutput:
     """What one step changed for one request.
@@ -164,10 +177,11 @@ class LLMEngine:
         hook = None if layer_hook is None else (lambda i: layer_hook(i, schedule))
         try:
             result = self.runner.execute(schedule, hook)
-        except Exception:
-            for item in schedule.scheduled:
-                self.abort_request(item.request.request_id, "error")
-            raise
+        except Exception as e:
+            ended = [self.abort_request(item.request.request_id, "error")
+                     for item in schedule.scheduled]
+            raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}",
+                                  [out for out in ended if out is not None]) from e
         changed = self.scheduler.postprocess(schedule, result.tokens)
         outputs = []
         for request in changed:

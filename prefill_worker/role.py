@@ -71,11 +71,22 @@ class PrefillRole:
             self.sender.send_layer(item.request.request_id, layer)
 
     def on_outputs(self, outputs: list[EngineOutput]) -> list[dict[str, Any]]:
-        """First tokens are out: finish the transfers (the token rides along)."""
+        """First tokens are out: finish the transfers (the token rides along).
+
+        A request the engine ended without a token (a failed step) is reported as an
+        error, so the router ends the stream and the decode side frees its reservation.
+        """
         messages = []
         for out in outputs:
             job = self._jobs.get(out.request_id)
-            if job is None or not out.new_token_ids:
+            if job is None:
+                continue
+            if not out.new_token_ids:
+                self._jobs.pop(out.request_id)
+                if job.begun:
+                    self.sender.abort(out.request_id)
+                messages.append({"type": "error", "request_id": out.request_id,
+                                 "error": f"prefill ended with {out.finish_reason}"})
                 continue
             job.prefill_done = time.monotonic()
             logprobs = out.new_logprobs[0] if out.new_logprobs else None

@@ -58,3 +58,34 @@ def test_abort_during_remote_reservation_frees_blocks():
     out = decode.abort_request("x")
     assert out.finish_reason == "abort"
     assert_pool_free(decode)
+
+
+def test_failed_step_answers_its_requests_with_error_and_frees_blocks():
+    import threading
+
+    import pytest
+
+    from engine import EngineStepError
+    from engine.engine_loop import EngineLoop
+
+    def broken_hook(layer, schedule):  # a fault inside the step (e.g. a transport error)
+        raise RuntimeError("boom")
+
+    engine = _engine("mixed", 32)
+    engine.add_request("a", list(range(100, 120)), PARAMS)
+    with pytest.raises(EngineStepError, match="boom") as info:
+        engine.step(broken_hook)
+    assert [(o.request_id, o.finish_reason) for o in info.value.outputs] == [("a", "error")]
+    assert_pool_free(engine)
+
+    # Driven by the loop thread, the same failure still reaches the output sink.
+    got, done = [], threading.Event()
+    loop = EngineLoop(engine, lambda outs: (got.extend(outs), done.set()), broken_hook)
+    loop.start()
+    try:
+        loop.submit(lambda e: e.add_request("b", list(range(200, 220)), PARAMS))
+        assert done.wait(30)
+    finally:
+        loop.stop()
+    assert [(o.request_id, o.finish_reason) for o in got] == [("b", "error")]
+    assert_pool_free(engine)
