@@ -24,10 +24,11 @@ class KVCacheManager:
     def block_hashes(self, request: Request) -> list[bytes]:
         """Chained hashes of the request's full blocks, extended as tokens arrive."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        token_ids = request.all_token_ids
-        if len(token_ids) // self.block_size > len(hashes):
+        # Only hash when a block filled up: called for every request every step.
+        if request.num_tokens // self.block_size > len(hashes):
             parent = hashes[-1] if hashes else None
-            hashes.extend(hash_blocks(token_ids, self.block_size, parent, len(hashes)))
+            hashes.extend(hash_blocks(request.all_token_ids, self.block_size, parent,
+                                      len(hashes)))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[int]:

@@ -113,7 +113,7 @@ class ModelRunner:
         pos_ranges = []
         for s in batch:
             end = s.start + s.num_new_tokens
-            token_ids.extend(s.request.all_token_ids[s.start:end])
+            token_ids.extend(s.request.token_ids(s.start, end))
             pos_ranges.append(torch.arange(s.start, end))
         positions = torch.cat(pos_ranges)
         max_blocks = max(len(s.request.block_ids) for s in batch)

@@ -539,7 +539,8 @@ def test_launcher_config_passes_ray_validation():
     pytest.importorskip("ray")
     from ray.autoscaler._private.util import validate_config
 
-    validate_config(launcher_config())
+    # Raises (jsonschema.ValidationError / ValueError) on an invalid config.
+    assert validate_config(launcher_config()) is None
 
 
 def test_launcher_has_prefill_and_decode_node_types():
