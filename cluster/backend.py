@@ -365,8 +365,9 @@ class ClusterBackend(Backend):
                 self._sending.add(sending)
                 sending.add_done_callback(self._sending.discard)
 
-    def _release(self, stream: _Stream) -> None:
-        for worker_id in (stream.prefill, stream.decode):
+    def _release(self, stream: _Stream, only_prefill: bool = False) -> None:
+        """Drop the request from its workers' in-flight sets (what draining waits on)."""
+        for worker_id in (stream.prefill,) if only_prefill else (stream.prefill, stream.decode):
             handle = self.workers.get(worker_id) if worker_id else None
             if handle is not None:
                 handle.in_flight.discard(stream.request.request_id)
@@ -399,10 +400,11 @@ class ClusterBackend(Backend):
             stream.reply.set_result(message)
         elif kind == "prefilled":
             stream.timings["prefill"] = message["prefill_s"]
-            self._release_prefill(stream)
         elif kind == "transferred":
+            # Only now may a draining prefill worker stop: its KV has landed.
             stream.timings["transfer"] = message["transfer_s"]
             self._count_transfer(stream, message)
+            self._release(stream, only_prefill=True)
         elif kind == "error":
             self._fail(stream, message["error"])
 
@@ -420,11 +422,6 @@ class ClusterBackend(Backend):
         self.transfer_seconds.observe(message["transfer_s"])
         if decode is not None:
             self.transfer_bytes.inc(message["num_blocks"] * decode.info["block_bytes"])
-
-    def _release_prefill(self, stream: _Stream) -> None:
-        handle = self.workers.get(stream.prefill) if stream.prefill else None
-        if handle is not None:
-            handle.in_flight.discard(stream.request.request_id)
 
     def _fail(self, stream: _Stream, error: str) -> None:
         if stream.reply is not None and not stream.reply.done():
@@ -446,14 +443,16 @@ class ClusterBackend(Backend):
                     await self._on_worker_death(handle, e)
 
     async def _on_worker_death(self, handle: _Handle, error: Exception) -> None:
-        log.error("worker %s is gone (%s); replacing it", handle.worker_id, error)
+        log.error("worker %s is gone (%s)", handle.worker_id, error)
+        replace = handle.state == "ready"  # a draining worker was leaving anyway
         handle.state = "dead"
         for rid in list(handle.in_flight):
             stream = self._streams.get(rid)
             if stream is not None:
                 self._fail(stream, f"worker {handle.worker_id} died")
         await self._stop_worker(handle)
-        await self._add_worker(handle.role)
+        if replace:
+            await self._add_worker(handle.role)
 
 
 def _params_dict(params: Any) -> dict[str, Any]:
