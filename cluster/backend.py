@@ -57,7 +57,7 @@ class ClusterConfig:
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
     torch_threads: int | None = 1
-    local_prefill_threshold: int = 32
+    local_prefill_threshold: int = 256
     reserve_timeout_s: float = 60.0
     worker: dict[str, Any] = field(default_factory=dict)
 

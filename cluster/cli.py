@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gb", type=float, default=1.0)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
     serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--local-prefill-threshold", type=int, default=32)
+    serve.add_argument("--local-prefill-threshold", type=int, default=256,
+                       help="uncached prompts this short prefill on the decode worker")
     serve.add_argument("--policy", choices=["continuous", "static"], default="continuous",
                        help="batching policy of every worker (static: for comparison)")
     serve.add_argument("--no-prefix-caching", action="store_true")

@@ -9,7 +9,7 @@ from engine.attention.base import AttentionBackend, BatchLayout
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Prefill sequences one by one with SDPA; all decode sequences in one padded batch."""
+    """Every sequence attends on its own with SDPA, over exactly its gathered pages."""
 
     name = "torch"
 
@@ -33,18 +33,12 @@ class TorchAttentionBackend(AttentionBackend):
                                   _causal_mask(q_len, ctx_len, device)))
             start += q_len
         self.decode_start = start
-        self._begin_decode(layout, device)
+        self._begin_decode(layout)
 
-    def _begin_decode(self, layout: BatchLayout, device: torch.device) -> None:
-        ctx = layout.context_lens[layout.num_prefills:]
-        if not ctx:
-            self.decode_tables = None
-            return
-        max_blocks = -(-max(ctx) // layout.block_size)
-        self.decode_tables = layout.block_tables[layout.num_prefills:, :max_blocks]
-        ctx_lens = torch.tensor(ctx, device=device)
-        positions = torch.arange(max_blocks * layout.block_size, device=device)
-        self.decode_mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B,1,1,S]
+    def _begin_decode(self, layout: BatchLayout) -> None:
+        bs = layout.block_size
+        self.decodes = [(layout.block_tables[layout.num_prefills + i, :-(-ctx_len // bs)], ctx_len)
+                        for i, ctx_len in enumerate(layout.context_lens[layout.num_prefills:])]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
@@ -58,7 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 keys, values = _gather(kv_layer, table, ctx_len)
                 out[start:end] = self._attend(q[start:end], keys, values, mask)
-        if self.decode_tables is not None:
+        if self.decodes:
             out[self.decode_start:] = self._decode(q[self.decode_start:], kv_layer)
         return out
 
@@ -71,16 +65,18 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        num_seqs = self.decode_tables.shape[0]
-        keys, values = (kv_layer[:, i].index_select(0, self.decode_tables.flatten())
-                        # [B * max_blocks, bs, H, D] -> [B, S, H, D]
-                        .view(num_seqs, -1, self.num_kv_heads, self.head_dim)
-                        .transpose(1, 2) for i in (0, 1))  # [B, H, S, D]
-        # The query heads sharing a KV head act as that head's queries: no KV repeat needed.
+        # One sequence at a time over exactly its own context: a padded batch would pay for
+        # the longest context in every row and force a masked (slower) SDPA path.
         group = self.num_heads // self.num_kv_heads
-        grouped = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.decode_mask)
-        return out.reshape(num_seqs, self.num_heads, self.head_dim)
+        out = torch.empty_like(q)
+        for i, (table, ctx_len) in enumerate(self.decodes):
+            keys, values = (x.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
+                            for x in _gather(kv_layer, table, ctx_len))
+            # The query heads sharing a KV head act as that head's queries: no KV repeat needed.
+            grouped = q[i].view(1, self.num_kv_heads, group, self.head_dim)
+            out[i] = F.scaled_dot_product_attention(grouped, keys, values).view(
+                self.num_heads, self.head_dim)
+        return out
 
 
 def _gather(kv_layer: torch.Tensor, table: torch.Tensor,
