@@ -20,10 +20,10 @@ def _dense(q, k, v, ctx_len):
 
 
 def _case(device):
-    """Three sequences: prefill with cached context, fresh prefill, decode."""
+    """Prefill with cached context, fresh prefill, and two decodes of different lengths."""
     gen = torch.Generator().manual_seed(0)
-    seqs = [(5, 13), (7, 7), (1, 10)]  # (query_len, context_len)
-    tables = [[9, 2, 7, 4], [0, 5, 0, 0], [3, 8, 1, 0]]
+    seqs = [(5, 13), (7, 7), (1, 10), (1, 3)]  # (query_len, context_len)
+    tables = [[9, 2, 7, 4], [0, 5, 0, 0], [3, 8, 1, 0], [6, 0, 0, 0]]
     kv = torch.zeros(10, 2, BS, KV_HEADS, DIM)
     full_k, full_v, qs = [], [], []
     for (q_len, ctx), table in zip(seqs, tables, strict=True):
