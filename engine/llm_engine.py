@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from threadpoolctl import threadpool_limits
 
 from engine.attention import get_backend
 from engine.block_pool import BlockPool
@@ -92,6 +93,7 @@ class LLMEngine:
         self.device = _pick_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+            threadpool_limits(num_threads, user_api="blas")  # numpy's, for small batches
         self.model_dir = resolve_model_dir(model)
         self.model_config, hf_config = read_model_config(self.model_dir, max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -112,7 +112,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig, dtype: t
                                  f"{model_dir}, expected {tuple(param.shape)}")
     state = {name: state[name].to(dtype=dtype, device=device) for name in expected}
     model.load_state_dict(state, assign=True)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.prepare_small_batches()
+    return model
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +15,34 @@ from engine.kv_cache import KVCache
 from engine.models.rope import RotaryEmbedding, apply_rope
 
 LayerHook = Callable[[int], None]
+# Up to this many rows (decode batches), a CPU fp32 matmul goes through numpy's BLAS
+# (OpenBLAS) on a pre-transposed weight: MKL's fp32 GEMM with a few rows runs far below
+# bandwidth on AVX2 CPUs (1.4-1.7x slower, docs/benchmarks.md). Prefill keeps torch's.
+SMALL_BATCH_ROWS = 16
+
+
+class SmallBatchWeight:
+    """A weight `[out, in]` also kept as a row-major `[in, out]` numpy array for small batches.
+
+    Args:
+        weight: the CPU float32 weight; its transposed copy costs as much memory again.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.transposed = np.ascontiguousarray(weight.numpy().T)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > SMALL_BATCH_ROWS:
+            return F.linear(x, self.weight)
+        return torch.from_numpy(np.matmul(x.contiguous().numpy(), self.transposed))
+
+
+def small_batch_linear(module: nn.Linear) -> None:
+    """Route `module`'s small CPU fp32 batches through a transposed copy (no bias only)."""
+    if (module.bias is None and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32):
+        module.forward = SmallBatchWeight(module.weight)
 
 
 class RMSNorm(nn.Module):
@@ -76,6 +105,18 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def prepare_small_batches(self) -> None:
+        """Once the weights are loaded: give decode-sized matmuls their fast CPU path."""
+        for layer in self.layers:
+            for proj in (layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                small_batch_linear(proj)
+            if layer.qkv_proj.bias is None:
+                small_batch_linear(layer.qkv_proj)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            self._logits = SmallBatchWeight(weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionBackend, layer_hook: LayerHook | None = None) -> torch.Tensor:
@@ -94,5 +135,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits `[N, vocab]` for the chosen hidden states `[N, hidden]`."""
+        hidden = self.norm(hidden)
+        if self._logits is not None:
+            return self._logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight)
+        return F.linear(hidden, weight)
