@@ -30,7 +30,7 @@ class SmallBatchWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
-        self.transposed = np.ascontiguousarray(weight.numpy().T)
+        self.transposed = np.ascontiguousarray(weight.detach().numpy().T)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > SMALL_BATCH_ROWS:
