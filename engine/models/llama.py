@@ -110,10 +110,8 @@ class LlamaForCausalLM(nn.Module):
     def prepare_small_batches(self) -> None:
         """Once the weights are loaded: give decode-sized matmuls their fast CPU path."""
         for layer in self.layers:
-            for proj in (layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 small_batch_linear(proj)
-            if layer.qkv_proj.bias is None:
-                small_batch_linear(layer.qkv_proj)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             self._logits = SmallBatchWeight(weight)
