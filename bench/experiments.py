@@ -97,7 +97,7 @@ from bench.loadgen import (
     run_load,
     served_model,
 )
-from bench.report import build_report, compare_reports, write_report
+from bench.report import build_report, compare_reports, fmt, write_report
 from bench.serving_metrics import Slo, succeeded, summarize, tpot, ttft
 from bench.traces import TraceRequest, WorkloadSpec, arrival_times, make_workload, write_trace
 
@@ -465,15 +465,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     """A GitHub markdown table; the first column left-aligned, the others right."""
     align = [":---", *["---:"] * (len(headers) - 1)]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in (headers, align, *rows))
-
-
-def fmt(value: float | None, suffix: str = "") -> str:
-    """Three significant figures (one decimal from 100 up); `-` for None."""
-    if value is None:
-        return "-"
-    if isinstance(value, int):
-        return f"{value}{suffix}"
-    return f"{value:.3g}{suffix}" if abs(value) < 100 else f"{value:.1f}{suffix}"
 
 
 def pct(value: float | None) -> str:

@@ -151,15 +151,15 @@ def print_summary(label: str, summary: dict[str, Any], console: Console | None =
               ("output throughput (tok/s)", "output_throughput"),
               ("total throughput (tok/s)", "total_token_throughput"))
     for name, key in counts:
-        table.add_row(name, _format(summary[key]))
+        table.add_row(name, fmt(summary[key]))
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
                       ("e2e_ms", "E2E")):
         for stat, value in summary[key].items():
-            table.add_row(f"{name} {stat} (ms)", _format(value))
+            table.add_row(f"{name} {stat} (ms)", fmt(value))
     if summary["slo"] is not None:
         table.add_row("SLO (ms)", ", ".join(f"{k.removesuffix('_ms')} <= {v:g}"
                                             for k, v in summary["slo"].items() if v))
-        table.add_row("goodput (req/s)", _format(summary["goodput"]))
+        table.add_row("goodput (req/s)", fmt(summary["goodput"]))
         table.add_row("SLO attainment", f"{summary['slo_attainment']:.1%}")
     (console or Console()).print(table)
 
@@ -211,8 +211,8 @@ def print_comparison(reports: Sequence[dict[str, Any]], console: Console | None 
     for report in reports:
         table.add_column(report["label"], justify="right")
     for row in compare_reports(reports):
-        cells = [_format(row["values"][0])]
-        cells += [f"{_format(value)} ({_format(ratio, 'x')})"
+        cells = [fmt(row["values"][0])]
+        cells += [f"{fmt(value)} ({fmt(ratio, 'x')})"
                   for value, ratio in zip(row["values"][1:], row["ratios"][1:], strict=True)]
         table.add_row(row["metric"], *cells)
     (console or Console()).print(table)
@@ -225,7 +225,8 @@ def _lookup(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
     return value
 
 
-def _format(value: float | None, suffix: str = "") -> str:
+def fmt(value: float | None, suffix: str = "") -> str:
+    """Three significant figures (one decimal from 100 up); `-` for None."""
     if value is None:
         return "-"
     if isinstance(value, int):

@@ -20,7 +20,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def begin_step(self, layout: BatchLayout) -> None:
         bs = layout.block_size
-        self.layout = layout
         self.slot_blocks = layout.slot_mapping // bs
         self.slot_offsets = layout.slot_mapping % bs
         device = layout.block_tables.device
