@@ -28,24 +28,35 @@ class FlashInferBackend(AttentionBackend):
 
     def begin_step(self, layout: BatchLayout) -> None:
         bs = layout.block_size
+        self.layout = layout
         self.slot_blocks = layout.slot_mapping // bs
         self.slot_offsets = layout.slot_mapping % bs
         self.num_prefill_tokens = layout.num_prefill_tokens
         n = layout.num_prefills
         self.has_prefill = n > 0
         self.has_decode = n < len(layout.query_lens)
+        self.planned = False
+
+    def _plan(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """Plan once per step, at the first layer, when the tensors' dtypes are known:
+        FlashInfer assumes float16 unless told, and `run` rejects any other q dtype."""
+        layout, n, bs = self.layout, self.layout.num_prefills, self.layout.block_size
+        dtypes = {"q_data_type": q_dtype, "kv_data_type": kv_dtype}
         if self.has_prefill:
             indptr, indices, last = _paged_args(layout, 0, n)
             qo_indptr = _indptr(layout.query_lens[:n], indptr.device)
             self.prefill.plan(qo_indptr, indptr, indices, last, self.num_heads,
-                              self.num_kv_heads, self.head_dim, bs, causal=True)
+                              self.num_kv_heads, self.head_dim, bs, causal=True, **dtypes)
         if self.has_decode:
             indptr, indices, last = _paged_args(layout, n, len(layout.query_lens))
             self.decode.plan(indptr, indices, last, self.num_heads, self.num_kv_heads,
-                             self.head_dim, bs)
+                             self.head_dim, bs, **dtypes)
+        self.planned = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
+        if not self.planned:
+            self._plan(q.dtype, kv_layer.dtype)
         kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
         kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
         split = self.num_prefill_tokens
