@@ -10,7 +10,13 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from engine import IncrementalDetokenizer, SamplingParams, apply_chat_template, load_tokenizer
+from engine import (
+    IncrementalDetokenizer,
+    SamplingParams,
+    apply_chat_template,
+    check_request,
+    load_tokenizer,
+)
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
 from router.errors import (
@@ -92,8 +98,8 @@ class Router:
         arrival = time.monotonic()
         try:
             self._check_model(model)
-            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages)
             sampling = _sampling_params(params or {})
+            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling)
             rid = _request_id(request_id)
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
@@ -106,7 +112,8 @@ class Router:
                                      f"{self.model_info.name!r}", "model")
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                          messages: list[dict[str, Any]] | None) -> list[int]:
+                          messages: list[dict[str, Any]] | None,
+                          sampling: SamplingParams) -> list[int]:
         inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
         given = [name for name, value in inputs.items() if value is not None]
         if len(given) != 1:
@@ -123,22 +130,12 @@ class Router:
                 raise InvalidRequestError(str(e)) from None
         else:
             ids = list(prompt_token_ids or [])
-        self._check_prompt(given[0], ids)
-        return ids
-
-    def _check_prompt(self, field: str, ids: list[int]) -> None:
         info = self.model_info
-        if not ids:
-            raise InvalidRequestError(f"{field}: must not be empty")
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"{field}: token id {bad!r} is outside the vocabulary "
-                                      f"[0, {info.vocab_size})")
-        if len(ids) >= info.max_model_len:
-            raise InvalidRequestError(
-                f"{field}: {len(ids)} tokens is too long; the limit is {info.max_model_len - 1} "
-                f"(max_model_len {info.max_model_len} keeps room for one output token)")
+        try:
+            check_request(ids, sampling, info.vocab_size, info.max_model_len, given[0])
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        return ids
 
     # ---- streaming -------------------------------------------------------------------
 
