@@ -115,8 +115,13 @@ async def _respond(router: Router, requests: list[GenerateRequest],
                    body: CompletionRequest | ChatCompletionRequest, chat: bool,
                    echo: list[str] | None = None) -> Response:
     """Run the choices' requests and answer with one response (or one SSE stream)."""
-    builder = ResponseBuilder(chat, requests[0].request_id, router.model_info.name,
-                              lambda token_id: router.tokenizer.decode([token_id]))
+    if body.return_tokens_as_token_ids:
+        def name(token_id: int) -> str:
+            return f"token_id:{token_id}"
+    else:
+        def name(token_id: int) -> str:
+            return router.tokenizer.decode([token_id])
+    builder = ResponseBuilder(chat, requests[0].request_id, router.model_info.name, name)
     outputs = await _admitted(router, requests)
     n = body.n
     if body.stream:

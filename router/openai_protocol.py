@@ -77,6 +77,7 @@ class _Request(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the client's own records; no effect here
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens `token_id:N`
 
     def sampling(self) -> dict[str, Any]:
         """SamplingParams fields the client set."""
