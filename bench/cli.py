@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import math
 import os
 import sys
@@ -21,17 +22,8 @@ from contextlib import aclosing
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bench.loadgen import (
-    GrpcBackend,
-    LoadOptions,
-    LoadResult,
-    OpenAIBackend,
-    run_load,
-    served_model,
-)
-from bench.report import build_report, load_report, print_comparison, print_summary, write_report
 from bench.serving_metrics import Slo, summarize
 from bench.traces import (
     ARRIVALS,
@@ -44,6 +36,9 @@ from bench.traces import (
     read_trace,
     write_trace,
 )
+
+if TYPE_CHECKING:
+    from bench.loadgen import LoadResult
 
 DEFAULT_NUM_REQUESTS = 100
 # Flags that shape a synthetic workload; a trace brings its own arrivals and lengths.
@@ -142,6 +137,15 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError: flags that do not fit together; the message says which.
     """
+    _check_extra()
+    from bench.report import (
+        build_report,
+        load_report,
+        print_comparison,
+        print_summary,
+        write_report,
+    )
+
     if args.compare:
         print_comparison([load_report(path) for path in args.compare])
         return 0
@@ -159,8 +163,19 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary["failed"] else 0
 
 
+def _check_extra() -> None:
+    """The load generator and the plots need the `bench` extra; say so instead of a
+    traceback."""
+    for module in ("httpx", "matplotlib"):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"pdcluster bench needs {module!r}, which comes with the bench "
+                             "extra: pip install 'pdcluster[bench]'")
+
+
 async def _drive(args: argparse.Namespace, requests: list[TraceRequest]
                  ) -> tuple[LoadResult, str | None]:
+    from bench.loadgen import GrpcBackend, LoadOptions, OpenAIBackend, run_load, served_model
+
     options = LoadOptions(args.max_concurrency, args.duration, args.request_timeout)
     if args.backend == "grpc":
         async with aclosing(GrpcBackend(args.address)) as backend:

@@ -74,7 +74,7 @@ class LLMEngine:
 
     Args:
         model: `smollm2`, `tiny`, a `.gguf` file or a local Hugging Face directory.
-        dtype: `float32`, `bfloat16` or `float16`.
+        dtype: `auto`, `float32`, `bfloat16` or `float16`.
         cache: KV cache sizing and prefix caching.
         scheduler: budgets, role and batching policy.
         device: `auto` (CUDA when present), `cpu` or `cuda[:n]`.
@@ -91,8 +91,8 @@ class LLMEngine:
                  num_threads: int | None = None) -> None:
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig()
-        self.dtype = parse_dtype(dtype)
         self.device = _pick_device(device)
+        self.dtype = parse_dtype(dtype, self.device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
             threadpool_limits(num_threads, user_api="blas")  # numpy's, for small batches
@@ -249,6 +249,8 @@ class LLMEngine:
             "num_free_blocks": pool.num_free_blocks,
             "kv_usage": pool.usage,
             "prefix_hit_rate": pool.num_hits / pool.num_queries if pool.num_queries else 0.0,
+            "prefix_cache_hits": pool.num_hits,
+            "prefix_cache_queries": pool.num_queries,
             "num_waiting_for_kv": sum(1 for r in self.scheduler.parked.values()
                                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
             "time": time.monotonic(),

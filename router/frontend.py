@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine import (
@@ -40,11 +40,14 @@ class RouterConfig:
         max_queue: most requests waiting for admission; beyond it requests are refused at once.
         queue_timeout_s: longest wait for admission (a shorter client deadline wins);
             None waits as long as it takes.
+        served_model_name: the model's name in the API (`model` fields, `/v1/models`, the
+            metrics' `model_name` label); None: the name the backend loaded it by.
     """
 
     max_running: int = 256
     max_queue: int = 1024
     queue_timeout_s: float | None = 60.0
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -67,9 +70,11 @@ class Router:
         self.backend = backend
         self.config = config or RouterConfig()
         self.model_info = backend.model_info()
+        if self.config.served_model_name:
+            self.model_info = replace(self.model_info, name=self.config.served_model_name)
         self.tokenizer = load_tokenizer(self.model_info.model_dir)
         self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
-        self.metrics = RouterMetrics(self.admission)
+        self.metrics = RouterMetrics(self.admission, self.model_info.name)
         self._active: dict[str, _Stream] = {}
 
     # ---- admission -------------------------------------------------------------------
@@ -327,6 +332,11 @@ class _Stream:
         metrics = self.router.metrics
         metrics.finished.labels(reason).inc()
         metrics.e2e.observe(now - arrival)
+        if self.first_token is not None:
+            metrics.prefill_time.observe(self.first_token - self.admitted)
+            metrics.decode_time.observe(self.last_token - self.first_token)
+            if self.num_tokens > 1:
+                metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
         out = out or GenerateOutput(self.request.request_id)
         timings = Timings(queue=self.admitted - arrival,
                           prefill=self.backend_timings.get("prefill", 0.0),

@@ -152,7 +152,7 @@ def test_abort_unknown_is_not_found(client):
 
 def test_client_disconnect_aborts(client, servers, backend, wait_until):
     registry = servers.router.metrics.registry
-    labels = {"cause": "disconnect"}
+    labels = {"model_name": "tiny", "cause": "disconnect"}
     before = registry.get_sample_value("pdcluster:requests_aborted_total", labels) or 0
     stream = client.generate(PROMPT, **LONG)
     next(stream)

@@ -147,8 +147,9 @@ def test_queue_full_is_429(make_servers, wait_until):
         assert queued.result(timeout=30).choices[0].finish_reason in ("length", "stop")
     registry = servers.router.metrics.registry
     assert registry.get_sample_value("pdcluster:requests_finished_total",
-                                     {"finish_reason": "abort"}) == 1
-    assert registry.get_sample_value("pdcluster:generation_tokens_total") < 1000
+                                     {"model_name": "tiny", "finish_reason": "abort"}) == 1
+    assert registry.get_sample_value("pdcluster:generation_tokens_total",
+                                     {"model_name": "tiny"}) < 1000
 
 
 def test_models_health_metrics(api, servers):
