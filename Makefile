@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
-.PHONY: install serve test lint setup-vllm bench-engine bench-kv
+.PHONY: install serve test lint check-install setup-vllm bench-engine bench-kv
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ lint: install
 
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+# `pip install .` without extras in a clean venv: the CLI, the Docker entrypoint's command
+# line serving the tiny model over gRPC and HTTP, bench's missing-extra message.
+check-install:
+	bash scripts/check_install.sh
 
 # vLLM's CPU build in its own venv (.venv-vllm), the peer for CPU benchmarks.
 setup-vllm:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import json
 import math
 import os
 import sys
@@ -21,18 +23,9 @@ from contextlib import aclosing
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bench.loadgen import (
-    GrpcBackend,
-    LoadOptions,
-    LoadResult,
-    OpenAIBackend,
-    run_load,
-    served_model,
-)
-from bench.report import build_report, load_report, print_comparison, print_summary, write_report
-from bench.serving_metrics import Slo, summarize
+from bench.serving_metrics import VLLM_METRICS, Slo, summarize
 from bench.traces import (
     ARRIVALS,
     DEFAULT_VOCAB_RANGE,
@@ -44,6 +37,9 @@ from bench.traces import (
     read_trace,
     write_trace,
 )
+
+if TYPE_CHECKING:
+    from bench.loadgen import LoadResult
 
 DEFAULT_NUM_REQUESTS = 100
 # Flags that shape a synthetic workload; a trace brings its own arrivals and lengths.
@@ -102,18 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--trace", type=Path, metavar="FILE.jsonl",
                       help="replay a trace (timestamp, prompt or prompt_len, output_len) "
                            "instead of a synthetic workload")
-    load.add_argument("--num-requests", type=int,
+    load.add_argument("--num-requests", "--num-prompts", type=int,
                       help=f"requests to send (default {DEFAULT_NUM_REQUESTS}; a trace: all)")
     load.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
 
     arrivals = parser.add_argument_group("arrivals")
-    arrivals.add_argument("--rate", type=float,
-                          help="mean requests/s (default: all at once)")
+    arrivals.add_argument("--rate", "--request-rate", type=float,
+                          help="mean requests/s (default: all at once; inf: all at once)")
     arrivals.add_argument("--arrival", choices=ARRIVALS,
                           help="inter-arrival law (default poisson; gamma with --burstiness)")
-    arrivals.add_argument("--burstiness", type=float, metavar="CV",
-                          help="gamma inter-arrivals with this coefficient of variation "
-                               "(1 is Poisson; larger is burstier)")
+    arrivals.add_argument("--burstiness", type=float, metavar="SHAPE",
+                          help="gamma inter-arrivals with this shape, as in vLLM: 1 is "
+                               "Poisson, smaller is burstier, larger is smoother (inf: even "
+                               "spacing); the gaps' coefficient of variation is 1/sqrt(SHAPE)")
     arrivals.add_argument("--max-concurrency", type=int,
                           help="at most this many requests in flight")
     arrivals.add_argument("--duration", type=float,
@@ -122,6 +119,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("report")
     out.add_argument("--slo", type=_slo, metavar="ttft=MS,tpot=MS",
                      help="objectives for goodput and SLO attainment")
+    out.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                     help="vLLM's form of --slo: ttft:MS tpot:MS e2el:MS")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl", type=_metric_names,
+                     help="for --save-result: metrics with mean/median/std/percentiles, "
+                          "from ttft, tpot, itl, e2el (default %(default)s)")
+    out.add_argument("--metric-percentiles", default="99", type=_percentiles,
+                     help="for --save-result: comma-separated percentiles (default "
+                          "%(default)s)")
+    out.add_argument("--save-result", action="store_true",
+                     help="also write vLLM's result JSON (as `vllm bench serve --save-result`)")
+    out.add_argument("--result-dir", type=Path, default=Path("."),
+                     help="folder of the vLLM result JSON (default: here)")
+    out.add_argument("--result-filename",
+                     help="file name of the vLLM result JSON (default: "
+                          "pdcluster-{rate}qps-{date}.json)")
     out.add_argument("--out", type=Path, metavar="DIR",
                      help="write report.json, trace.jsonl, latency_cdf.png, throughput.png")
     out.add_argument("--label", help="the run's name in the report and comparisons")
@@ -142,10 +154,23 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError: flags that do not fit together; the message says which.
     """
+    _check_extra()
+    from bench.report import (
+        build_report,
+        load_report,
+        print_comparison,
+        print_summary,
+        write_report,
+    )
+
     if args.compare:
         print_comparison([load_report(path) for path in args.compare])
         return 0
     _check_target(args)
+    if args.goodput:
+        if args.slo is not None:
+            raise ValueError("--goodput and --slo: give one of them")
+        args.slo = Slo.from_goodput(args.goodput)
     requests = _requests(args)
     config = _config(args)
     result, model = asyncio.run(_drive(args, requests))
@@ -156,11 +181,46 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_report(args.out, build_report(label, config, summary, result), result)
         write_trace(args.out / "trace.jsonl", requests[:len(result.records)])
+    if args.save_result:
+        _save_vllm_result(args, label, model, result)
     return 1 if summary["failed"] else 0
+
+
+def _save_vllm_result(args: argparse.Namespace, label: str, model: str | None,
+                      result: LoadResult) -> Path:
+    from bench.report import vllm_result
+
+    now = datetime.now()
+    rate = "inf" if args.rate is None else args.rate
+    settings = {"date": now.strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend,
+                "backend": args.backend, "label": label, "model_id": model,
+                "tokenizer_id": model, "num_prompts": len(result.records),
+                "request_rate": rate,
+                "burstiness": 1.0 if args.burstiness is None else args.burstiness,
+                "max_concurrency": args.max_concurrency}
+    body = vllm_result(result, settings, args.percentile_metrics, args.metric_percentiles,
+                       args.slo)
+    name = args.result_filename or f"pdcluster-{rate}qps-{settings['date']}.json"
+    path = args.result_dir / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body))
+    print(f"vLLM-format result: {path}")
+    return path
+
+
+def _check_extra() -> None:
+    """The load generator and the plots need the `bench` extra; say so instead of a
+    traceback."""
+    for module in ("httpx", "matplotlib"):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"pdcluster bench needs {module!r}, which comes with the bench "
+                             "extra: pip install 'pdcluster[bench]'")
 
 
 async def _drive(args: argparse.Namespace, requests: list[TraceRequest]
                  ) -> tuple[LoadResult, str | None]:
+    from bench.loadgen import GrpcBackend, LoadOptions, OpenAIBackend, run_load, served_model
+
     options = LoadOptions(args.max_concurrency, args.duration, args.request_timeout)
     if args.backend == "grpc":
         async with aclosing(GrpcBackend(args.address)) as backend:
@@ -201,9 +261,14 @@ def _arrivals(args: argparse.Namespace, num_requests: int) -> list[float]:
     process = args.arrival or ("gamma" if args.burstiness is not None else "poisson")
     if args.burstiness is not None and process != "gamma":
         raise ValueError(f"--burstiness sets gamma inter-arrivals, not {process}")
+    if args.burstiness is not None and not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     rate = math.inf if args.rate is None else args.rate
-    burstiness = 1.0 if args.burstiness is None else args.burstiness
-    return arrival_times(num_requests, rate, process, burstiness, args.seed).tolist()
+    shape = 1.0 if args.burstiness is None else args.burstiness
+    if math.isinf(shape):  # vLLM: infinitely smooth gamma gaps are even spacing
+        process, shape = "fixed", 1.0
+    # The trace generator takes the gaps' coefficient of variation: 1/sqrt(shape).
+    return arrival_times(num_requests, rate, process, 1 / math.sqrt(shape), args.seed).tolist()
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -229,6 +294,26 @@ def _int_range(text: str) -> tuple[int, int]:
     if bounds[0] > bounds[1]:
         raise argparse.ArgumentTypeError(f"LO must be <= HI, got {text!r}")
     return bounds
+
+
+def _metric_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in VLLM_METRICS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected names from {', '.join(VLLM_METRICS)}, "
+                                         f"got {text!r}")
+    return names
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
+                                         ) from None
+    if not values or any(not 0 < p < 100 for p in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100), got {text!r}")
+    return values
 
 
 def _slo(text: str) -> Slo:

@@ -24,7 +24,14 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.loadgen import LoadResult, RequestRecord
-from bench.serving_metrics import e2e, succeeded, token_throughput_over_time, tpot, ttft
+from bench.serving_metrics import (
+    e2e,
+    itls,
+    succeeded,
+    token_throughput_over_time,
+    tpot,
+    ttft,
+)
 
 SCHEMA = "pdcluster.bench/1"
 THROUGHPUT_BIN_S = 1.0
@@ -232,3 +239,74 @@ def fmt(value: float | None, suffix: str = "") -> str:
     if isinstance(value, int):
         return f"{value}{suffix}"
     return f"{value:.3g}{suffix}" if abs(value) < 100 else f"{value:.1f}{suffix}"
+
+
+def vllm_result(result: LoadResult, settings: dict[str, Any], percentile_metrics: Sequence[str],
+                percentiles: Sequence[float], goodput: Any) -> dict[str, Any]:
+    """The run as `vllm bench serve --save-result` writes it, field for field, so the two
+    tools' files compare directly. Latency statistics cover successful requests, in ms.
+
+    Args:
+        result: the records and duration.
+        settings: vLLM's run fields (`date`, `backend`, `label`, `model_id`, `tokenizer_id`,
+            `num_prompts`, `request_rate`, `burstiness`, `max_concurrency`).
+        percentile_metrics: which of `VLLM_METRICS` get mean/median/std/percentiles.
+        percentiles: e.g. (99,) for `p99_ttft_ms`.
+        goodput: the `Slo` of `--goodput`, or None (then `request_goodput` is null).
+
+    Returns:
+        The JSON-ready dict.
+    """
+    records, duration = result.records, result.duration
+    ok = [r for r in records if succeeded(r)]
+    per_request = {
+        "ttft": [ttft(r) for r in ok],
+        "tpot": [t for r in ok if (t := tpot(r)) is not None],
+        "itl": [t for r in ok for t in itls(r)],
+        "e2el": [e2e(r) for r in ok],
+    }
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    out: dict[str, Any] = {
+        **settings,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": (sum(goodput.met(r) for r in records) / duration
+                            if goodput is not None else None),
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "input_lens": [r.prompt_tokens for r in records],
+        "output_lens": [r.output_tokens if succeeded(r) else 0 for r in records],
+        "ttfts": [ttft(r) if succeeded(r) else 0.0 for r in records],
+        "itls": [itls(r) if succeeded(r) else [] for r in records],
+        "latencies": [e2e(r) if succeeded(r) else 0.0 for r in records],
+        "start_times": [r.send for r in records],
+        "errors": [r.error or "" for r in records],
+        "max_output_tokens_per_s": max(token_throughput_over_time(records, duration, 1.0),
+                                       default=0.0),
+        "max_concurrent_requests": _max_concurrency(records),
+    }
+    for name in percentile_metrics:
+        values = np.asarray(per_request[name], dtype=np.float64) * 1e3
+        empty = not len(values)
+        out[f"mean_{name}_ms"] = 0.0 if empty else float(values.mean())
+        out[f"median_{name}_ms"] = 0.0 if empty else float(np.median(values))
+        out[f"std_{name}_ms"] = 0.0 if empty else float(values.std())
+        for p in percentiles:
+            word = str(int(p)) if int(p) == p else str(p)
+            out[f"p{word}_{name}_ms"] = 0.0 if empty else float(np.percentile(values, p))
+    return out
+
+
+def _max_concurrency(records: Sequence[RequestRecord]) -> int:
+    events = sorted([(r.send, 1) for r in records] + [(r.finish, -1) for r in records],
+                    key=lambda e: (e[0], e[1]))
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak

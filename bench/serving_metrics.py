@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from bench.loadgen import RequestRecord
 
 PERCENTILES = (50, 90, 99)
+# `vllm bench serve --percentile-metrics` names: TTFT, TPOT, ITL, end-to-end latency.
+VLLM_METRICS = ("ttft", "tpot", "itl", "e2el")
 _OK_FINISH_REASONS = ("stop", "length")
 
 
@@ -38,10 +40,37 @@ class Slo:
     Args:
         ttft_ms: time to first token at most this.
         tpot_ms: time per output token at most this.
+        e2e_ms: end-to-end latency at most this.
     """
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    @classmethod
+    def from_goodput(cls, pairs: Sequence[str]) -> Slo:
+        """Parse `vllm bench serve --goodput` pairs: `ttft:MS`, `tpot:MS`, `e2el:MS`.
+
+        Raises:
+            ValueError: an unknown key or a value that is not a number >= 0.
+        """
+        names = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
+        fields: dict[str, float] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition(":")
+            if not sep or key not in names:
+                raise ValueError(f"goodput: expected KEY:MS with KEY one of ttft, tpot, e2el, "
+                                 f"got {pair!r}")
+            try:
+                number = float(value)
+            except ValueError:
+                raise ValueError(f"goodput: {key} must be a number of ms, got {value!r}") from None
+            if not number >= 0:
+                raise ValueError(f"goodput: {key} must be >= 0 ms, got {value}")
+            fields[names[key]] = number
+        if not fields:
+            raise ValueError("goodput: give at least one of ttft:MS, tpot:MS, e2el:MS")
+        return cls(**fields)
 
     @classmethod
     def parse(cls, text: str) -> Slo:
@@ -67,10 +96,12 @@ class Slo:
         return cls(**fields)
 
     def met(self, record: RequestRecord) -> bool:
-        """Whether a request succeeded within both objectives."""
+        """Whether a request succeeded within every objective."""
         if not succeeded(record):
             return False
         if self.ttft_ms is not None and ttft(record) * 1e3 > self.ttft_ms:
+            return False
+        if self.e2e_ms is not None and e2e(record) * 1e3 > self.e2e_ms:
             return False
         record_tpot = tpot(record)
         return self.tpot_ms is None or record_tpot is None or record_tpot * 1e3 <= self.tpot_ms
@@ -159,7 +190,7 @@ def summarize(records: Sequence[RequestRecord], duration: float,
         "tpot_ms": distribution([t for r in ok if (t := tpot(r)) is not None], 1e3),
         "itl_ms": distribution([t for r in ok for t in itls(r)], 1e3),
         "e2e_ms": distribution([e2e(r) for r in ok], 1e3),
-        "slo": None if slo is None else {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        "slo": None if slo is None else asdict(slo),
         "goodput": good / duration if slo else None,
         "slo_attainment": good / len(records) if slo and records else None,
     }

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Any
+
+# `docker run IMAGE serve ...` must listen on every interface; the image sets this.
+HOST_ENV = "PDCLUSTER_HOST"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,7 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     worker: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb,
                               "max_num_batched_tokens": args.max_num_batched_tokens,
                               "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
-                              "policy": args.policy,
+                              "policy": args.policy, "max_model_len": args.max_model_len,
                               "enable_prefix_caching": not args.no_prefix_caching}
     cluster = ClusterConfig(
         model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
@@ -27,7 +31,9 @@ def _serve(args: argparse.Namespace) -> int:
         num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
         local_prefill_threshold=args.local_prefill_threshold, worker=worker)
     options = ServeOptions(cluster, args.address, args.host, args.grpc_port, args.http_port,
-                           RouterConfig(max_running=args.max_running, max_queue=args.max_queue))
+                           RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
+                                        served_model_name=args.served_model_name),
+                           metrics_compat=args.metrics_compat)
     asyncio.run(run(options))
     return 0
 
@@ -115,13 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None,
                        help="existing Ray cluster ('auto', 'ray://host:10001'); "
                             "default: embedded local Ray")
-    serve.add_argument("--host", default="127.0.0.1", help="interface of the front doors")
+    serve.add_argument("--host", default=os.environ.get(HOST_ENV, "127.0.0.1"),
+                       help=f"interface of the front doors (default: ${HOST_ENV} or 127.0.0.1)")
     serve.add_argument("--worker-host", default=None,
                        help="address workers and the router bind for ZMQ and KV; 'auto' "
                             "(each node's IP) with --address, else 127.0.0.1")
     serve.add_argument("--grpc-port", type=int, default=50051)
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--http-port", "--port", type=int, default=8000,
+                       help="OpenAI HTTP port (--port, as in vLLM)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API and the metrics (default: --model)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's and the KV "
+                            "pool's limit)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                       default="float32",
+                       help="auto: float32 on CPU, bfloat16 on CUDA")
     serve.add_argument("--num-cpus-per-worker", type=float, default=1.0)
     serve.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     serve.add_argument("--torch-threads", type=int, default=1)
@@ -135,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--max-running", type=int, default=256)
     serve.add_argument("--max-queue", type=int, default=1024)
+    serve.add_argument("--metrics-compat", choices=["vllm"], default=None,
+                       help="also export vLLM's metric names (vllm:num_requests_waiting, "
+                            "vllm:kv_cache_usage_perc, ...) for existing dashboards and "
+                            "autoscalers")
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
@@ -152,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="resize the pools live")
     scale.add_argument("--prefill", type=int, default=None)
     scale.add_argument("--decode", type=int, default=None)
+    # bench.cli imports only what its flags need; running a benchmark needs the bench extra.
     from bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)

@@ -30,6 +30,38 @@ _UTILIZATION = {
 _COUNTERS = {
     "worker_prefill_tokens": ("prefill_tokens", "Prompt tokens computed."),
     "worker_decode_tokens": ("decode_tokens", "Tokens decoded."),
+    "worker_prefix_cache_queries": ("prefix_cache_queries",
+                                    "Prompt tokens looked up in the prefix cache."),
+    "worker_prefix_cache_hits": ("prefix_cache_hits",
+                                 "Prompt tokens found in the prefix cache."),
+}
+# `--metrics-compat vllm`: vLLM's names for the same quantities, so dashboards, KEDA rules
+# and llm-d's scheduler written for vLLM read pdcluster unchanged. Worker series carry
+# vLLM's `engine` label (the worker id); the router's queue is the `engine="router"` series
+# of num_requests_waiting.
+_VLLM_WORKER_GAUGES = {
+    "vllm:num_requests_running": ("num_running", "Requests in the worker's running batch."),
+    "vllm:num_requests_waiting": ("num_waiting", "Requests waiting inside the worker."),
+    "vllm:kv_cache_usage_perc": ("kv_usage", "Fraction of KV-cache blocks in use (0-1)."),
+}
+_VLLM_WORKER_COUNTERS = {
+    "vllm:prefix_cache_queries": ("prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache."),
+    "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+}
+# Router series re-exported under vLLM's names (same values, same buckets).
+_VLLM_ROUTER_NAMES = {
+    "pdcluster:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "pdcluster:inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "pdcluster:request_time_per_output_token_seconds":
+        "vllm:request_time_per_output_token_seconds",
+    "pdcluster:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "pdcluster:request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "pdcluster:request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "pdcluster:request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "pdcluster:prompt_tokens": "vllm:prompt_tokens",
+    "pdcluster:generation_tokens": "vllm:generation_tokens",
+    "pdcluster:requests_finished": "vllm:request_success",
 }
 
 
@@ -55,14 +87,16 @@ class WorkerCollector(Collector):
 
     Args:
         backend: the `ClusterBackend` whose workers are reported.
+        model_name: the served model's name (the `model_name` label).
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, model_name: str) -> None:
         self.backend = backend
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         workers = list(self.backend.workers.values())
-        labels = ["worker_id", "role"]
+        labels = ["model_name", "worker_id", "role"]
         for table, family, source in ((_GAUGES, GaugeMetricFamily, "stats"),
                                       (_UTILIZATION, GaugeMetricFamily, "utilization"),
                                       (_COUNTERS, CounterMetricFamily, "stats")):
@@ -71,6 +105,47 @@ class WorkerCollector(Collector):
                 for h in workers:
                     values = h.stats if source == "stats" else h.stats.get("utilization", {})
                     if key in values:
-                        metric.add_metric([h.worker_id, h.role], values[key])
+                        metric.add_metric([self.model_name, h.worker_id, h.role],
+                                          values[key])
                 yield metric
         yield from self.backend.transfer_registry.collect()
+
+
+class VllmCompatCollector(Collector):
+    """vLLM-named series (`--metrics-compat vllm`): per-worker load and prefix-cache counters
+    with vLLM's `engine` label, the router queue, and the router's latency histograms and
+    token counters renamed.
+
+    Args:
+        backend: the `ClusterBackend` whose workers are reported.
+        router_metrics: the router's `RouterMetrics`.
+    """
+
+    def __init__(self, backend: Any, router_metrics: Any) -> None:
+        self.backend = backend
+        self.router_metrics = router_metrics
+
+    def collect(self) -> Iterator[Metric]:
+        model = self.router_metrics.model_name
+        workers = list(self.backend.workers.values())
+        labels = ["model_name", "engine"]
+        for table, family in ((_VLLM_WORKER_GAUGES, GaugeMetricFamily),
+                              (_VLLM_WORKER_COUNTERS, CounterMetricFamily)):
+            for name, (key, doc) in table.items():
+                metric = family(name, doc, labels=labels)
+                for h in workers:
+                    if key in h.stats:
+                        metric.add_metric([model, h.worker_id], h.stats[key])
+                if name == "vllm:num_requests_waiting":
+                    metric.add_metric([model, "router"],
+                                      self.router_metrics.admission.num_waiting)
+                yield metric
+        for family in self.router_metrics.collect_own():
+            new_name = _VLLM_ROUTER_NAMES.get(family.name)
+            if new_name is None:
+                continue
+            renamed = Metric(new_name, family.documentation, family.type)
+            for sample in family.samples:
+                renamed.add_sample(new_name + sample.name[len(family.name):], sample.labels,
+                                   sample.value, sample.timestamp, sample.exemplar)
+            yield renamed

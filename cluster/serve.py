@@ -13,7 +13,7 @@ import ray
 from rich.console import Console
 
 from cluster.backend import ClusterBackend, ClusterConfig
-from cluster.metrics import WorkerCollector
+from cluster.metrics import VllmCompatCollector, WorkerCollector
 from engine.model_loader import cache_dir, resolve_model_dir
 from router.frontend import RouterConfig
 from router.servers import Servers, start_servers
@@ -33,6 +33,7 @@ class ServeOptions:
         grpc_port: gRPC port (0 picks one).
         http_port: OpenAI HTTP port (0 picks one).
         router: admission limits.
+        metrics_compat: `vllm` also exports vLLM's metric names; None only pdcluster's.
     """
 
     cluster: ClusterConfig
@@ -41,6 +42,7 @@ class ServeOptions:
     grpc_port: int = 50051
     http_port: int = 8000
     router: RouterConfig = field(default_factory=RouterConfig)
+    metrics_compat: str | None = None
 
 
 def endpoint_file() -> Path:
@@ -72,7 +74,10 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
         await backend.start()
     servers = await start_servers(backend, options.host, options.grpc_port, options.http_port,
                                   options.router)
-    servers.router.metrics.registry.register(WorkerCollector(backend))
+    metrics = servers.router.metrics
+    metrics.registry.register(WorkerCollector(backend, metrics.model_name))
+    if options.metrics_compat == "vllm":
+        metrics.registry.register(VllmCompatCollector(backend, metrics))
     _announce(options, servers)
     try:
         await stop.wait()

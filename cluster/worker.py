@@ -60,6 +60,7 @@ class WorkerSpec:
         enable_prefix_caching: reuse cached prompt blocks.
         kv_wait_timeout_s: how long reserved decode blocks wait for a remote prefill's KV
             (queueing on the prefill worker included; peer loss is detected sooner).
+        max_model_len: longest prompt + output; None: the model's and the KV pool's limit.
     """
 
     worker_id: str
@@ -78,6 +79,7 @@ class WorkerSpec:
     policy: str = "continuous"
     enable_prefix_caching: bool = True
     kv_wait_timeout_s: float = 600.0
+    max_model_len: int | None = None
 
 
 class Worker:
@@ -124,7 +126,8 @@ class Worker:
             scheduler=SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
                                       max_num_seqs=spec.max_num_seqs, role=engine_role,
                                       policy=spec.policy),
-            num_threads=spec.torch_threads, kv_allocator=self.shm_pool)
+            num_threads=spec.torch_threads, kv_allocator=self.shm_pool,
+            max_model_len=spec.max_model_len)
 
     def _build_role(self) -> None:
         spec = self.spec

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Entrypoint of the pdcluster image.
 #
-#   docker run IMAGE                      -> pdcluster serve --host 0.0.0.0 (the CMD)
+#   docker run IMAGE                      -> pdcluster serve (the CMD; the image sets
+#                                            PDCLUSTER_HOST=0.0.0.0)
 #   docker run IMAGE serve --prefill 2    -> pdcluster serve --prefill 2
 #   docker run IMAGE --help               -> pdcluster --help
 #   docker run IMAGE bash                 -> bash (the Ray cluster launcher starts its

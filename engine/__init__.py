@@ -1,7 +1,8 @@
 """pdcluster's model runtime: paged KV cache, continuous batching, one Llama implementation.
 
 The public surface other packages may use: `LLM`, `LLMEngine`, `SamplingParams`,
-`RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs, and the tokenizer helpers.
+`RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs, the tokenizer helpers and
+`check_request`.
 """
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -10,6 +11,7 @@ from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, L
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from engine.validation import check_request
 
 __all__ = [
     "LLM",
@@ -25,5 +27,6 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "apply_chat_template",
+    "check_request",
     "load_tokenizer",
 ]

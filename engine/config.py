@@ -14,8 +14,10 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a user-facing dtype name to a torch dtype.
+def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype; `auto` (vLLM's default name) is float32
+    on CPU, where it is the exact reference and this engine's tested path, and bfloat16 on
+    CUDA.
 
     Raises:
         ValueError: the name is not one of the supported dtypes.
@@ -24,8 +26,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if dtype in _DTYPES.values():
             return dtype
         raise ValueError(f"dtype: {dtype} is not supported; use one of float32, bfloat16, float16")
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        raise ValueError(f"dtype: {dtype!r} is not supported; use auto or one of "
+                         f"{sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 

@@ -19,7 +19,9 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
+from engine.validation import check_request
 
 # Called after layer i wrote its KV for the step's schedule (used to stream KV out).
 StepLayerHook = Callable[[int, SchedulerOutput], None]
@@ -72,7 +74,7 @@ class LLMEngine:
 
     Args:
         model: `smollm2`, `tiny`, a `.gguf` file or a local Hugging Face directory.
-        dtype: `float32`, `bfloat16` or `float16`.
+        dtype: `auto`, `float32`, `bfloat16` or `float16`.
         cache: KV cache sizing and prefix caching.
         scheduler: budgets, role and batching policy.
         device: `auto` (CUDA when present), `cpu` or `cuda[:n]`.
@@ -89,8 +91,8 @@ class LLMEngine:
                  num_threads: int | None = None) -> None:
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig()
-        self.dtype = parse_dtype(dtype)
         self.device = _pick_device(device)
+        self.dtype = parse_dtype(dtype, self.device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
             threadpool_limits(num_threads, user_api="blas")  # numpy's, for small batches
@@ -114,6 +116,7 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len,
                                      self.scheduler_config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
+        self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size)
 
     def _blocks_for_memory(self) -> int:
         cfg = self.model_config
@@ -129,23 +132,8 @@ class LLMEngine:
         Raises:
             ValueError: the message names the field and the limit.
         """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params)}")
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt_token_ids):
-            raise ValueError("prompt_token_ids: every token id must be an integer")
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary "
-                             f"[0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens is too long; the limit is "
-                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} keeps room "
-                "for one output token)")
+        check_request(prompt_token_ids, params, self.model_config.vocab_size,
+                      self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> Request:
@@ -165,6 +153,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                           self.max_model_len)
+        if params.json_schema is not None:
+            request.grammar = self.grammar.matcher(params.json_schema)
         self.requests[request_id] = request
         return request
 
@@ -259,6 +249,8 @@ class LLMEngine:
             "num_free_blocks": pool.num_free_blocks,
             "kv_usage": pool.usage,
             "prefix_hit_rate": pool.num_hits / pool.num_queries if pool.num_queries else 0.0,
+            "prefix_cache_hits": pool.num_hits,
+            "prefix_cache_queries": pool.num_queries,
             "num_waiting_for_kv": sum(1 for r in self.scheduler.parked.values()
                                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
             "time": time.monotonic(),

@@ -91,7 +91,7 @@ class ModelRunner:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[ends[sampling]])
         requests = [batch[i].request for i in sampling]
-        result = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        result = sample(logits, requests)
         tokens = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs, strict=True)
                     if lp is not None}

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,8 @@ class Request:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        # Set by the engine when `params.json_schema` asks for structured output.
+        self.grammar: GrammarMatcher | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

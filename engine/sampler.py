@@ -1,12 +1,27 @@
-"""Token selection: greedy, temperature, top-k, top-p, min-p, seeds, logprobs."""
+"""Token selection: logits processing (bias, penalties, grammar), then greedy, temperature,
+top-k, top-p, min-p, seeds, logprobs.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarMatcher
+
+
+class SamplingState(Protocol):
+    """What the sampler reads of a request (`engine.request.Request` has it all)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    grammar: GrammarMatcher | None
 
 
 @dataclass
@@ -16,27 +31,61 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> SampleResult:
-    """Pick one token per row of `logits` `[N, vocab]`.
+def sample(logits: torch.Tensor, requests: Sequence[SamplingState]) -> SampleResult:
+    """Pick one token per row of `logits` `[N, vocab]`, row i for `requests[i]`.
 
-    Greedy rows are one batched argmax; the others are filtered and drawn row by row,
-    each from its own generator when the request has a seed.
+    Each row is first processed as its request asks, in vLLM's order: `logit_bias` added,
+    then repetition, frequency and presence penalties, then the grammar mask. Greedy rows
+    are then one batched argmax; the others are filtered and drawn row by row, each from its
+    own generator when the request has a seed. Logprobs are those of the raw model logits.
     """
-    logits = logits.float()
+    raw = logits.float()
+    logits = _processed(raw, requests)
     token_ids = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            probs = _filtered_probs(logits[i], p)
-            token_ids[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    params = [r.params for r in requests]
+    for i, r in enumerate(requests):
+        if not r.params.greedy:
+            probs = _filtered_probs(logits[i], r.params)
+            token_ids[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
     tokens = token_ids.tolist()
     logprobs: list[dict[int, float] | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        all_logprobs = torch.log_softmax(logits[wanted], dim=-1)
+        all_logprobs = torch.log_softmax(raw[wanted], dim=-1)
         for row, i in enumerate(wanted):
             logprobs[i] = _top_logprobs(all_logprobs[row], params[i].logprobs or 0, tokens[i])
     return SampleResult(tokens, logprobs)
+
+
+def _processed(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+    """`logits` with every request's bias, penalties and grammar mask applied (a copy when
+    any row changes)."""
+    rows = [i for i, r in enumerate(requests)
+            if r.params.logit_bias or r.params.has_penalties or r.grammar is not None]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        _process_row(logits[i], requests[i])
+    return logits
+
+
+def _process_row(row: torch.Tensor, r: SamplingState) -> None:
+    """Apply one request's logits processing to its row `[vocab]`, in place."""
+    p = r.params
+    if p.logit_bias:
+        ids, biases = zip(*p.logit_bias, strict=True)
+        row[list(ids)] += torch.tensor(biases, dtype=row.dtype)
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(r.prompt_token_ids + r.output_token_ids).unique()
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=row.numel())
+        row -= counts.to(row.dtype) * p.frequency_penalty + (counts > 0) * p.presence_penalty
+    if r.grammar is not None:
+        row.masked_fill_(~r.grammar.allowed(r.output_token_ids), float("-inf"))
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output import check_json_schema
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +26,17 @@ class SamplingParams:
         logprobs: also return the log-probabilities of the top-n tokens (and the sampled
             one) at each step; None for none.
         skip_special_tokens: leave special tokens out of the text.
+        presence_penalty: subtracted once from the logit of every token already in the
+            output, in [-2, 2] (OpenAI's definition).
+        frequency_penalty: subtracted from a token's logit once per time it is already in
+            the output, in [-2, 2] (OpenAI's definition).
+        repetition_penalty: a token already in the prompt or the output has a positive logit
+            divided by it and a negative one multiplied by it; 1 is off, > 0 (the CTRL /
+            Hugging Face / vLLM definition).
+        logit_bias: token id -> value in [-100, 100] added to its logit before sampling
+            (a mapping is accepted and frozen into sorted pairs).
+        json_schema: the output must be JSON matching this JSON Schema (the schema's JSON
+            text); `{"type": "object"}` asks for any JSON object. Enforced by a grammar mask.
     """
 
     max_tokens: int = 16
@@ -38,13 +51,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
-        # Lists are accepted for convenience and frozen into tuples.
+        # Lists are accepted for convenience and frozen into tuples (they also come back as
+        # lists after a msgpack round trip to a worker).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._check()
 
     def _check(self) -> None:
@@ -68,11 +88,47 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token_id, bias in self.logit_bias:
+            _check_int("logit_bias token id", token_id, low=0)
+            if not _is_real(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+        if self.json_schema is not None:
+            check_json_schema(self.json_schema)
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any presence, frequency or repetition penalty is set."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0 or self.top_k == 1
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """`{token id: bias}` (JSON gives the ids as strings) or pairs, as sorted pairs."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(_token_key(token_id), value) for token_id, value in items]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    return tuple(sorted(pairs))
+
+
+def _token_key(token_id: object) -> int:
+    if isinstance(token_id, str) and token_id.lstrip("-").isdigit():
+        return int(token_id)
+    if isinstance(token_id, int) and not isinstance(token_id, bool):
+        return token_id
+    raise ValueError(f"not a token id: {token_id!r}")
 
 
 def _is_real(value: object) -> bool:

@@ -112,6 +112,9 @@ def _generate_request(prompt: str | None, messages: list[dict[str, str]] | None,
         raise ValueError("give only one of prompt, messages or prompt_token_ids")
     if isinstance(sampling.get("stop"), str):  # one stop string, not its characters
         sampling = {**sampling, "stop": [sampling["stop"]]}
+    if sampling.get("logit_bias"):  # JSON-style string keys are token ids too
+        sampling = {**sampling, "logit_bias": {int(k): v
+                                               for k, v in sampling["logit_bias"].items()}}
     params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     request = pb.GenerateRequest(model=model, request_id=request_id, sampling_params=params)
     if prompt is not None:

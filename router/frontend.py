@@ -7,10 +7,16 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from engine import IncrementalDetokenizer, SamplingParams, apply_chat_template, load_tokenizer
+from engine import (
+    IncrementalDetokenizer,
+    SamplingParams,
+    apply_chat_template,
+    check_request,
+    load_tokenizer,
+)
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
 from router.errors import (
@@ -34,11 +40,14 @@ class RouterConfig:
         max_queue: most requests waiting for admission; beyond it requests are refused at once.
         queue_timeout_s: longest wait for admission (a shorter client deadline wins);
             None waits as long as it takes.
+        served_model_name: the model's name in the API (`model` fields, `/v1/models`, the
+            metrics' `model_name` label); None: the name the backend loaded it by.
     """
 
     max_running: int = 256
     max_queue: int = 1024
     queue_timeout_s: float | None = 60.0
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -61,9 +70,11 @@ class Router:
         self.backend = backend
         self.config = config or RouterConfig()
         self.model_info = backend.model_info()
+        if self.config.served_model_name:
+            self.model_info = replace(self.model_info, name=self.config.served_model_name)
         self.tokenizer = load_tokenizer(self.model_info.model_dir)
         self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
-        self.metrics = RouterMetrics(self.admission)
+        self.metrics = RouterMetrics(self.admission, self.model_info.name)
         self._active: dict[str, _Stream] = {}
 
     # ---- admission -------------------------------------------------------------------
@@ -92,8 +103,8 @@ class Router:
         arrival = time.monotonic()
         try:
             self._check_model(model)
-            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages)
             sampling = _sampling_params(params or {})
+            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling)
             rid = _request_id(request_id)
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
@@ -106,7 +117,8 @@ class Router:
                                      f"{self.model_info.name!r}", "model")
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                          messages: list[dict[str, Any]] | None) -> list[int]:
+                          messages: list[dict[str, Any]] | None,
+                          sampling: SamplingParams) -> list[int]:
         inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
         given = [name for name, value in inputs.items() if value is not None]
         if len(given) != 1:
@@ -123,22 +135,12 @@ class Router:
                 raise InvalidRequestError(str(e)) from None
         else:
             ids = list(prompt_token_ids or [])
-        self._check_prompt(given[0], ids)
-        return ids
-
-    def _check_prompt(self, field: str, ids: list[int]) -> None:
         info = self.model_info
-        if not ids:
-            raise InvalidRequestError(f"{field}: must not be empty")
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"{field}: token id {bad!r} is outside the vocabulary "
-                                      f"[0, {info.vocab_size})")
-        if len(ids) >= info.max_model_len:
-            raise InvalidRequestError(
-                f"{field}: {len(ids)} tokens is too long; the limit is {info.max_model_len - 1} "
-                f"(max_model_len {info.max_model_len} keeps room for one output token)")
+        try:
+            check_request(ids, sampling, info.vocab_size, info.max_model_len, given[0])
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        return ids
 
     # ---- streaming -------------------------------------------------------------------
 
@@ -330,6 +332,11 @@ class _Stream:
         metrics = self.router.metrics
         metrics.finished.labels(reason).inc()
         metrics.e2e.observe(now - arrival)
+        if self.first_token is not None:
+            metrics.prefill_time.observe(self.first_token - self.admitted)
+            metrics.decode_time.observe(self.last_token - self.first_token)
+            if self.num_tokens > 1:
+                metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
         out = out or GenerateOutput(self.request.request_id)
         timings = Timings(queue=self.admitted - arrival,
                           prefill=self.backend_timings.get("prefill", 0.0),

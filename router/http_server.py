@@ -7,6 +7,7 @@ import json
 import socket
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import uvicorn
@@ -27,9 +28,11 @@ from router.errors import (
 from router.frontend import Router
 from router.openai_protocol import (
     ChatCompletionRequest,
+    Choice,
     CompletionRequest,
     ResponseBuilder,
     error_body,
+    total_usage,
 )
 from router.outputs import GenerateOutput
 
@@ -61,16 +64,20 @@ def build_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        prompt = ({"prompt": body.prompt} if isinstance(body.prompt, str)
-                  else {"prompt_token_ids": body.prompt})
-        request = router.prepare(**prompt, params=body.params(), model=body.model)
-        return await _respond(router, request, body.stream, body.include_usage, chat=False)
+        params = body.params()
+        prompts = [router.prepare(**prompt, params=params, model=body.model)
+                   for prompt in body.prompts()]
+        echo = None
+        if body.echo:
+            texts = [router.tokenizer.decode(r.prompt_token_ids) for r in prompts]
+            echo = [text for text in texts for _ in range(body.n)]
+        return await _respond(router, _fan_out(prompts, body.n), body, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         request = router.prepare(messages=body.message_dicts(),
                                  params=body.params(info.max_model_len), model=body.model)
-        return await _respond(router, request, body.stream, body.include_usage, chat=True)
+        return await _respond(router, _fan_out([request], body.n), body, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -90,25 +97,74 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
-async def _respond(router: Router, request: GenerateRequest, stream: bool, include_usage: bool,
-                   chat: bool) -> Response:
-    builder = ResponseBuilder(chat, request.request_id, router.model_info.name,
-                              lambda token_id: router.tokenizer.decode([token_id]))
-    outs = router.generate(request)
-    # Admission errors (queue full, deadline) surface here, before any byte is sent.
-    first = await anext(outs)
-    outputs = _chain(first, outs)
-    if stream:
-        return StreamingResponse(_sse(builder, outputs, include_usage),
-                                 media_type="text/event-stream")
+def _fan_out(prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """n engine requests per prompt (the copies share the prompt's prefix cache); a seeded
+    request's copy j draws with seed + j, so the choices differ but stay reproducible."""
+    if n == 1:
+        return prompts
+    out = []
+    for request in prompts:
+        seed = request.params.seed
+        for j in range(n):
+            params = request.params if seed is None else replace(request.params, seed=seed + j)
+            out.append(replace(request, request_id=f"{request.request_id}-{j}", params=params))
+    return out
+
+
+async def _respond(router: Router, requests: list[GenerateRequest],
+                   body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                   echo: list[str] | None = None) -> Response:
+    """Run the choices' requests and answer with one response (or one SSE stream)."""
+    if body.return_tokens_as_token_ids:
+        def name(token_id: int) -> str:
+            return f"token_id:{token_id}"
+    else:
+        def name(token_id: int) -> str:
+            return router.tokenizer.decode([token_id])
+    builder = ResponseBuilder(chat, requests[0].request_id, router.model_info.name, name)
+    outputs = await _admitted(router, requests)
+    n = body.n
+    if body.stream:
+        return StreamingResponse(_sse(builder, outputs, body.include_usage, n, echo),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    results = await asyncio.gather(*(_collect(stream) for stream in outputs),
+                                   return_exceptions=True)
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        raise error
+    collected = [r for r in results if not isinstance(r, BaseException)]
+    finals = [outs[-1] for outs in collected]
+    failed = next((final for final in finals if final.finish_reason == "error"), None)
+    if failed is not None:
+        return JSONResponse(error_body(failed.error or "generation failed", "server_error"), 500)
+    choices = []
+    for index, outs in enumerate(collected):
+        logprobs = None if requests[index].params.logprobs is None else \
+            [lp for out in outs for lp in out.logprobs or []]
+        text = (echo[index] if echo else "") + "".join(o.text for o in outs)
+        choices.append(Choice(text, logprobs, outs[-1].finish_reason))
+    return JSONResponse(builder.response(choices, total_usage(finals, n)))
+
+
+async def _admitted(router: Router, requests: list[GenerateRequest]
+                    ) -> list[AsyncGenerator[GenerateOutput, None]]:
+    """Start every request; admission errors (queue full, deadline) surface here, before any
+    byte is sent, and end the requests already started."""
+    streams = [router.generate(request) for request in requests]
+    firsts = await asyncio.gather(*(anext(stream) for stream in streams),
+                                  return_exceptions=True)
+    error = next((f for f in firsts if isinstance(f, BaseException)), None)
+    if error is not None:
+        for stream in streams:
+            await stream.aclose()
+        raise error
+    return [_chain(first, stream) for first, stream in zip(firsts, streams, strict=True)]
+
+
+async def _collect(outputs: AsyncGenerator[GenerateOutput, None]) -> list[GenerateOutput]:
     async with aclosing(outputs):
-        collected = [out async for out in outputs]
-    final = collected[-1]
-    if final.finish_reason == "error":
-        return JSONResponse(error_body(final.error or "generation failed", "server_error"), 500)
-    logprobs = None if request.params.logprobs is None else \
-        [lp for out in collected for lp in out.logprobs or []]
-    return JSONResponse(builder.response("".join(o.text for o in collected), logprobs, final))
+        return [out async for out in outputs]
 
 
 async def _chain(first: GenerateOutput, rest: AsyncGenerator[GenerateOutput, None]
@@ -119,18 +175,59 @@ async def _chain(first: GenerateOutput, rest: AsyncGenerator[GenerateOutput, Non
             yield out
 
 
-async def _sse(builder: ResponseBuilder, outputs: AsyncGenerator[GenerateOutput, None],
-               include_usage: bool) -> AsyncGenerator[str, None]:
-    async with aclosing(outputs):
+async def _merged(streams: list[AsyncGenerator[GenerateOutput, None]]
+                  ) -> AsyncGenerator[tuple[int, GenerateOutput], None]:
+    """The choices' outputs as they come, tagged with the choice's index; closing it closes
+    (and so aborts) every choice still running."""
+    queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[GenerateOutput, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _sse(builder: ResponseBuilder, streams: list[AsyncGenerator[GenerateOutput, None]],
+               include_usage: bool, n: int, echo: list[str] | None
+               ) -> AsyncGenerator[str, None]:
+    finals: dict[int, GenerateOutput] = {}
+    async with aclosing(_merged(streams)) as outputs:
         if builder.chat:
-            yield _event(builder.chunk(None, include_usage))
-        async for out in outputs:
+            for index in range(len(streams)):
+                yield _event(builder.chunk(index, None, include_usage))
+        pending_echo = dict(enumerate(echo or []))
+        async for index, out in outputs:
             if out.finish_reason == "error":
                 yield _event(error_body(out.error or "generation failed", "server_error"))
                 break
-            yield _event(builder.chunk(out, include_usage))
-            if out.finished and include_usage and out.usage is not None:
-                yield _event(builder.usage_chunk(out.usage))
+            yield _event(builder.chunk(index, out, include_usage, pending_echo.pop(index, "")))
+            if out.finished:
+                finals[index] = out
+        else:
+            if include_usage:
+                ordered = [finals[i] for i in range(len(streams))]
+                yield _event(builder.usage_chunk(total_usage(ordered, n)))
     yield "data: [DONE]\n\n"
 
 
@@ -152,6 +249,9 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     fields = [str(part) for part in error["loc"][1:]]  # loc starts with "body"
     if error["type"] == "json_invalid":
         message, param = f"body: malformed JSON ({error['ctx']['error']})", None
+    elif error["type"] == "extra_forbidden":
+        param = fields[0] if fields else None
+        message = f"{'.'.join(fields)}: not supported by this server"
     else:
         param = fields[0] if fields else None
         message = f"{'.'.join(fields) or 'body'}: {error['msg']}"

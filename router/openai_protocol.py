@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,17 +13,48 @@ from router.errors import InvalidRequestError
 from router.outputs import GenerateOutput, TokenLogprob, Usage
 
 _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+                    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+
+# The most choices one request may ask for (n times the number of prompts).
+MAX_CHOICES = 128
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """Any field a model does not declare is refused (400 naming it), never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    """Fields both endpoints take; unknown fields are ignored, as vLLM does."""
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
 
-    model_config = ConfigDict(extra="ignore")
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON Schema the output must match; None for free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.json_schema is None:
+            raise InvalidRequestError("response_format.json_schema: required when type is "
+                                      "json_schema", "response_format")
+        return json.dumps(self.json_schema.schema_)
+
+
+class _Request(_Body):
+    """Fields both endpoints take."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -35,15 +68,23 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the client's own records; no effect here
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens `token_id:N`
 
     def sampling(self) -> dict[str, Any]:
         """SamplingParams fields the client set."""
-        if self.n != 1:
-            raise InvalidRequestError(f"n: only 1 choice per request is supported, got {self.n}")
-        return {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        if self.response_format is not None:
+            fields["json_schema"] = self.response_format.schema_text()
+        return fields
 
     @property
     def include_usage(self) -> bool:
@@ -51,22 +92,44 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
 
     def params(self) -> dict[str, Any]:
         """SamplingParams fields; an unset max_tokens takes the default (16, as OpenAI)."""
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo: not supported together with logprobs (prompt "
+                                      "logprobs are not computed)", "echo")
         return {**self.sampling(), "logprobs": self.logprobs}
 
+    def prompts(self) -> list[dict[str, Any]]:
+        """One `Router.prepare` input per prompt: `{"prompt": text}` or
+        `{"prompt_token_ids": ids}`."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]  # type: ignore[list-item]
+        if not prompt:
+            raise InvalidRequestError("prompt: must not be empty", "prompt")
+        if len(prompt) * self.n > MAX_CHOICES:
+            raise InvalidRequestError(f"n: {len(prompt)} prompts x n={self.n} is more than "
+                                      f"{MAX_CHOICES} choices", "n")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
+                for p in prompt]
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 
+class ChatMessage(_Body):
     role: str
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
     def text(self, index: int) -> str:
         """The content; a list of parts is joined, and must hold only text parts."""
+        if self.content is None:
+            if self.role != "assistant":
+                raise InvalidRequestError(f"messages[{index}].content: only an assistant "
+                                          "message may have null content", "messages")
+            return ""
         if isinstance(self.content, str):
             return self.content
         if any(part.get("type") != "text" for part in self.content):
@@ -93,10 +156,29 @@ class ChatCompletionRequest(_Request):
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a non-streaming response."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+
+
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def total_usage(finals: list[GenerateOutput], n: int) -> Usage:
+    """One response's usage over its choices, `n` per prompt in order: each prompt counts
+    once (with the cached tokens of its first choice), every choice's completion counts."""
+    usages = [final.usage or Usage() for final in finals]
+    firsts = usages[::n]
+    return Usage(sum(u.prompt_tokens for u in firsts),
+                 sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in firsts))
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -126,30 +208,35 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def response(self, text: str, logprobs: list[TokenLogprob] | None,
-                 final: GenerateOutput) -> dict[str, Any]:
+    def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         """The non-streaming response."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(logprobs),
-                                  "finish_reason": final.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        return {**body, "usage": usage_body(final.usage or Usage())}
+        bodies = []
+        for index, choice in enumerate(choices):
+            body: dict[str, Any] = {"index": index, "logprobs": self._logprobs(choice.logprobs),
+                                    "finish_reason": choice.finish_reason}
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": choice.text}
+            else:
+                body["text"] = choice.text
+            bodies.append(body)
+        envelope = self._envelope("chat.completion" if self.chat else "text_completion", bodies)
+        return {**envelope, "usage": usage_body(usage)}
 
-    def chunk(self, out: GenerateOutput | None, include_usage: bool) -> dict[str, Any]:
-        """A streaming chunk; None gives the chat stream's opening (role) chunk."""
+    def chunk(self, index: int, out: GenerateOutput | None, include_usage: bool,
+              prefix: str = "") -> dict[str, Any]:
+        """A streaming chunk of choice `index`; None gives the chat stream's opening (role)
+        chunk; `prefix` goes before the text (the echoed prompt)."""
         if out is None:
-            choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}
         else:
-            choice = {"index": 0, "logprobs": self._logprobs(out.logprobs),
+            text = prefix + out.text
+            choice = {"index": index, "logprobs": self._logprobs(out.logprobs),
                       "finish_reason": out.finish_reason}
             if self.chat:
-                choice["delta"] = {"content": out.text} if out.text else {}
+                choice["delta"] = {"content": text} if text else {}
             else:
-                choice["text"] = out.text
+                choice["text"] = text
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
                               [choice])
         return {**body, "usage": None} if include_usage else body

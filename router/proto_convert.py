@@ -13,7 +13,9 @@ from router.outputs import GenerateOutput, Timings, TokenLogprob, Usage
 from router.proto.pdcluster.v1 import pdcluster_pb2 as pb
 
 _OPTIONAL_PARAMS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
-                    "seed", "ignore_eos", "logprobs", "skip_special_tokens")
+                    "seed", "ignore_eos", "logprobs", "skip_special_tokens",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "json_schema")
 _REPEATED_PARAMS = ("stop", "stop_token_ids")
 # Worker fields carried as typed proto fields; any other key travels in `extra_json`.
 _WORKER_FIELDS = {"worker_id": str, "role": str, "state": str, "num_running": int,
@@ -28,6 +30,8 @@ def params_from_proto(params: pb.SamplingParams) -> dict[str, Any]:
     fields = {name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)}
     fields.update({name: list(getattr(params, name)) for name in _REPEATED_PARAMS
                    if getattr(params, name)})
+    if params.logit_bias:
+        fields["logit_bias"] = dict(params.logit_bias)
     return fields
 
 

@@ -155,3 +155,59 @@ def test_compare_reports_gives_ratios_to_the_first(tmp_path: Path,
         paths[-1].write_text(json.dumps(data))
     assert cli.main(["--compare", *map(str, paths)]) == 0
     assert "75 (1.5x)" in capsys.readouterr().out
+
+
+def test_vllm_flags_and_result_json(servers: Servers, tmp_path: Path) -> None:
+    """`vllm bench serve`'s spelling of the run, and its result file, field for field."""
+    argv = [*target("openai", servers), "--num-prompts", "8", "--request-rate", "20",
+            "--burstiness", "4", "--prompt-len", "16:48", "--output-len", "4:12", "--seed", "5",
+            "--goodput", "ttft:60000", "tpot:60000", "--percentile-metrics", "ttft,tpot,e2el",
+            "--metric-percentiles", "50,99.9", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "vllm.json", "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    result = json.loads((tmp_path / "vllm.json").read_text())
+    report = load_report(tmp_path / "out" / "report.json")
+    summary = report["summary"]
+    assert (result["completed"], result["failed"], result["num_prompts"]) == (8, 0, 8)
+    assert (result["request_rate"], result["burstiness"]) == (20.0, 4.0)
+    assert result["total_output_tokens"] == summary["total_output_tokens"]
+    assert result["request_throughput"] == pytest.approx(summary["request_throughput"])
+    assert result["request_goodput"] == pytest.approx(summary["request_throughput"])
+    assert result["output_lens"] == [r["output_tokens"] for r in report["requests"]]
+    assert len(result["ttfts"]) == len(result["itls"]) == len(result["latencies"]) == 8
+    assert result["mean_ttft_ms"] == pytest.approx(summary["ttft_ms"]["mean"])
+    assert result["median_ttft_ms"] == pytest.approx(summary["ttft_ms"]["p50"])
+    assert result["p50_tpot_ms"] <= result["p99.9_tpot_ms"]
+    assert result["mean_e2el_ms"] == pytest.approx(summary["e2e_ms"]["mean"])
+    assert "mean_itl_ms" not in result  # not among --percentile-metrics
+    assert 1 <= result["max_concurrent_requests"] <= 8
+
+
+def test_burstiness_is_the_gamma_shape_as_in_vllm() -> None:
+    """Shape k gives gaps with CV 1/sqrt(k): k = 4 is smoother than Poisson, 0.25 burstier."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    cvs = {}
+    for shape in ("0.25", "1", "4"):
+        args = parser.parse_args(["--rate", "10", "--burstiness", shape, "--seed", "3"])
+        gaps = [b - a for a, b in zip(cli._arrivals(args, 4001), cli._arrivals(args, 4001)[1:],
+                                      strict=False)]
+        mean = sum(gaps) / len(gaps)
+        cvs[shape] = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+        assert mean == pytest.approx(0.1, rel=0.1)
+    assert cvs["0.25"] == pytest.approx(2.0, rel=0.15)
+    assert cvs["1"] == pytest.approx(1.0, rel=0.1)
+    assert cvs["4"] == pytest.approx(0.5, rel=0.1)
+    args = parser.parse_args(["--rate", "10", "--burstiness", "inf"])
+    assert cli._arrivals(args, 3) == pytest.approx([0.0, 0.1, 0.2])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--goodput", "ttft=100"], "expected KEY:MS"),
+    (["--goodput", "itl:5"], "expected KEY:MS"),
+    (["--goodput", "ttft:100", "--slo", "ttft=100"], "give one of them"),
+])
+def test_goodput_errors(argv: list[str], message: str,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--address", "127.0.0.1:1", *argv]) == 2
+    assert message in capsys.readouterr().err

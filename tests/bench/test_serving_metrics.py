@@ -78,7 +78,7 @@ def test_summary_counts_throughput_and_goodput() -> None:
     # too slow per token, and failed requests never count.
     assert summary["goodput"] == pytest.approx(0.5)
     assert summary["slo_attainment"] == pytest.approx(0.2)
-    assert summary["slo"] == {"ttft_ms": 300.0, "tpot_ms": 250.0}
+    assert summary["slo"] == {"ttft_ms": 300.0, "tpot_ms": 250.0, "e2e_ms": None}
 
 
 def test_summary_without_slo_leaves_goodput_out() -> None:

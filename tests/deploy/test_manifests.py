@@ -27,12 +27,11 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import generate_latest
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import WorkerCollector, transfer_metrics
+from cluster.metrics import VllmCompatCollector, WorkerCollector, transfer_metrics
 from router.admission import AdmissionQueue
-from router.metrics import RouterMetrics
+from router.metrics import ModelBoundMetric, RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -44,27 +43,11 @@ OPERATORS_GUIDE = ROOT / "docs" / "operators.md"
 GRPC_PORT, HTTP_PORT = 50051, 8000
 POOLS = {"prefill": "pd_prefill", "decode": "pd_decode"}
 
-# `pdcluster serve` options and what they take: a type, or the allowed choices.
-SERVE_FLAGS: dict[str, type | tuple[str, ...]] = {
-    "--model": str,
-    "--prefill": int,
-    "--decode": int,
-    "--mode": ("disaggregated", "colocated"),
-    "--transport": ("shm", "zmq", "torch"),
-    "--address": str,
-    "--host": str,
-    "--grpc-port": int,
-    "--http-port": int,
-    "--num-cpus-per-worker": float,
-    "--num-gpus-per-worker": float,
-    "--torch-threads": int,
-}
-SCALE_FLAGS = {"--prefill": int, "--decode": int, "--address": str}
-
 # What WorkerCollector reads of one worker's pushed stats (`Worker.stats` in cluster/worker.py).
 WORKER_STATS: dict[str, Any] = {
     "kv_usage": 0.25, "num_running": 2, "num_waiting": 1, "prefix_hit_rate": 0.5,
     "prefill_tokens": 4096, "decode_tokens": 512,
+    "prefix_cache_queries": 8192, "prefix_cache_hits": 2048,
     "utilization": {"busy": 0.6, "idle": 0.3, "transfer_wait": 0.1,
                     "flops_utilization": 0.4, "bandwidth_utilization": 0.7},
 }
@@ -131,24 +114,44 @@ def dashboard() -> dict[str, Any]:
 # ---------------------------------------------------------------- command lines
 
 
-def parse_flags(argv: list[str], flags: dict[str, Any], what: str) -> dict[str, str]:
-    """Options of a command line as {flag: value}, failing on unknown flags or bad values."""
+def cli_flags(command: str) -> dict[str, Any]:
+    """`pdcluster COMMAND`'s options, read from the real parser: {flag: the allowed choices,
+    the type that converts the value, or None for a switch that takes none}."""
+    flags: dict[str, Any] = {}
+    for action in cli_subcommands()[command]._actions:
+        for option in action.option_strings:
+            if action.nargs == 0:
+                flags[option] = None
+            elif action.choices is not None:
+                flags[option] = tuple(action.choices)
+            else:
+                flags[option] = action.type or str
+    return flags
+
+
+def parse_flags(argv: list[str], command: str, what: str) -> dict[str, str]:
+    """Options of a `pdcluster COMMAND` line as {flag: value}, failing on flags the real
+    parser does not have or values its types or choices refuse."""
+    flags = cli_flags(command)
     values: dict[str, str] = {}
     it = iter(argv)
     for arg in it:
         assert arg.startswith("--"), f"{what}: unexpected positional argument {arg!r}"
         flag, eq, value = arg.partition("=")
         assert flag in flags, f"{what}: {flag} is not an option (known: {sorted(flags)})"
+        kind = flags[flag]
+        if kind is None:
+            values[flag] = ""
+            continue
         if not eq:
             value = next(it, None)
             assert value is not None, f"{what}: {flag} needs a value"
-        kind = flags[flag]
         if isinstance(kind, tuple):
             assert value in kind, f"{what}: {flag} {value!r} is not one of {kind}"
         else:
             try:
                 kind(value)
-            except ValueError:
+            except (ValueError, argparse.ArgumentTypeError):
                 pytest.fail(f"{what}: {flag} {value!r} is not a {kind.__name__}")
         values[flag] = value
     return values
@@ -179,19 +182,12 @@ def markdown_code(text: str) -> str:
 
 
 def cli_subcommands() -> dict[str, argparse.ArgumentParser]:
-    """The project's CLI subcommands and their parsers (empty while there is no CLI)."""
-    try:
-        from cluster.cli import build_parser
-    except Exception:
-        return {}
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+    """The project's CLI subcommands and their parsers; an import error fails the test."""
+    from cluster.cli import build_parser
 
-
-def real_subparser(command: str) -> argparse.ArgumentParser | None:
-    return cli_subcommands().get(command)
+    (subparsers,) = [action for action in build_parser()._actions
+                     if isinstance(action, argparse._SubParsersAction)]
+    return dict(subparsers.choices)
 
 
 def assert_cli_accepts(parser: argparse.ArgumentParser, argv: list[str], where: str) -> None:
@@ -275,12 +271,12 @@ def exported_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     Read from the exposition of the real exporters, wired as `cluster/serve.py` wires them:
     the router's registry with a WorkerCollector registered in it.
     """
-    router = RouterMetrics(AdmissionQueue(max_running=1, max_queue=1))
+    router = RouterMetrics(AdmissionQueue(max_running=1, max_queue=1), "smollm2")
     # A labelled metric exports no series, hence no label names, until it has a child.
     for wrapper in vars(router).values():
-        if isinstance(wrapper, MetricWrapperBase) and wrapper._labelnames:
-            wrapper.labels(*wrapper._labelnames)
-    router.registry.register(WorkerCollector(stand_in_backend()))
+        if isinstance(wrapper, ModelBoundMetric):
+            wrapper.labels(*wrapper.label_names)
+    router.registry.register(WorkerCollector(stand_in_backend(), "smollm2"))
     families = list(text_string_to_metric_families(generate_latest(router.registry).decode()))
     # prometheus_client adds a `<name>_created` timestamp to counters and histograms.
     created = {f"{f.name}_created" for f in families if f.type in ("counter", "histogram")}
@@ -294,6 +290,35 @@ def exported_metrics() -> dict[str, tuple[str, frozenset[str]]]:
         labels = frozenset(label for sample in family.samples for label in sample.labels)
         table[name] = (family.type, labels - {"le"})
     return table
+
+
+def test_vllm_compat_exports_vllm_names_with_the_same_values():
+    router = RouterMetrics(AdmissionQueue(max_running=1, max_queue=1), "smollm2")
+    for seconds in (0.05, 0.3):
+        router.ttft.observe(seconds)
+    router.prompt_tokens.inc(7)
+    router.finished.labels("stop").inc()
+    router.registry.register(WorkerCollector(stand_in_backend(), "smollm2"))
+    router.registry.register(VllmCompatCollector(stand_in_backend(), router))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(router.registry).decode())
+               for s in f.samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({"model_name": "smollm2", **labels}.items())))]
+
+    assert value("vllm:kv_cache_usage_perc", engine="decode-0") == WORKER_STATS["kv_usage"]
+    assert value("vllm:num_requests_running", engine="prefill-0") == WORKER_STATS["num_running"]
+    assert value("vllm:num_requests_waiting", engine="decode-0") == WORKER_STATS["num_waiting"]
+    assert value("vllm:num_requests_waiting", engine="router") == 0
+    assert value("vllm:prefix_cache_hits_total", engine="decode-0") == 2048
+    assert value("vllm:prefix_cache_queries_total", engine="decode-0") == 8192
+    assert value("vllm:time_to_first_token_seconds_count") == 2
+    assert value("vllm:time_to_first_token_seconds_bucket", le="0.1") == 1
+    assert value("vllm:prompt_tokens_total") == 7
+    assert value("vllm:request_success_total", finish_reason="stop") == 1
+    # Without the flag nothing vLLM-named is exported.
+    assert not any(name.startswith("vllm:") for name in exported_metrics())
 
 
 # ---------------------------------------------------------------- PromQL
@@ -421,13 +446,10 @@ def test_raycluster_autoscaling_bounds():
 
 
 def test_ray_autoscaler_reads_the_raycluster():
-    pytest.importorskip("ray")
-    try:
-        from ray.autoscaler._private.kuberay.autoscaling_config import (
-            _derive_autoscaling_config_from_ray_cr,
-        )
-    except ImportError as e:
-        pytest.skip(f"this Ray has no KubeRay config derivation: {e}")
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
+
     cr = raycluster()
     cr["metadata"].setdefault("namespace", "default")
     # Validates against Ray's cluster schema, as the autoscaler sidecar does at start.
@@ -483,7 +505,7 @@ def test_rayjob_serves_on_the_raycluster():
     assert job["clusterSelector"] == {"ray.io/cluster": raycluster()["metadata"]["name"]}
     assert "rayClusterSpec" not in job, "clusterSelector and rayClusterSpec exclude each other"
     assert job.get("submissionMode", "K8sJobMode") in ("K8sJobMode", "HTTPMode")
-    flags = parse_flags(serve_argv(job["entrypoint"]), SERVE_FLAGS, "rayjob entrypoint")
+    flags = parse_flags(serve_argv(job["entrypoint"]), "serve", "rayjob entrypoint")
     assert flags.get("--address") == "auto", "the job's driver joins the cluster it runs on"
     # The Service reaches the router through the pod IP, not loopback.
     assert flags.get("--host") == "0.0.0.0"
@@ -496,7 +518,7 @@ def test_rayjob_serves_on_the_raycluster():
 
 
 def test_rayjob_pools_fit_in_their_worker_groups():
-    flags = parse_flags(serve_argv(rayjob()["spec"]["entrypoint"]), SERVE_FLAGS, "rayjob")
+    flags = parse_flags(serve_argv(rayjob()["spec"]["entrypoint"]), "serve", "rayjob")
     per_worker = {"nvidia.com/gpu": float(flags["--num-gpus-per-worker"]),
                   "cpu": float(flags["--num-cpus-per-worker"])}
     for name in POOLS:
@@ -536,7 +558,6 @@ def test_servicemonitor_scrapes_the_frontend_metrics():
 
 
 def test_launcher_config_passes_ray_validation():
-    pytest.importorskip("ray")
     from ray.autoscaler._private.util import validate_config
 
     # Raises (jsonschema.ValidationError / ValueError) on an invalid config.
@@ -614,7 +635,20 @@ def test_dockerfile_runs_as_non_root_with_pdcluster_entrypoint():
     (cmd,) = [json.loads(rest) for instruction, rest in dockerfile_instructions()
               if instruction == "CMD"]
     assert cmd[0] == "serve"
-    parse_flags(cmd[1:], SERVE_FLAGS, "Dockerfile CMD")
+    parse_flags(cmd[1:], "serve", "Dockerfile CMD")
+
+
+def test_image_serves_on_every_interface_whatever_the_serve_arguments(monkeypatch):
+    """`docker run IMAGE serve --prefill 1 --decode 1` replaces the CMD: the image's
+    environment, not its CMD, must make serve bind 0.0.0.0."""
+    from cluster.cli import HOST_ENV
+
+    env = dict(rest.split("=", 1) for instruction, rest in dockerfile_instructions()
+               if instruction == "ENV" for rest in shlex.split(rest))
+    assert env[HOST_ENV] == "0.0.0.0"
+    monkeypatch.setenv(HOST_ENV, env[HOST_ENV])
+    args = cli_subcommands()["serve"].parse_args(["--prefill", "1", "--decode", "1"])
+    assert args.host == "0.0.0.0"
 
 
 def test_dockerfile_run_steps_are_valid_shell_and_python():
@@ -769,8 +803,6 @@ def test_entrypoint_knows_every_cli_subcommand():
     (pattern,) = re.findall(r'^\s*"" \| -\* \|([^)]*)\)', script, flags=re.M)
     listed = {word.strip() for word in pattern.split("|")}
     subcommands = cli_subcommands()
-    if not subcommands:
-        pytest.skip("no CLI to compare with")
     assert listed == subcommands.keys(), "docker-entrypoint.sh is out of date"
 
 
@@ -778,13 +810,11 @@ def test_every_serve_command_uses_real_flags():
     commands = all_serve_commands()
     assert len(commands) >= 5, f"too few serve commands found: {list(commands)}"
     for where, argv in commands.items():
-        parse_flags(argv, SERVE_FLAGS, where)
+        parse_flags(argv, "serve", where)
 
 
 def test_serve_commands_parse_with_the_cli():
-    parser = real_subparser("serve")
-    if parser is None:
-        pytest.skip("cluster.cli has no `serve` subcommand yet")
+    parser = cli_subcommands()["serve"]
     for where, argv in all_serve_commands().items():
         assert_cli_accepts(parser, argv, where)
 
@@ -793,13 +823,12 @@ def test_guide_scale_commands_and_paths():
     guide = OPERATORS_GUIDE.read_text()
     scales = shell_commands(markdown_code(guide), "pdcluster scale")
     assert scales, "the guide shows no `pdcluster scale`"
-    parser = real_subparser("scale")
+    parser = cli_subcommands()["scale"]
     for line in scales:
         words = shlex.split(line, comments=True)
         end = next((i for i, w in enumerate(words) if w in (";", "&&", "|")), len(words))
-        flags = parse_flags(words[2:end], SCALE_FLAGS, f"guide: {line}")
+        flags = parse_flags(words[2:end], "scale", f"guide: {line}")
         assert {"--prefill", "--decode"} & flags.keys(), f"guide: {line} changes nothing"
-        if parser is not None:
-            assert_cli_accepts(parser, words[2:end], "docs/operators.md")
+        assert_cli_accepts(parser, words[2:end], "docs/operators.md")
     for path in set(re.findall(r"(?<![\w/.-])((?:deploy|docs|tests)/[\w./-]*\w)", guide)):
         assert (ROOT / path).exists(), f"the guide mentions {path}, which does not exist"

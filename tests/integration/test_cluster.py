@@ -166,7 +166,7 @@ def test_worker_metrics_are_exported(disagg, loop_thread):
     _run_all(loop_thread, disagg, _prompts(4, seed=7), prefix="m")
     time.sleep(1.2)  # two stats pushes: utilization needs an interval
     registry = CollectorRegistry()
-    registry.register(WorkerCollector(disagg))
+    registry.register(WorkerCollector(disagg, "tiny"))
     families = {f.name: f for f in text_string_to_metric_families(
         generate_latest(registry).decode())}
     roles = {s.labels["role"] for s in families["pdcluster:worker_kv_usage"].samples}
@@ -174,6 +174,9 @@ def test_worker_metrics_are_exported(disagg, loop_thread):
     prefill_tokens = {s.labels["role"]: s.value
                       for s in families["pdcluster:worker_prefill_tokens"].samples}
     assert prefill_tokens["prefill"] > 0
+    queries = {s.labels["role"]: s.value
+               for s in families["pdcluster:worker_prefix_cache_queries"].samples}
+    assert queries["prefill"] >= prefill_tokens["prefill"]  # cache hits are looked up too
     busy = families["pdcluster:worker_busy_fraction"].samples
     assert busy and all(0.0 <= s.value <= 1.0 for s in busy)
     count = [s for s in families["pdcluster:kv_transfer_seconds"].samples

@@ -54,6 +54,17 @@ def test_logprobs_match_offline(client, offline):
         assert lp.logprob == pytest.approx(max(lp.top_logprobs.values()), abs=1e-6)  # greedy
 
 
+def test_penalties_bias_and_schema_match_offline(client, offline):
+    """The gRPC SamplingParams carry the logits-processing fields to the engine unchanged."""
+    fields = {"max_tokens": 24, "presence_penalty": 0.5, "frequency_penalty": 1.0,
+              "repetition_penalty": 1.3, "logit_bias": {4242: 6.0, 17: -50.0},
+              "json_schema": '{"type": "object"}', "temperature": 0.0}
+    ref = _reference(offline, PROMPT, **fields)
+    outs = list(client.generate(PROMPT, **fields))
+    assert [t for out in outs for t in out.token_ids] == ref.token_ids
+    assert outs[-1].finish_reason == ref.finish_reason
+
+
 def test_stop_string_ends_text(client, offline):
     full = _reference(offline, PROMPT, max_tokens=24, **GREEDY).text
     stop = full.split()[3]
@@ -152,7 +163,7 @@ def test_abort_unknown_is_not_found(client):
 
 def test_client_disconnect_aborts(client, servers, backend, wait_until):
     registry = servers.router.metrics.registry
-    labels = {"cause": "disconnect"}
+    labels = {"model_name": "tiny", "cause": "disconnect"}
     before = registry.get_sample_value("pdcluster:requests_aborted_total", labels) or 0
     stream = client.generate(PROMPT, **LONG)
     next(stream)

@@ -89,7 +89,15 @@ def test_stop_string(api, offline):
     ({"prompt": [5] * 1024}, "prompt_token_ids", 400),
     ({"prompt": PROMPT, "temperature": -1}, "temperature", 400),
     ({"prompt": PROMPT, "top_p": 0}, "top_p", 400),
-    ({"prompt": PROMPT, "n": 2}, "n", 400),
+    ({"prompt": PROMPT, "n": 0}, "n", 400),
+    ({"prompt": PROMPT, "n": 129}, "n", 400),
+    ({"prompt": [PROMPT] * 3, "n": 50}, "n", 400),
+    ({"prompt": [], "max_tokens": 2}, "prompt", 400),
+    ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo", 400),
+    ({"prompt": PROMPT, "logit_bias": {"49152": 1}}, "logit_bias", 400),
+    ({"prompt": PROMPT, "presence_penalty": 3}, "presence_penalty", 400),
+    ({"prompt": PROMPT, "response_format": {"type": "json_schema"}}, "response_format", 400),
+    ({"prompt": PROMPT, "response_format": {"type": "yaml"}}, "response_format", 400),
     ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens", 400),
     ({}, "prompt", 400),
     ({"prompt": PROMPT, "model": "gpt-17"}, "model", 404),
@@ -139,8 +147,9 @@ def test_queue_full_is_429(make_servers, wait_until):
         assert queued.result(timeout=30).choices[0].finish_reason in ("length", "stop")
     registry = servers.router.metrics.registry
     assert registry.get_sample_value("pdcluster:requests_finished_total",
-                                     {"finish_reason": "abort"}) == 1
-    assert registry.get_sample_value("pdcluster:generation_tokens_total") < 1000
+                                     {"model_name": "tiny", "finish_reason": "abort"}) == 1
+    assert registry.get_sample_value("pdcluster:generation_tokens_total",
+                                     {"model_name": "tiny"}) < 1000
 
 
 def test_models_health_metrics(api, servers):

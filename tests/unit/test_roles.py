@@ -1,5 +1,8 @@
 """Prefill on one engine, copy the KV blocks, decode on another: same tokens as one engine."""
 
+import json
+
+import jsonschema
 import torch
 
 from engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
@@ -21,17 +24,15 @@ def _run_until_idle(engine: LLMEngine) -> dict[str, list[int]]:
     return tokens
 
 
-def test_prefill_engine_to_decode_engine_matches_hf():
-    prefill, decode = _engine("prefill", 64), _engine("decode", 48)
-    # Warm the decode side's prefix cache so its reservation starts with hits.
-    shared = list(range(300, 320))
-    decode.add_request("warm", [*shared, 7], PARAMS)
-    _run_until_idle(decode)
-    prompts = {"a": [*shared, 11, 12, 13, 14, 15], "b": list(range(500, 537))}
+def _prefill_then_hand_over(prefill: LLMEngine, decode: LLMEngine,
+                            prompts: dict[str, list[int]], params: SamplingParams
+                            ) -> dict[str, int]:
+    """Reserve on decode, prefill on prefill, copy the missing blocks, hand over the first
+    token; returns each request's first token."""
     first = {}
     for rid, prompt in prompts.items():
-        dst = decode.reserve_remote(rid, prompt, PARAMS)
-        prefill.add_request(rid, prompt, PARAMS)
+        dst = decode.reserve_remote(rid, prompt, params)
+        prefill.add_request(rid, prompt, params)
         while rid not in first:  # chunked: several prefill steps
             for out in prefill.step():
                 first[rid] = out.new_token_ids[0]
@@ -43,6 +44,17 @@ def test_prefill_engine_to_decode_engine_matches_hf():
             layer_dst[torch.tensor(dst.block_ids[skip:])] = layer_src[torch.tensor(src[skip:])]
         prefill.release(rid)
         decode.complete_remote(rid, first[rid])
+    return first
+
+
+def test_prefill_engine_to_decode_engine_matches_hf():
+    prefill, decode = _engine("prefill", 64), _engine("decode", 48)
+    # Warm the decode side's prefix cache so its reservation starts with hits.
+    shared = list(range(300, 320))
+    decode.add_request("warm", [*shared, 7], PARAMS)
+    _run_until_idle(decode)
+    prompts = {"a": [*shared, 11, 12, 13, 14, 15], "b": list(range(500, 537))}
+    first = _prefill_then_hand_over(prefill, decode, prompts, PARAMS)
     assert decode.requests["a"].num_cached_tokens == 20
     tokens = _run_until_idle(decode)
     for rid, prompt in prompts.items():
@@ -89,3 +101,28 @@ def test_failed_step_answers_its_requests_with_error_and_frees_blocks():
         loop.stop()
     assert [(o.request_id, o.finish_reason) for o in got] == [("b", "error")]
     assert_pool_free(engine)
+
+
+def test_logits_processing_carries_over_from_prefill_to_decode():
+    """Grammar, penalties and bias give the same tokens split over two roles as on one: the
+    decode side's grammar matcher and penalty counts include the prefill's first token."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.0, max_tokens=40, json_schema=json.dumps(schema),
+                            frequency_penalty=0.5, presence_penalty=0.3,
+                            repetition_penalty=1.2, logit_bias={"90": 5.0})
+    prompts = {"a": list(range(600, 611)), "b": list(range(700, 730))}
+    mixed = _engine("mixed", 64)
+    for rid, prompt in prompts.items():
+        mixed.add_request(rid, prompt, params)
+    expected = _run_until_idle(mixed)
+    prefill, decode = _engine("prefill", 64), _engine("decode", 64)
+    first = _prefill_then_hand_over(prefill, decode, prompts, params)
+    tokens = _run_until_idle(decode)
+    for rid in prompts:
+        assert [first[rid], *tokens[rid]] == expected[rid]
+        text = mixed.tokenizer.decode(expected[rid], skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+    for engine in (mixed, prefill, decode):
+        assert_pool_free(engine)

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdcluster/v1/pdcluster.proto\x12\x0cpdcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"\xac\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xfe\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\r\n\x05model\x18\x05 \x01(\t\x12\x35\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParamsB\x07\n\x05inputB\r\n\x0b_request_id\"\xa8\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x41\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32+.pdcluster.v1.TokenLogprob.TopLogprobsEntry\x1a\x32\n\x10TopLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"V\n\x07Timings\x12\r\n\x05queue\x18\x01 \x01(\x01\x12\x0f\n\x07prefill\x18\x02 \x01(\x01\x12\x10\n\x08transfer\x18\x03 \x01(\x01\x12\x0c\n\x04ttft\x18\x04 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x05 \x01(\x01\"\xfe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.pdcluster.v1.Timings\x12\r\n\x05\x65rror\x18\x08 \x01(\tB\x10\n\x0e_finish_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rStatusRequest\"\xce\x01\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\t \x01(\x01\x12\x12\n\nextra_json\x18\n \x01(\t\";\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.pdcluster.v1.Worker\"`\n\x0cRouterStatus\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bmax_running\x18\x03 \x01(\x05\x12\x11\n\tmax_queue\x18\x04 \x01(\x05\"\x90\x01\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12!\n\x05pools\x18\x03 \x03(\x0b\x32\x12.pdcluster.v1.Pool\x12*\n\x06router\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.RouterStatus\x12\x12\n\nextra_json\x18\x05 \x01(\t\"T\n\x10ScalePoolRequest\x12\x14\n\x07prefill\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode2\xaa\x02\n\tPdCluster\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x43\n\x06Status\x12\x1b.pdcluster.v1.StatusRequest\x1a\x1c.pdcluster.v1.StatusResponse\x12I\n\tScalePool\x12\x1e.pdcluster.v1.ScalePoolRequest\x1a\x1c.pdcluster.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdcluster/v1/pdcluster.proto\x12\x0cpdcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"\xeb\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x0bjson_schema\x18\x11 \x01(\tH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_json_schema\"\xfe\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\r\n\x05model\x18\x05 \x01(\t\x12\x35\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParamsB\x07\n\x05inputB\r\n\x0b_request_id\"\xa8\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x41\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32+.pdcluster.v1.TokenLogprob.TopLogprobsEntry\x1a\x32\n\x10TopLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"V\n\x07Timings\x12\r\n\x05queue\x18\x01 \x01(\x01\x12\x0f\n\x07prefill\x18\x02 \x01(\x01\x12\x10\n\x08transfer\x18\x03 \x01(\x01\x12\x0c\n\x04ttft\x18\x04 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x05 \x01(\x01\"\xfe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.pdcluster.v1.Timings\x12\r\n\x05\x65rror\x18\x08 \x01(\tB\x10\n\x0e_finish_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rStatusRequest\"\xce\x01\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\t \x01(\x01\x12\x12\n\nextra_json\x18\n \x01(\t\";\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.pdcluster.v1.Worker\"`\n\x0cRouterStatus\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bmax_running\x18\x03 \x01(\x05\x12\x11\n\tmax_queue\x18\x04 \x01(\x05\"\x90\x01\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12!\n\x05pools\x18\x03 \x03(\x0b\x32\x12.pdcluster.v1.Pool\x12*\n\x06router\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.RouterStatus\x12\x12\n\nextra_json\x18\x05 \x01(\t\"T\n\x10ScalePoolRequest\x12\x14\n\x07prefill\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode2\xaa\x02\n\tPdCluster\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x43\n\x06Status\x12\x1b.pdcluster.v1.StatusRequest\x1a\x1c.pdcluster.v1.StatusResponse\x12I\n\tScalePool\x12\x1e.pdcluster.v1.ScalePoolRequest\x1a\x1c.pdcluster.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdcluster.v1.pdcluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._loaded_options = None
   _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=46
@@ -40,35 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=117
   _globals['_CHATMESSAGES']._serialized_end=176
   _globals['_SAMPLINGPARAMS']._serialized_start=179
-  _globals['_SAMPLINGPARAMS']._serialized_end=607
-  _globals['_GENERATEREQUEST']._serialized_start=610
-  _globals['_GENERATEREQUEST']._serialized_end=864
-  _globals['_TOKENLOGPROB']._serialized_start=867
-  _globals['_TOKENLOGPROB']._serialized_end=1035
-  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_start=985
-  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_end=1035
-  _globals['_USAGE']._serialized_start=1037
-  _globals['_USAGE']._serialized_end=1117
-  _globals['_TIMINGS']._serialized_start=1119
-  _globals['_TIMINGS']._serialized_end=1205
-  _globals['_GENERATERESPONSE']._serialized_start=1208
-  _globals['_GENERATERESPONSE']._serialized_end=1462
-  _globals['_ABORTREQUEST']._serialized_start=1464
-  _globals['_ABORTREQUEST']._serialized_end=1498
-  _globals['_ABORTRESPONSE']._serialized_start=1500
-  _globals['_ABORTRESPONSE']._serialized_end=1515
-  _globals['_STATUSREQUEST']._serialized_start=1517
-  _globals['_STATUSREQUEST']._serialized_end=1532
-  _globals['_WORKER']._serialized_start=1535
-  _globals['_WORKER']._serialized_end=1741
-  _globals['_POOL']._serialized_start=1743
-  _globals['_POOL']._serialized_end=1802
-  _globals['_ROUTERSTATUS']._serialized_start=1804
-  _globals['_ROUTERSTATUS']._serialized_end=1900
-  _globals['_STATUSRESPONSE']._serialized_start=1903
-  _globals['_STATUSRESPONSE']._serialized_end=2047
-  _globals['_SCALEPOOLREQUEST']._serialized_start=2049
-  _globals['_SCALEPOOLREQUEST']._serialized_end=2133
-  _globals['_PDCLUSTER']._serialized_start=2136
-  _globals['_PDCLUSTER']._serialized_end=2434
+  _globals['_SAMPLINGPARAMS']._serialized_end=926
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=659
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=707
+  _globals['_GENERATEREQUEST']._serialized_start=929
+  _globals['_GENERATEREQUEST']._serialized_end=1183
+  _globals['_TOKENLOGPROB']._serialized_start=1186
+  _globals['_TOKENLOGPROB']._serialized_end=1354
+  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_start=1304
+  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_end=1354
+  _globals['_USAGE']._serialized_start=1356
+  _globals['_USAGE']._serialized_end=1436
+  _globals['_TIMINGS']._serialized_start=1438
+  _globals['_TIMINGS']._serialized_end=1524
+  _globals['_GENERATERESPONSE']._serialized_start=1527
+  _globals['_GENERATERESPONSE']._serialized_end=1781
+  _globals['_ABORTREQUEST']._serialized_start=1783
+  _globals['_ABORTREQUEST']._serialized_end=1817
+  _globals['_ABORTRESPONSE']._serialized_start=1819
+  _globals['_ABORTRESPONSE']._serialized_end=1834
+  _globals['_STATUSREQUEST']._serialized_start=1836
+  _globals['_STATUSREQUEST']._serialized_end=1851
+  _globals['_WORKER']._serialized_start=1854
+  _globals['_WORKER']._serialized_end=2060
+  _globals['_POOL']._serialized_start=2062
+  _globals['_POOL']._serialized_end=2121
+  _globals['_ROUTERSTATUS']._serialized_start=2123
+  _globals['_ROUTERSTATUS']._serialized_end=2219
+  _globals['_STATUSRESPONSE']._serialized_start=2222
+  _globals['_STATUSRESPONSE']._serialized_end=2366
+  _globals['_SCALEPOOLREQUEST']._serialized_start=2368
+  _globals['_SCALEPOOLREQUEST']._serialized_end=2452
+  _globals['_PDCLUSTER']._serialized_start=2455
+  _globals['_PDCLUSTER']._serialized_end=2753
 # @@protoc_insertion_point(module_scope)
