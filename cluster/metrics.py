@@ -74,3 +74,21 @@ class WorkerCollector(Collector):
                         metric.add_metric([h.worker_id, h.role], values[key])
                 yield metric
         yield from self.backend.transfer_registry.collect()
+
+
+# ---- resilience (issue 10): faults the cluster absorbed -------------------------------
+
+def resilience_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """Counters of requests the cluster saved from a fault, in the backend's registry.
+
+    Returns:
+        (requests placed again after their worker died or was drained,
+        KV transfers retried after a failure).
+    """
+    migrations = Counter("pdcluster:migrations",
+                         "Requests placed again because their worker died or was drained.",
+                         registry=registry)
+    retries = Counter("pdcluster:transfer_retries",
+                      "Failed KV transfers retried on another prefill worker or locally.",
+                      registry=registry)
+    return migrations, retries
