@@ -209,6 +209,8 @@ class ClusterBackend(Backend):
         self._pull.bind(f"tcp://{resolve_host(config.host)}:0")
         self.endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._model_info: ModelInfo | None = None
+        self._starting = 0  # workers being started (a request may wait for one)
+        self._worker_ready = asyncio.Event()  # set (and replaced) whenever one is ready
         self.transfer_registry, self.transfer_seconds, self.transfer_bytes = transfer_metrics()
         self.migrations, self.transfer_retries = resilience_metrics(self.transfer_registry)
 
@@ -246,6 +248,14 @@ class ClusterBackend(Backend):
         pool_resource = f"pd_{'decode' if role.decodes else role}"
         if pool_resource in ray.cluster_resources():
             bundle[pool_resource] = 0.01
+        self._starting += 1
+        try:
+            return await self._start_actor(worker_id, role, spec, bundle)
+        finally:
+            self._starting -= 1
+
+    async def _start_actor(self, worker_id: str, role: Role, spec: WorkerSpec,
+                           bundle: dict[str, float]) -> _Handle:
         pg = placement_group([bundle], strategy="STRICT_PACK")
         await pg.ready()
         actor = WorkerActor.options(
@@ -270,6 +280,8 @@ class ClusterBackend(Backend):
             self._model_info = ModelInfo(self.config.model, info["model_dir"],
                                          info["max_model_len"], info["vocab_size"])
         log.info("worker %s ready at %s (pid %s)", worker_id, info["endpoint"], info["pid"])
+        self._worker_ready.set()
+        self._worker_ready = asyncio.Event()
         return handle
 
     async def _stop_worker(self, handle: _Handle) -> None:
@@ -395,7 +407,8 @@ class ClusterBackend(Backend):
         while True:
             placement = self._place(prompt, exclude)
             if placement is None:
-                raise RuntimeError("no healthy decode worker")
+                await self._wait_for_worker(deadline)
+                continue
             decode = self.workers[placement.decode_worker]
             stream.decode, stream.prefill = decode.worker_id, None
             decode.add(request.request_id)
@@ -417,6 +430,19 @@ class ClusterBackend(Backend):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no decode KV blocks freed up in time: {reply.reason}")
             await asyncio.sleep(0.05)
+
+    async def _wait_for_worker(self, deadline: float) -> None:
+        """No decode worker is ready: wait for one being started (a replacement), if any.
+
+        Raises:
+            RuntimeError: none is being started, or none was ready by `deadline`.
+        """
+        if not self._starting:
+            raise RuntimeError("no healthy decode worker")
+        try:
+            await asyncio.wait_for(self._worker_ready.wait(), deadline - time.monotonic())
+        except TimeoutError:
+            raise RuntimeError("no healthy decode worker (a replacement is starting)") from None
 
     def _place(self, prompt: list[int], exclude: frozenset[str]) -> Placement | None:
         ready = [h for h in self.workers.values() if h.state == "ready"
@@ -597,13 +623,13 @@ class ClusterBackend(Backend):
     async def _on_worker_death(self, handle: _Handle, error: Exception) -> None:
         log.error("worker %s (pid %s) is gone: %s", handle.worker_id, handle.info.get("pid"),
                   str(error).splitlines()[0] if str(error) else type(error).__name__)
-        replace = handle.state == "ready"  # a draining worker was leaving anyway
+        if handle.state == "ready":  # a draining worker was leaving anyway
+            # In the background, so the model load holds up nothing else; started before
+            # the requests move, so they can wait for it when no other worker is left.
+            self._spawn(self._replace(handle.role))
         handle.state = "dead"
         self._evacuate(handle)
         await self._stop_worker(handle)
-        if replace:
-            # In the background: the model load must not hold up anything else.
-            self._spawn(self._replace(handle.role))
 
     async def _replace(self, role: Role) -> None:
         try:
