@@ -8,6 +8,7 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -135,6 +136,60 @@ def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
     return grpc.unary_unary_rpc_method_handler(unary, **serde)
 
 
+class _Malformed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT to request bytes that are not the method's message.
+
+    gRPC itself would answer UNKNOWN and log a traceback for every such call.
+    """
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails],
+                                         Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None \
+                or not (handler.unary_unary or handler.unary_stream):
+            return handler
+        parse = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return _Malformed(str(e))
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid protobuf message ({request.error})")
+
+        serde = {"request_deserializer": lenient,
+                 "response_serializer": handler.response_serializer}
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[Any]:
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                async for response in inner_stream(request, context):
+                    yield response
+            return grpc.unary_stream_rpc_method_handler(stream, **serde)
+        inner_unary = handler.unary_unary
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            return await inner_unary(request, context)
+        return grpc.unary_unary_rpc_method_handler(unary, **serde)
+
+
 class GrpcServer:
     """A grpc.aio server with the PdCluster, health and reflection services.
 
@@ -152,7 +207,8 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         self._interval = health_interval_s
         security = security or SecurityConfig()
-        self._server = grpc.aio.server(interceptors=[AuthInterceptor(security)])
+        self._server = grpc.aio.server(
+            interceptors=[MalformedRequestInterceptor(), AuthInterceptor(security)])
         pb_grpc.add_PdClusterServicer_to_server(PdClusterServicer(router), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
