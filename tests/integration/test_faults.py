@@ -206,3 +206,31 @@ def test_stalled_worker_is_slow_not_dead(cluster, loop_thread, reference):
     assert worker["worker_id"] in cluster.workers
     assert _count(cluster, "migrations") == migrated_before
     wait_pools_free(loop_thread, cluster)
+
+
+def test_undecodable_messages_are_dropped(cluster, loop_thread, reference):
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        targets = [cluster.endpoint] + [h.info["endpoint"] for h in cluster.workers.values()]
+        for endpoint in targets:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(endpoint)
+            for junk in (b"", b"\xc1garbage", b"\x81\xa4type\xa6launch"):
+                sock.send(junk)
+            sock.close()
+    finally:
+        ctx.term()  # returns once the junk was handed over (linger)
+    prompt = _prompts(1, seed=15)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def go():
+        [client], [task] = _start(cluster, [prompt], params, k=1, prefix="junk")
+        await task
+        return client
+    client = loop_thread.run(go())
+    assert client.tokens == _expected(reference, [prompt], params)[0]
+    assert all(h.state == "ready" for h in cluster.workers.values())
+    wait_pools_free(loop_thread, cluster)
