@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,30 +18,13 @@ from cryptography.x509.oid import NameOID
 
 from router.auth import SecurityConfig, check_bind
 from router.client import PdClusterClient
-from router.servers import Servers, start_servers
-from tests.conftest import assert_pool_free
 
 API_KEY, ADMIN_KEY = "sk-user-0123456789", "sk-admin-9876543210"
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 4}
 
 
-@pytest.fixture
-def start(loop_thread, backend) -> Iterator:
-    started: list[Servers] = []
-
-    def make(security: SecurityConfig) -> Servers:
-        servers = loop_thread.run(start_servers(backend, security=security))
-        started.append(servers)
-        return servers
-
-    yield make
-    for servers in started:
-        loop_thread.run(servers.stop(grace=0.5))
-    backend.loop.call(assert_pool_free)
-
-
-def test_grpc_keys(start):
-    servers = start(SecurityConfig(api_key=API_KEY, admin_key=ADMIN_KEY))
+def test_grpc_keys(make_servers):
+    servers = make_servers(SecurityConfig(api_key=API_KEY, admin_key=ADMIN_KEY))
     address = f"127.0.0.1:{servers.grpc_port}"
     with PdClusterClient(address, timeout=30) as anonymous:
         with pytest.raises(grpc.RpcError) as e:
@@ -68,8 +50,8 @@ def test_grpc_keys(start):
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_http_keys(start):
-    servers = start(SecurityConfig(api_key=API_KEY))
+def test_http_keys(make_servers):
+    servers = make_servers(SecurityConfig(api_key=API_KEY))
     base = f"http://127.0.0.1:{servers.http_port}"
     anonymous = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
@@ -149,8 +131,8 @@ def pki(tmp_path_factory) -> dict[str, str]:
     return files
 
 
-def test_tls_both_doors(start, pki):
-    servers = start(SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"]))
+def test_tls_both_doors(make_servers, pki):
+    servers = make_servers(SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"]))
     with PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30,
                          tls_ca=pki["ca.pem"]) as client:
         assert list(client.generate("hello", **GREEDY))[-1].usage.completion_tokens == 4
@@ -164,8 +146,8 @@ def test_tls_both_doors(start, pki):
         httpx.get(url)  # not signed by a CA the client trusts
 
 
-def test_mutual_tls_refuses_clients_without_a_certificate(start, pki):
-    servers = start(SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"],
+def test_mutual_tls_refuses_clients_without_a_certificate(make_servers, pki):
+    servers = make_servers(SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"],
                                    tls_client_ca=pki["ca.pem"]))
     grpc_address = f"127.0.0.1:{servers.grpc_port}"
     with PdClusterClient(grpc_address, timeout=30, tls_ca=pki["ca.pem"],
