@@ -47,10 +47,12 @@ class PrefillRole(WorkerRole):
         self._peers: dict[str, str] = {}  # receiver id -> sender peer id
 
     def prepare(self, command: Command) -> None:
-        """Handshake with the command's decode worker once (may block on the network)."""
+        """Handshake with the command's decode worker (may block on the network); again
+        if the connection was lost, e.g. while that worker was stalled."""
         if isinstance(command, Prefill):
             receiver_id = command.peer_info["receiver_id"]
-            if receiver_id not in self._peers:
+            peer_id = self._peers.get(receiver_id)
+            if peer_id is None or not self.sender.is_connected(peer_id):
                 self._peers[receiver_id] = self.sender.connect(command.peer_info)
 
     def handle(self, engine: LLMEngine, command: Command) -> list[Reply]:

@@ -62,6 +62,7 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_request(transport: 
         # Heartbeats notice the loss (the request timeout, 60 s, would say "timed out").
         reason = only_failure(collect(tx, 1, timeout_s=30), "r1")
         assert "lost the decode peer" in reason
+        assert not tx.is_connected(peer_id)  # a caller reconnects before sending again
         # Released: the id is free again, and the lost peer fails new requests at once.
         tx.begin("r1", peer_id, SRC, DST)
         assert "lost the decode peer" in only_failure(collect(tx, 1, timeout_s=30), "r1")
