@@ -382,12 +382,6 @@ class ClusterBackend(Backend):
         self._evacuate(handle)
         await self._stop_worker(handle)
 
-    async def drain_all(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for every in-flight request to finish (shutdown)."""
-        waits = [h.idle.wait() for h in self.workers.values()]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
-
     # ---- placement and dispatch ----
 
     async def _dispatch(self, stream: _Stream, exclude: frozenset[str] = frozenset()) -> None:
