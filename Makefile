@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
-.PHONY: install serve test lint check-install setup-vllm bench-engine bench-kv
+.PHONY: install serve test lint check-install setup-vllm bench-engine bench-kv soak
 
 install: $(STAMP)
 
@@ -40,3 +40,10 @@ bench-engine: install setup-vllm
 
 bench-kv: install
 	$(PY) -m bench.kv_bench
+
+# A few minutes of mixed load on a loopback tiny-model cluster while a decode and a prefill
+# worker are killed and the decode pool is resized: prints sent / completed / aborted /
+# failed / lost / KV blocks leaked and fails unless nothing was lost, failed or leaked.
+SOAK_FLAGS ?= --duration 150 --concurrency 8
+soak: install
+	$(PY) -m bench.soak $(SOAK_FLAGS)

@@ -78,8 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--base-url", help="e.g. http://127.0.0.1:8000/v1 (--backend openai)")
     target.add_argument("--model", help="model name (--backend openai); default: the first "
                                         "one the server lists")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="bearer token (--backend openai); default: $OPENAI_API_KEY")
+    target.add_argument("--api-key", default=os.environ.get("PDCLUSTER_API_KEY")
+                        or os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token (both backends); default: $PDCLUSTER_API_KEY, "
+                             "else $OPENAI_API_KEY")
     target.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds before a streaming request counts as failed")
 
@@ -223,7 +225,7 @@ async def _drive(args: argparse.Namespace, requests: list[TraceRequest]
 
     options = LoadOptions(args.max_concurrency, args.duration, args.request_timeout)
     if args.backend == "grpc":
-        async with aclosing(GrpcBackend(args.address)) as backend:
+        async with aclosing(GrpcBackend(args.address, args.api_key)) as backend:
             return await run_load(backend, requests, options), args.model
     model = args.model or await served_model(args.base_url, args.api_key)
     async with aclosing(OpenAIBackend(args.base_url, model, args.api_key)) as backend:

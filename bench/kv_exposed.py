@@ -2,10 +2,11 @@
 
 Runs the real prefill and decode workers (`cluster.worker.Worker`, no Ray) in two
 processes on SmolLM2 over the same-host transport, drives them with the router's
-messages, and compares, per prompt length, the time from the prefill worker's end of
-prefill (its `prefilled` message) to the decode worker's first-token message (the KV
-landed, the request joined the batch) against the prefill time. Layer-wise streaming
-should hide all but the last layer.
+`protocol` messages, and compares, per prompt length, the time the decode worker's reserved
+blocks waited for the KV beyond the prefill itself (the `transfer` timing its first-token
+record carries: router hops plus the part of the transfer that compute did not hide)
+against the prefill time (the `prefill` timing). Layer-wise streaming should hide all but
+the last layer.
 
     python -m bench.kv_exposed [--lengths 512 2048] [--repeats 3]
 """
@@ -15,15 +16,24 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
-import time
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import zmq
 
-from cluster.worker import WorkerSpec, pack, unpack
+from cluster.worker import WorkerSpec
 from engine import SamplingParams
+from protocol import (
+    Failed,
+    Generate,
+    Prefill,
+    Reserved,
+    Step,
+    TokenRecord,
+    decode_reply,
+    encode,
+)
 
 _SPEC = {"model": "smollm2", "kv_cache_memory_gb": 0.5, "torch_threads": 1,
          "max_num_batched_tokens": 4096, "transports": ("shm", "zmq")}
@@ -59,33 +69,37 @@ class _Pair:
             self.push[role] = self.ctx.socket(zmq.PUSH)
             self.push[role].connect(self.infos[role]["endpoint"])
 
-    def wait_for(self, request_id: str, kind: str) -> tuple[dict[str, Any], float]:
+    def reserve(self, request_id: str) -> Reserved:
         while True:
-            message = unpack(self.pull.recv())
-            now = time.monotonic()
-            if message["type"] == "step" and kind == "step":
-                for record in message["outputs"]:
-                    if record["request_id"] == request_id and record["token_ids"]:
-                        return record, now
-            elif message.get("request_id") == request_id and message["type"] == kind:
-                return message, now
-            elif message["type"] == "error":
-                raise RuntimeError(message["error"])
+            message = decode_reply(self.pull.recv())
+            if isinstance(message, Failed):
+                raise RuntimeError(message.error)
+            if isinstance(message, Reserved) and message.request_id == request_id:
+                return message
+
+    def first_token(self, request_id: str) -> TokenRecord:
+        while True:
+            message = decode_reply(self.pull.recv())
+            if isinstance(message, Failed):
+                raise RuntimeError(message.error)
+            if isinstance(message, Step):
+                for record in message.outputs:
+                    if record.request_id == request_id and record.token_ids:
+                        return record
 
     def once(self, request_id: str, prompt: list[int]) -> dict[str, float]:
         params = asdict(SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        base = {"request_id": request_id, "prompt_token_ids": prompt, "params": params}
-        self.push["decode"].send(pack({**base, "type": "generate", "remote_prefill": True}))
-        reserved, _ = self.wait_for(request_id, "reserved")
-        self.push["prefill"].send(pack({
-            **base, "type": "prefill", "peer_info": self.infos["decode"]["peer_info"],
-            "dst_block_ids": reserved["dst_block_ids"],
-            "num_cached_tokens": reserved["num_cached_tokens"]}))
-        prefilled, _ = self.wait_for(request_id, "prefilled")
-        _, ready = self.wait_for(request_id, "step")
-        exposed = ready - prefilled["prefill_end"]
-        return {"prefill_s": prefilled["prefill_s"], "exposed_s": exposed,
-                "share": exposed / prefilled["prefill_s"]}
+        self.push["decode"].send(encode(Generate(
+            request_id=request_id, prompt_token_ids=prompt, params=params,
+            remote_prefill=True)))
+        reserved = self.reserve(request_id)
+        self.push["prefill"].send(encode(Prefill(
+            request_id=request_id, prompt_token_ids=prompt, params=params,
+            peer_info=self.infos["decode"]["peer_info"], dst_block_ids=reserved.dst_block_ids,
+            num_cached_tokens=reserved.num_cached_tokens)))
+        timings = self.first_token(request_id).timings or {}
+        return {"prefill_s": timings["prefill"], "exposed_s": timings["transfer"],
+                "share": timings["transfer"] / timings["prefill"]}
 
     def close(self) -> None:
         for pipe in self.pipes:

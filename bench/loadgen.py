@@ -191,15 +191,17 @@ class GrpcBackend:
 
     Args:
         address: `host:port`.
+        api_key: sent as `authorization: Bearer <key>` when the server requires one.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.PdClusterStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def stream(self, request: TraceRequest) -> AsyncIterator[StreamEvent]:
         """Send one request and yield its stream's events as they arrive."""
-        call = self._stub.Generate(_grpc_request(request))
+        call = self._stub.Generate(_grpc_request(request), metadata=self._metadata)
         try:
             async for msg in call:
                 out = output_from_proto(msg)

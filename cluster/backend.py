@@ -1,7 +1,12 @@
 """`ClusterBackend`: the router's backend over Ray-managed prefill and decode pools.
 
-Control plane through Ray (start, health, drain, stop); data plane through ZMQ: the router
-PUSHes commands to each worker and PULLs their step messages, replies and stats.
+Control plane through Ray (start, liveness, drain, stop); data plane through ZMQ: the
+router PUSHes `protocol` commands to each worker and PULLs their steps, replies and stats.
+
+A worker is dead only when Ray says its actor died (its process is gone); late stats make
+it `slow`, never dead. A dead or drained worker's requests are placed again: a decode
+request resumes on another decode worker from its prompt plus the tokens already
+streamed, so the client's stream continues. A failed KV transfer is retried once.
 """
 
 from __future__ import annotations
@@ -15,18 +20,37 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 import zmq
 import zmq.asyncio
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.metrics import transfer_metrics
-from cluster.worker import WorkerSpec, pack, unpack
+from cluster.metrics import resilience_metrics, transfer_metrics
+from cluster.worker import STATS_INTERVAL_S, WorkerSpec
+from protocol import (
+    Abort,
+    Command,
+    Failed,
+    Generate,
+    Prefill,
+    Rejected,
+    Reply,
+    Reserved,
+    Role,
+    Stats,
+    Step,
+    TokenRecord,
+    decode_reply,
+    encode,
+)
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
-from router.placement import PrefixIndex, WorkerLoad, place
+from router.placement import Placement, PrefixIndex, WorkerLoad, place
 
 log = logging.getLogger(__name__)
+# Stats older than this many intervals mark a worker `slow` in status (never dead).
+SLOW_AFTER_INTERVALS = 4
 
 
 @dataclass(frozen=True)
@@ -45,6 +69,9 @@ class ClusterConfig:
         torch_threads: intra-op threads per worker.
         local_prefill_threshold: uncached prompts this short are prefilled on the decode worker.
         reserve_timeout_s: how long a request may wait for decode KV to free up.
+        drain_timeout_s: how long a drained worker's requests may take to finish before
+            they are moved to other workers.
+        migrate: place a dead or drained worker's requests again (else they end in error).
         worker: engine settings shared by all workers (a WorkerSpec template).
     """
 
@@ -59,6 +86,8 @@ class ClusterConfig:
     torch_threads: int | None = 1
     local_prefill_threshold: int = 256
     reserve_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0
+    migrate: bool = True
     worker: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,6 +97,8 @@ class ClusterConfig:
             raise ValueError(f"num_decode must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 def resolve_host(host: str) -> str:
@@ -87,10 +118,15 @@ class WorkerActor:
         self.worker = Worker(replace(spec, host=resolve_host(spec.host)))
 
     def info(self) -> dict[str, Any]:
-        return self.worker.info()
+        return {**self.worker.info(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def stats(self) -> dict[str, Any]:
-        return self.worker.stats()
+        """A stats snapshot taken on the engine thread (waits for the current step)."""
+        return self.worker.loop.call(self.worker.stats)
+
+    def wait_stopped(self) -> None:
+        """Returns when the worker shuts down; raises (ActorDiedError) if it dies first."""
+        self.worker.wait_stopped()
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -99,14 +135,17 @@ class WorkerActor:
 @dataclass
 class _Handle:
     worker_id: str
-    role: str
+    role: Role
     actor: Any
     pg: Any
     info: dict[str, Any]
     socket: zmq.asyncio.Socket
     stats: dict[str, Any] = field(default_factory=dict)
+    stats_at: float = field(default_factory=time.monotonic)  # when stats last arrived
     state: str = "ready"  # ready | draining | dead
+    stopping: bool = False  # we are stopping it: its end is not a death
     in_flight: set[str] = field(default_factory=set)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def load(self) -> WorkerLoad:
         s = self.stats
@@ -117,20 +156,41 @@ class _Handle:
                           queued_prefill_tokens=s.get("queued_prefill_tokens", 0),
                           in_flight=len(self.in_flight))
 
+    def shown_state(self, now: float) -> str:
+        """`slow` when a ready worker's stats are late (busy or stalled, but alive)."""
+        late = now - self.stats_at > SLOW_AFTER_INTERVALS * STATS_INTERVAL_S
+        return "slow" if self.state == "ready" and late else self.state
+
+    def add(self, request_id: str) -> None:
+        self.in_flight.add(request_id)
+        self.idle.clear()
+
+    def discard(self, request_id: str) -> None:
+        self.in_flight.discard(request_id)
+        if not self.in_flight:
+            self.idle.set()
+
 
 @dataclass
 class _Stream:
+    """One request's life in the cluster, across the attempts that serve it."""
+
     request: GenerateRequest
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    attempt: int = 0
+    attempt_id: str = ""  # the request id the workers know (one per placement)
+    generated: list[int] = field(default_factory=list)  # tokens streamed to the client
     reply: asyncio.Future | None = None
     decode: str | None = None
     prefill: str | None = None
+    num_kv_blocks: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    transfer_retries: int = 0
     finished: bool = False
 
 
 class ClusterBackend(Backend):
-    """Starts and owns the worker pools; places and streams requests.
+    """Starts and owns the worker pools; places, streams and migrates requests.
 
     Args:
         config: pool layout and engine settings.
@@ -139,36 +199,44 @@ class ClusterBackend(Backend):
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.workers: dict[str, _Handle] = {}
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # by the client's request id
+        self._attempts: dict[str, _Stream] = {}  # by the attempt id the workers know
         self._ids = itertools.count()
         self._prefix = PrefixIndex(config.worker.get("block_size", 16))
-        self._tasks: list[asyncio.Task] = []
-        self._sending: set[asyncio.Future] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(f"tcp://{resolve_host(config.host)}:0")
         self.endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._model_info: ModelInfo | None = None
+        self._starting = 0  # workers being started (a request may wait for one)
+        self._worker_ready = asyncio.Event()  # set (and replaced) whenever one is ready
         self.transfer_registry, self.transfer_seconds, self.transfer_bytes = transfer_metrics()
+        self.migrations, self.transfer_retries = resilience_metrics(self.transfer_registry)
 
     # ---- lifecycle ----
 
     async def start(self) -> None:
         """Start the pools and wait until every worker has loaded its model."""
-        self._tasks.append(asyncio.create_task(self._recv_loop()))
-        roles = [("mixed", self.config.num_decode)] if self.config.mode == "colocated" else \
-            [("decode", self.config.num_decode), ("prefill", self.config.num_prefill)]
+        self._spawn(self._recv_loop())
+        roles = [(Role.MIXED, self.config.num_decode)] if self.config.mode == "colocated" \
+            else [(Role.DECODE, self.config.num_decode), (Role.PREFILL, self.config.num_prefill)]
         await asyncio.gather(*(self._add_worker(role) for role, n in roles for _ in range(n)))
-        self._tasks.append(asyncio.create_task(self._health_loop()))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(self._stop_worker(h) for h in list(self.workers.values())),
                              return_exceptions=True)
         self._ctx.destroy(linger=0)
 
-    async def _add_worker(self, role: str) -> _Handle:
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _add_worker(self, role: Role) -> _Handle:
         worker_id = f"{role}-{next(self._ids)}"
         spec = WorkerSpec(worker_id=worker_id, role=role, model=self.config.model,
                           router_endpoint=self.endpoint, host=self.config.host,
@@ -177,16 +245,24 @@ class ClusterBackend(Backend):
         bundle = {"CPU": self.config.num_cpus_per_worker}
         if self.config.num_gpus_per_worker:
             bundle["GPU"] = self.config.num_gpus_per_worker
-        pool_resource = f"pd_{'decode' if role == 'mixed' else role}"
+        pool_resource = f"pd_{'decode' if role.decodes else role}"
         if pool_resource in ray.cluster_resources():
             bundle[pool_resource] = 0.01
+        self._starting += 1
+        try:
+            return await self._start_actor(worker_id, role, spec, bundle)
+        finally:
+            self._starting -= 1
+
+    async def _start_actor(self, worker_id: str, role: Role, spec: WorkerSpec,
+                           bundle: dict[str, float]) -> _Handle:
         pg = placement_group([bundle], strategy="STRICT_PACK")
         await pg.ready()
         actor = WorkerActor.options(
             num_cpus=self.config.num_cpus_per_worker, num_gpus=self.config.num_gpus_per_worker,
             resources={k: v for k, v in bundle.items() if k.startswith("pd_")},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg),
-            max_concurrency=4, name=f"pdcluster-{worker_id}-{time.time_ns()}",
+            max_concurrency=8, name=f"pdcluster-{worker_id}-{time.time_ns()}",
         ).remote(spec)
         try:
             info = await actor.info.remote()
@@ -197,14 +273,19 @@ class ClusterBackend(Backend):
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(info["endpoint"])
         handle = _Handle(worker_id, role, actor, pg, info, socket)
+        handle.idle.set()
         self.workers[worker_id] = handle
+        self._spawn(self._watch(handle))
         if self._model_info is None:
             self._model_info = ModelInfo(self.config.model, info["model_dir"],
                                          info["max_model_len"], info["vocab_size"])
-        log.info("worker %s ready at %s", worker_id, info["endpoint"])
+        log.info("worker %s ready at %s (pid %s)", worker_id, info["endpoint"], info["pid"])
+        self._worker_ready.set()
+        self._worker_ready = asyncio.Event()
         return handle
 
     async def _stop_worker(self, handle: _Handle) -> None:
+        handle.stopping = True
         self.workers.pop(handle.worker_id, None)
         self._prefix.forget(handle.worker_id)
         with contextlib.suppress(Exception):
@@ -223,8 +304,7 @@ class ClusterBackend(Backend):
         return self._model_info
 
     def healthy(self) -> bool:
-        return any(h.state == "ready" and h.role in ("decode", "mixed")
-                   for h in self.workers.values())
+        return any(h.state == "ready" and h.role.decodes for h in self.workers.values())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         stream = _Stream(request)
@@ -245,6 +325,9 @@ class ClusterBackend(Backend):
                     return
         finally:
             self._streams.pop(request.request_id, None)
+            self._attempts.pop(stream.attempt_id, None)
+            if stream.reply is not None and not stream.reply.done():
+                stream.reply.cancel()  # a migration waiting on a reservation gives up
             if not stream.finished:
                 self._send_abort(stream)
             self._release(stream)
@@ -258,10 +341,13 @@ class ClusterBackend(Backend):
 
     async def status(self) -> dict[str, Any]:
         pools: dict[str, list[dict[str, Any]]] = {}
+        now = time.monotonic()
         for h in self.workers.values():
-            pools.setdefault(h.role, []).append(
-                {**h.stats, "worker_id": h.worker_id, "role": h.role, "state": h.state,
-                 "in_flight": len(h.in_flight)})
+            pools.setdefault(str(h.role), []).append(
+                {**h.stats, "worker_id": h.worker_id, "role": str(h.role),
+                 "state": h.shown_state(now), "node": h.info.get("node_id", ""),
+                 "host": h.info.get("host", ""), "pid": h.info.get("pid", 0),
+                 "stats_age_s": now - h.stats_at, "in_flight": len(h.in_flight)})
         return {"mode": self.config.mode, "model": self.config.model, "pools": pools,
                 "num_streams": len(self._streams)}
 
@@ -269,15 +355,15 @@ class ClusterBackend(Backend):
         """Add workers (returns once they are ready) or drain and remove some."""
         if self.config.mode == "colocated" and num_prefill:
             raise ValueError("prefill: a colocated cluster has no prefill pool")
-        decode_role = "mixed" if self.config.mode == "colocated" else "decode"
+        decode_role = Role.MIXED if self.config.mode == "colocated" else Role.DECODE
         if num_decode is not None and num_decode < 1:
             raise ValueError(f"decode: must be >= 1, got {num_decode}")
-        for role, target in (("prefill", num_prefill), (decode_role, num_decode)):
+        for role, target in ((Role.PREFILL, num_prefill), (decode_role, num_decode)):
             if target is not None:
                 await self._resize(role, target)
         return await self.status()
 
-    async def _resize(self, role: str, target: int) -> None:
+    async def _resize(self, role: Role, target: int) -> None:
         if target < 0:
             raise ValueError(f"{role}: must be >= 0, got {target}")
         active = [h for h in self.workers.values() if h.role == role and h.state == "ready"]
@@ -286,142 +372,229 @@ class ClusterBackend(Backend):
                                    for _ in range(target - len(active))))
         for handle in sorted(active, key=lambda h: len(h.in_flight))[:len(active) - target]:
             handle.state = "draining"
-            self._tasks.append(asyncio.create_task(self._drain(handle)))
+            self._spawn(self._drain(handle))
 
     async def _drain(self, handle: _Handle) -> None:
-        """Stop placing on the worker, wait for its requests to finish, then stop it."""
-        while handle.in_flight:
-            await asyncio.sleep(0.05)
+        """Stop placing on the worker; its requests finish (or, after the drain timeout,
+        move to other workers); then stop it."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(handle.idle.wait(), self.config.drain_timeout_s)
+        self._evacuate(handle)
         await self._stop_worker(handle)
 
     # ---- placement and dispatch ----
 
-    async def _dispatch(self, stream: _Stream) -> None:
+    async def _dispatch(self, stream: _Stream, exclude: frozenset[str] = frozenset()) -> None:
+        """Place the stream's next attempt: prompt + tokens so far, on a live decode worker.
+
+        Raises:
+            RuntimeError: no decode worker can take it (none alive, or no KV in time).
+        """
         request = stream.request
+        self._attempts.pop(stream.attempt_id, None)
+        stream.attempt += 1
+        stream.attempt_id = f"{request.request_id}@{stream.attempt}"
+        self._attempts[stream.attempt_id] = stream
+        prompt = request.prompt_token_ids + stream.generated
+        params = _remaining_params(request, len(stream.generated))
         deadline = time.monotonic() + self.config.reserve_timeout_s
         while True:
-            placement = self._place(request)
+            placement = self._place(prompt, exclude)
             if placement is None:
-                raise RuntimeError("no healthy decode worker")
+                await self._wait_for_worker(deadline)
+                continue
             decode = self.workers[placement.decode_worker]
-            stream.decode = decode.worker_id
-            decode.in_flight.add(request.request_id)
-            message = {"type": "generate", "request_id": request.request_id,
-                       "prompt_token_ids": request.prompt_token_ids,
-                       "params": _params_dict(request.params),
-                       "remote_prefill": placement.prefill_worker is not None}
-            if placement.prefill_worker is None:
-                await decode.socket.send(pack(message))
+            stream.decode, stream.prefill = decode.worker_id, None
+            decode.add(request.request_id)
+            command = Generate(request_id=stream.attempt_id, prompt_token_ids=prompt,
+                               params=params, remote_prefill=placement.prefill_worker is not None)
+            if not command.remote_prefill:
+                await self._send(decode, command)
                 return
             stream.reply = asyncio.get_running_loop().create_future()
-            await decode.socket.send(pack(message))
+            await self._send(decode, command)
             reply = await stream.reply
-            if reply["type"] == "reserved":
-                await self._start_prefill(stream, placement.prefill_worker, decode, reply)
+            if isinstance(reply, Reserved):
+                self._start_prefill(stream, placement.prefill_worker, decode, reply, prompt,
+                                    params)
                 return
-            decode.in_flight.discard(request.request_id)
+            decode.discard(request.request_id)
+            if reply is None:  # the decode worker died before answering: place again
+                continue
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no decode KV blocks freed up in time: {reply['reason']}")
+                raise RuntimeError(f"no decode KV blocks freed up in time: {reply.reason}")
             await asyncio.sleep(0.05)
 
-    def _place(self, request: GenerateRequest) -> Any:
-        ready = [h for h in self.workers.values() if h.state == "ready"]
-        decode = [h.load() for h in ready if h.role in ("decode", "mixed")]
-        prefill = [h.load() for h in ready if h.role == "prefill"]
-        hashes = self._prefix.hashes(request.prompt_token_ids)
+    async def _wait_for_worker(self, deadline: float) -> None:
+        """No decode worker is ready: wait for one being started (a replacement), if any.
+
+        Raises:
+            RuntimeError: none is being started, or none was ready by `deadline`.
+        """
+        if not self._starting:
+            raise RuntimeError("no healthy decode worker")
+        try:
+            await asyncio.wait_for(self._worker_ready.wait(), deadline - time.monotonic())
+        except TimeoutError:
+            raise RuntimeError("no healthy decode worker (a replacement is starting)") from None
+
+    def _place(self, prompt: list[int], exclude: frozenset[str]) -> Placement | None:
+        ready = [h for h in self.workers.values() if h.state == "ready"
+                 and h.worker_id not in exclude]
+        decode = [h.load() for h in ready if h.role.decodes]
+        prefill = [h.load() for h in ready if h.role == Role.PREFILL]
+        hashes = self._prefix.hashes(prompt)
         d_owner, d_blocks = self._prefix.match(hashes, "decode")
         p_owner, _ = self._prefix.match(hashes, "prefill")
-        placement = place(len(request.prompt_token_ids), decode, prefill,
-                          d_blocks * self._prefix.block_size, d_owner, p_owner,
-                          self.config.local_prefill_threshold)
+        placement = place(len(prompt), decode, prefill, d_blocks * self._prefix.block_size,
+                          d_owner, p_owner, self.config.local_prefill_threshold)
         if placement is not None:
             self._prefix.record(hashes, "decode", placement.decode_worker)
             if placement.prefill_worker:
                 self._prefix.record(hashes, "prefill", placement.prefill_worker)
         return placement
 
-    async def _start_prefill(self, stream: _Stream, prefill_id: str, decode: _Handle,
-                             reply: dict[str, Any]) -> None:
-        request = stream.request
+    def _start_prefill(self, stream: _Stream, prefill_id: str, decode: _Handle,
+                       reply: Reserved, prompt: list[int], params: dict[str, Any]) -> None:
         prefill = self.workers.get(prefill_id)
         if prefill is None or prefill.state == "dead":
-            await decode.socket.send(pack({"type": "abort", "request_id": request.request_id}))
-            raise RuntimeError(f"prefill worker {prefill_id} went away")
+            # Gone between placement and reservation: the decode worker prefills instead.
+            self._send_nowait(decode, Abort(request_id=stream.attempt_id))
+            self._spawn(self._migrate(stream, "its prefill worker went away", count=False))
+            return
         stream.prefill = prefill_id
-        prefill.in_flight.add(request.request_id)
-        await prefill.socket.send(pack({
-            "type": "prefill", "request_id": request.request_id,
-            "prompt_token_ids": request.prompt_token_ids,
-            "params": _params_dict(request.params), "peer_info": decode.info["peer_info"],
-            "dst_block_ids": reply["dst_block_ids"],
-            "num_cached_tokens": reply["num_cached_tokens"]}))
+        stream.num_kv_blocks = len(reply.dst_block_ids)
+        prefill.add(stream.request.request_id)
+        self._send_nowait(prefill, Prefill(
+            request_id=stream.attempt_id, prompt_token_ids=prompt, params=params,
+            peer_info=decode.info["peer_info"], dst_block_ids=reply.dst_block_ids,
+            num_cached_tokens=reply.num_cached_tokens))
+
+    async def _send(self, handle: _Handle, command: Command) -> None:
+        await handle.socket.send(encode(command))
+
+    def _send_nowait(self, handle: _Handle, command: Command) -> None:
+        self._spawn(self._send(handle, command))
 
     def _send_abort(self, stream: _Stream) -> None:
-        message = pack({"type": "abort", "request_id": stream.request.request_id})
         for worker_id in (stream.prefill, stream.decode):
             handle = self.workers.get(worker_id) if worker_id else None
             if handle is not None and handle.state != "dead":
-                sending = asyncio.ensure_future(handle.socket.send(message))
-                self._sending.add(sending)
-                sending.add_done_callback(self._sending.discard)
+                self._send_nowait(handle, Abort(request_id=stream.attempt_id))
 
     def _release(self, stream: _Stream, only_prefill: bool = False) -> None:
         """Drop the request from its workers' in-flight sets (what draining waits on)."""
         for worker_id in (stream.prefill,) if only_prefill else (stream.prefill, stream.decode):
             handle = self.workers.get(worker_id) if worker_id else None
             if handle is not None:
-                handle.in_flight.discard(stream.request.request_id)
+                handle.discard(stream.request.request_id)
+
+    # ---- migration ----
+
+    async def _migrate(self, stream: _Stream, why: str, exclude: frozenset[str] = frozenset(),
+                       count: bool = True) -> None:
+        """End the stream's current attempt and place it again; the client sees no seam."""
+        self._send_abort(stream)
+        self._release(stream)
+        if stream.finished or self._streams.get(stream.request.request_id) is not stream:
+            return
+        if not self.config.migrate:
+            stream.queue.put_nowait(TokenDelta(stream.request.request_id, [], "error",
+                                               error=why))
+            return
+        log.warning("request %s placed again after %d tokens: %s",
+                    stream.request.request_id, len(stream.generated), why)
+        if count:
+            self.migrations.inc()
+        try:
+            await self._dispatch(stream, exclude)
+        except RuntimeError as e:
+            stream.queue.put_nowait(TokenDelta(stream.request.request_id, [], "error",
+                                               error=f"{why}; placing it again failed: {e}"))
+
+    def _evacuate(self, handle: _Handle) -> None:
+        """Move the requests a dead (or drained) worker still holds to other workers."""
+        for rid in list(handle.in_flight):
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if stream.reply is not None and not stream.reply.done() \
+                    and stream.decode == handle.worker_id:
+                stream.reply.set_result(None)  # `_dispatch` is waiting on it: it places again
+            elif stream.decode == handle.worker_id or stream.prefill == handle.worker_id:
+                self._spawn(self._migrate(stream, f"worker {handle.worker_id} went away"))
 
     # ---- inbound ----
 
     async def _recv_loop(self) -> None:
         while True:
-            message = unpack(await self._pull.recv())
+            data = await self._pull.recv()
+            try:
+                message = decode_reply(data)
+            except msgspec.DecodeError as e:  # a stray or corrupt message: drop it
+                log.warning("dropped an undecodable worker message (%d bytes): %s",
+                            len(data), e)
+                continue
             try:
                 self._on_message(message)
             except Exception:
-                log.exception("bad message from %s", message.get("worker_id"))
+                log.exception("bad message from %s", message.worker_id)
 
-    def _on_message(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "stats":
-            handle = self.workers.get(message["worker_id"])
-            if handle is not None:
-                handle.stats = message["stats"]
+    def _on_message(self, message: Reply) -> None:
+        handle = self.workers.get(message.worker_id)
+        if handle is None:
             return
-        if kind == "step":
-            for record in message["outputs"]:
-                self._on_record(record)
+        if isinstance(message, Stats):
+            handle.stats, handle.stats_at = message.stats, time.monotonic()
             return
-        stream = self._streams.get(message["request_id"])
-        if stream is None:
+        if isinstance(message, Step):
+            for record in message.outputs:
+                self._on_record(handle, record)
             return
-        if kind in ("reserved", "rejected") and stream.reply and not stream.reply.done():
-            stream.reply.set_result(message)
-        elif kind == "prefilled":
-            stream.timings["prefill"] = message["prefill_s"]
-        elif kind == "transferred":
-            # Only now may a draining prefill worker stop: its KV has landed.
-            stream.timings["transfer"] = message["transfer_s"]
-            self._count_transfer(stream, message)
+        stream = self._attempts.get(message.request_id)
+        if stream is None or message.worker_id not in (stream.decode, stream.prefill):
+            if isinstance(message, Reserved):  # nobody waits for these blocks: free them
+                self._send_nowait(handle, Abort(request_id=message.request_id))
+            return  # about an attempt that was already replaced or ended
+        if isinstance(message, Reserved | Rejected):
+            if stream.reply is not None and not stream.reply.done():
+                stream.reply.set_result(message)
+        elif isinstance(message, Failed):
+            if message.transfer_failed:
+                self._retry_transfer(stream, message.error)
+            else:
+                self._fail(stream, message.error)
+
+    def _on_record(self, handle: _Handle, record: TokenRecord) -> None:
+        stream = self._attempts.get(record.request_id)
+        if stream is None or stream.decode != handle.worker_id:
+            return
+        if record.timings:  # the remote prefill's KV landed: the prefill worker is done
+            stream.timings.update(record.timings)
+            self._count_transfer(stream, handle, record.timings)
             self._release(stream, only_prefill=True)
-        elif kind == "error":
-            self._fail(stream, message["error"])
-
-    def _on_record(self, record: dict[str, Any]) -> None:
-        stream = self._streams.get(record["request_id"])
-        if stream is None:
+        if record.transfer_failed:
+            self._retry_transfer(stream, record.error or "KV transfer failed")
             return
+        stream.generated.extend(record.token_ids)
         stream.queue.put_nowait(TokenDelta(
-            record["request_id"], record["token_ids"], record["finish_reason"],
-            record.get("logprobs"), record.get("num_cached_tokens", 0),
-            error=record.get("error")))
+            stream.request.request_id, record.token_ids, record.finish_reason, record.logprobs,
+            record.num_cached_tokens, error=record.error))
 
-    def _count_transfer(self, stream: _Stream, message: dict[str, Any]) -> None:
-        decode = self.workers.get(stream.decode) if stream.decode else None
-        self.transfer_seconds.observe(message["transfer_s"])
-        if decode is not None:
-            self.transfer_bytes.inc(message["num_blocks"] * decode.info["block_bytes"])
+    def _retry_transfer(self, stream: _Stream, error: str) -> None:
+        """Once per request: prefill again on another prefill worker, or locally."""
+        if stream.transfer_retries:
+            self._fail(stream, error)
+            return
+        stream.transfer_retries += 1
+        self.transfer_retries.inc()
+        exclude = frozenset({stream.prefill} if stream.prefill else ())
+        self._spawn(self._migrate(stream, error, exclude, count=False))
+
+    def _count_transfer(self, stream: _Stream, decode: _Handle,
+                        timings: dict[str, float]) -> None:
+        self.transfer_seconds.observe(timings.get("transfer", 0.0))
+        self.transfer_bytes.inc(stream.num_kv_blocks * decode.info["block_bytes"])
 
     def _fail(self, stream: _Stream, error: str) -> None:
         if stream.reply is not None and not stream.reply.done():
@@ -429,31 +602,40 @@ class ClusterBackend(Backend):
         self._send_abort(stream)
         stream.queue.put_nowait(TokenDelta(stream.request.request_id, [], "error", error=error))
 
-    # ---- health ----
+    # ---- liveness ----
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            for handle in list(self.workers.values()):
-                if handle.state == "dead":
-                    continue
-                try:
-                    await asyncio.wait_for(handle.actor.stats.remote(), 5.0)
-                except Exception as e:
-                    await self._on_worker_death(handle, e)
+    async def _watch(self, handle: _Handle) -> None:
+        """Liveness from Ray: the call returns only when the actor stops or dies."""
+        try:
+            await handle.actor.wait_stopped.remote()
+            error: Exception = RuntimeError("it stopped")
+        except Exception as e:  # ActorDiedError and friends: the process is gone
+            error = e
+        if not handle.stopping and self.workers.get(handle.worker_id) is handle:
+            await self._on_worker_death(handle, error)
 
     async def _on_worker_death(self, handle: _Handle, error: Exception) -> None:
-        log.error("worker %s is gone (%s)", handle.worker_id, error)
-        replace = handle.state == "ready"  # a draining worker was leaving anyway
+        log.error("worker %s (pid %s) is gone: %s", handle.worker_id, handle.info.get("pid"),
+                  str(error).splitlines()[0] if str(error) else type(error).__name__)
+        if handle.state == "ready":  # a draining worker was leaving anyway
+            # In the background, so the model load holds up nothing else; started before
+            # the requests move, so they can wait for it when no other worker is left.
+            self._spawn(self._replace(handle.role))
         handle.state = "dead"
-        for rid in list(handle.in_flight):
-            stream = self._streams.get(rid)
-            if stream is not None:
-                self._fail(stream, f"worker {handle.worker_id} died")
+        self._evacuate(handle)
         await self._stop_worker(handle)
-        if replace:
-            await self._add_worker(handle.role)
+
+    async def _replace(self, role: Role) -> None:
+        try:
+            await self._add_worker(role)
+        except Exception:
+            log.exception("could not replace a %s worker", role)
 
 
-def _params_dict(params: Any) -> dict[str, Any]:
-    return asdict(params)
+def _remaining_params(request: GenerateRequest, num_generated: int) -> dict[str, Any]:
+    """The request's sampling parameters for what is left after `num_generated` tokens."""
+    params = asdict(request.params)
+    if num_generated:
+        params["max_tokens"] -= num_generated
+        params["min_tokens"] = max(params["min_tokens"] - num_generated, 0)
+    return params

@@ -16,6 +16,7 @@ HOST_ENV = "PDCLUSTER_HOST"
 def _serve(args: argparse.Namespace) -> int:
     from cluster.backend import ClusterConfig
     from cluster.serve import TRANSPORTS, ServeOptions, run
+    from router.auth import SecurityConfig
     from router.frontend import RouterConfig
 
     worker: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb,
@@ -29,10 +30,18 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.worker_host or ("auto" if args.address else "127.0.0.1"),
         num_cpus_per_worker=args.num_cpus_per_worker,
         num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
-        local_prefill_threshold=args.local_prefill_threshold, worker=worker)
+        local_prefill_threshold=args.local_prefill_threshold, worker=worker,
+        drain_timeout_s=args.drain_timeout, migrate=not args.no_migration)
+    security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              tls_client_ca=args.tls_client_ca)
     options = ServeOptions(cluster, args.address, args.host, args.grpc_port, args.http_port,
                            RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
-                                        served_model_name=args.served_model_name),
+                                        served_model_name=args.served_model_name,
+                                        request_timeout_s=args.request_timeout),
+                           security=security,
+                           allow_unauthenticated=args.allow_unauthenticated,
+                           drain_timeout_s=args.drain_timeout,
                            metrics_compat=args.metrics_compat)
     asyncio.run(run(options))
     return 0
@@ -46,7 +55,9 @@ def _client(args: argparse.Namespace) -> Any:
     if address is None:
         path = endpoint_file()
         address = json.loads(path.read_text())["grpc"] if path.exists() else "127.0.0.1:50051"
-    return PdClusterClient(address, timeout=args.timeout)
+    return PdClusterClient(address, timeout=args.timeout, api_key=args.api_key,
+                           admin_key=args.admin_key, tls=args.tls, tls_ca=args.tls_ca,
+                           tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -84,13 +95,14 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2, default=str))
         return 0
     table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
-    for column in ("worker", "role", "state", "running", "waiting", "KV used", "prefix hits",
-                   "busy"):
+    for column in ("worker", "role", "state", "node", "pid", "running", "waiting", "KV used",
+                   "prefix hits", "busy"):
         table.add_column(column)
     for workers in status.get("pools", {}).values():
         for w in workers:
             busy = w.get("busy_seconds", 0) / max(w.get("uptime_s", 1), 1e-9)
             table.add_row(str(w.get("worker_id")), str(w.get("role")), str(w.get("state")),
+                          str(w.get("node", ""))[:12], str(w.get("pid", "")),
                           str(w.get("num_running", 0)), str(w.get("num_waiting", 0)),
                           f"{w.get('kv_usage', 0):.0%}", f"{w.get('prefix_hit_rate', 0):.0%}",
                           f"{busy:.0%}")
@@ -154,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also export vLLM's metric names (vllm:num_requests_waiting, "
                             "vllm:kv_cache_usage_perc, ...) for existing dashboards and "
                             "autoscalers")
+    _add_security_flags(serve)
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
@@ -179,8 +192,45 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--address", default=None,
                              help="gRPC host:port (default: the running serve's endpoint)")
         command.add_argument("--timeout", type=float, default=600.0)
+        _add_client_auth_flags(command)
         command.set_defaults(func=func)
     return parser
+
+
+def _add_security_flags(serve: argparse.ArgumentParser) -> None:
+    """`serve`: keys, TLS, drain and deadlines."""
+    serve.add_argument("--api-key", default=os.environ.get("PDCLUSTER_API_KEY"),
+                       help="key every request must present (HTTP 'Authorization: Bearer', "
+                            "gRPC metadata 'authorization'); default $PDCLUSTER_API_KEY")
+    serve.add_argument("--admin-key", default=os.environ.get("PDCLUSTER_ADMIN_KEY"),
+                       help="key ScalePool needs; default $PDCLUSTER_ADMIN_KEY")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="bind a non-loopback --host without any key")
+    serve.add_argument("--tls-cert", default=None, help="server certificate (PEM), both doors")
+    serve.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    serve.add_argument("--tls-client-ca", default=None,
+                       help="CA (PEM) client certificates must chain to: mutual TLS")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish on SIGTERM or when their "
+                            "worker is scaled away (then they move or are aborted)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="longest a request may run, queue included (a shorter gRPC "
+                            "deadline wins); default: no limit")
+    serve.add_argument("--no-migration", action="store_true",
+                       help="end a dead worker's requests with an error instead of moving "
+                            "them to another worker")
+
+
+def _add_client_auth_flags(command: argparse.ArgumentParser) -> None:
+    """Client commands: keys and TLS towards a secured server."""
+    command.add_argument("--api-key", default=os.environ.get("PDCLUSTER_API_KEY"),
+                         help="default $PDCLUSTER_API_KEY")
+    command.add_argument("--admin-key", default=os.environ.get("PDCLUSTER_ADMIN_KEY"),
+                         help="for scale; default $PDCLUSTER_ADMIN_KEY")
+    command.add_argument("--tls", action="store_true", help="connect with TLS")
+    command.add_argument("--tls-ca", default=None, help="CA (PEM) to verify the server with")
+    command.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
+    command.add_argument("--tls-key", default=None, help="client key (mutual TLS)")
 
 
 def main(argv: list[str] | None = None) -> int:

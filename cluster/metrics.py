@@ -149,3 +149,21 @@ class VllmCompatCollector(Collector):
                 renamed.add_sample(new_name + sample.name[len(family.name):], sample.labels,
                                    sample.value, sample.timestamp, sample.exemplar)
             yield renamed
+
+
+# ---- resilience (issue 10): faults the cluster absorbed -------------------------------
+
+def resilience_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """Counters of requests the cluster saved from a fault, in the backend's registry.
+
+    Returns:
+        (requests placed again after their worker died or was drained,
+        KV transfers retried after a failure).
+    """
+    migrations = Counter("pdcluster:migrations",
+                         "Requests placed again because their worker died or was drained.",
+                         registry=registry)
+    retries = Counter("pdcluster:transfer_retries",
+                      "Failed KV transfers retried on another prefill worker or locally.",
+                      registry=registry)
+    return migrations, retries

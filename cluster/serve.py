@@ -15,6 +15,7 @@ from rich.console import Console
 from cluster.backend import ClusterBackend, ClusterConfig
 from cluster.metrics import VllmCompatCollector, WorkerCollector
 from engine.model_loader import cache_dir, resolve_model_dir
+from router.auth import SecurityConfig, check_bind, is_loopback
 from router.frontend import RouterConfig
 from router.servers import Servers, start_servers
 
@@ -32,8 +33,12 @@ class ServeOptions:
         host: interface the front doors bind.
         grpc_port: gRPC port (0 picks one).
         http_port: OpenAI HTTP port (0 picks one).
-        router: admission limits.
+        router: admission limits and request timeout.
         metrics_compat: `vllm` also exports vLLM's metric names; None only pdcluster's.
+        security: API / admin keys and TLS for both front doors.
+        allow_unauthenticated: bind a non-loopback `host` without any key.
+        drain_timeout_s: on SIGTERM/SIGINT, how long running requests may take to finish
+            (new ones are refused meanwhile) before the servers stop.
     """
 
     cluster: ClusterConfig
@@ -43,6 +48,14 @@ class ServeOptions:
     http_port: int = 8000
     router: RouterConfig = field(default_factory=RouterConfig)
     metrics_compat: str | None = None
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    allow_unauthenticated: bool = False
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_bind(self.host, self.security, self.allow_unauthenticated)
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 def endpoint_file() -> Path:
@@ -73,7 +86,7 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
         backend = ClusterBackend(cfg)
         await backend.start()
     servers = await start_servers(backend, options.host, options.grpc_port, options.http_port,
-                                  options.router)
+                                  options.router, options.security)
     metrics = servers.router.metrics
     metrics.registry.register(WorkerCollector(backend, metrics.model_name))
     if options.metrics_compat == "vllm":
@@ -81,6 +94,11 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
     _announce(options, servers)
     try:
         await stop.wait()
+        console.print(f"Draining: refusing new requests, waiting up to "
+                      f"{options.drain_timeout_s:g} s for running ones")
+        left = await servers.drain(options.drain_timeout_s)
+        if left:
+            console.print(f"{left} requests still running at the drain timeout: aborting them")
     finally:
         console.print("Shutting down")
         await servers.stop()
@@ -90,12 +108,19 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
 
 
 def _announce(options: ServeOptions, servers: Servers) -> None:
+    security = options.security
     grpc_addr = f"{options.host}:{servers.grpc_port}"
-    http_addr = f"http://{options.host}:{servers.http_port}"
+    http_addr = f"{'https' if security.tls else 'http'}://{options.host}:{servers.http_port}"
     endpoint_file().parent.mkdir(parents=True, exist_ok=True)
-    endpoint_file().write_text(json.dumps({"grpc": grpc_addr, "http": http_addr}))
+    endpoint_file().write_text(json.dumps({"grpc": grpc_addr, "http": http_addr,
+                                           "tls": security.tls}))
+    if not security.authenticated:
+        console.print("[yellow]No --api-key: anyone who can reach these ports may use them"
+                      + (" (bound to this machine only)." if is_loopback(options.host)
+                         else "."))
+    tls = ("mutual TLS" if security.tls_client_ca else "TLS") if security.tls else "no TLS"
     print(f"pdcluster ready: gRPC {grpc_addr}  OpenAI {http_addr}/v1  "
-          f"metrics {http_addr}/metrics", flush=True)
+          f"metrics {http_addr}/metrics  ({tls})", flush=True)
 
 
 def _signal_event() -> asyncio.Event:

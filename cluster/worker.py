@@ -1,8 +1,8 @@
 """A worker process: one engine in one role, its KV endpoint, and its ZMQ data plane.
 
 Ray owns the process (`WorkerActor`); requests and token streams never go through Ray:
-the router PUSHes msgpack commands to the worker's PULL socket, and the worker PUSHes one
-message per engine step (plus replies and stats) to the router's PULL socket.
+the router PUSHes `protocol` commands to the worker's PULL socket, and the worker PUSHes
+one `Step` per engine step (plus replies and `Stats`) to the router's PULL socket.
 """
 
 from __future__ import annotations
@@ -14,28 +14,21 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import msgpack
+import msgspec
 import torch
 import zmq
 
 from decode_worker import DecodeRole
-from decode_worker.role import output_record
 from engine import CacheConfig, EngineOutput, LLMEngine, SchedulerConfig
 from engine.engine_loop import EngineLoop
 from engine.hardware import measure_peaks
 from kv_transfer import CompatRecord, KVReceiver, KVSender, SharedKVPool, TransferConfig
 from prefill_worker import PrefillRole
+from protocol import Abort, Command, Failed, Reply, Role, Stats, decode_command, encode
+from protocol.worker_role import WorkerRole
 
 log = logging.getLogger(__name__)
-_STATS_INTERVAL_S = 0.5
-
-
-def pack(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message)
-
-
-def unpack(data: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(data, strict_map_key=False)
+STATS_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -64,7 +57,7 @@ class WorkerSpec:
     """
 
     worker_id: str
-    role: str
+    role: Role
     model: str
     router_endpoint: str
     host: str = "127.0.0.1"
@@ -81,9 +74,15 @@ class WorkerSpec:
     kv_wait_timeout_s: float = 600.0
     max_model_len: int | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
+
 
 class Worker:
-    """The worker's threads: engine loop, command reader, transfer events, stats.
+    """The worker's threads: engine loop, command reader, transfer events, stats clock.
+
+    Only the engine loop's thread touches the engine: commands, transfer events and the
+    stats snapshot are all submitted to it.
 
     Args:
         spec: what to run.
@@ -104,63 +103,52 @@ class Worker:
         self.peaks = measure_peaks(self.engine.device, self.engine.dtype, size=512, read_mb=64)
         self.utilization: dict[str, float] = {}
         self._last_sample: tuple[float, ...] | None = None
-        self._build_role()
-        self.loop = EngineLoop(self.engine, self._on_outputs, self._layer_hook)
+        self.role = self._build_role()
+        self.loop = EngineLoop(self.engine, self._on_outputs, self.role.layer_hook)
         self._stop = threading.Event()
         self.loop.start()
         self._threads = [threading.Thread(target=target, daemon=True, name=target.__name__)
-                         for target in (self._read_commands, self._pump_events, self._push_stats)]
+                         for target in (self._read_commands, self._pump_events, self._tick_stats)]
         for thread in self._threads:
             thread.start()
 
     def _build_engine(self) -> LLMEngine:
         spec = self.spec
-        engine_role = {"prefill": "prefill", "decode": "decode"}.get(spec.role, "mixed")
         self.shm_pool = SharedKVPool(f"pdcluster-{spec.worker_id}") \
-            if spec.role == "decode" and "shm" in spec.transports else None
+            if spec.role == Role.DECODE and "shm" in spec.transports else None
         return LLMEngine(
             spec.model, spec.dtype,
             cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
                               kv_cache_memory_gb=spec.kv_cache_memory_gb,
                               enable_prefix_caching=spec.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
-                                      max_num_seqs=spec.max_num_seqs, role=engine_role,
+                                      max_num_seqs=spec.max_num_seqs, role=str(spec.role),
                                       policy=spec.policy),
             num_threads=spec.torch_threads, kv_allocator=self.shm_pool,
             max_model_len=spec.max_model_len)
 
-    def _build_role(self) -> None:
+    def _build_role(self) -> WorkerRole:
         spec = self.spec
         compat = CompatRecord.from_kv_cache(self.engine.kv_cache, str(self.engine.model_dir))
         config = TransferConfig(transports=spec.transports, host=spec.host)
-        self.receiver = self.sender = None
-        self.prefill = self.decode = None
-        if spec.role == "prefill":
-            self.sender = KVSender(self.engine.kv_cache, compat, config)
-            self.prefill = PrefillRole(self.engine, self.sender)
-        else:
-            if spec.role == "decode":
-                self.receiver = KVReceiver(self.engine.kv_cache, compat, config, self.shm_pool)
-            self.decode = DecodeRole(self.engine, self.receiver, spec.kv_wait_timeout_s)
+        if spec.role == Role.PREFILL:
+            return PrefillRole(spec.worker_id, self.engine,
+                               KVSender(self.engine.kv_cache, compat, config))
+        receiver = KVReceiver(self.engine.kv_cache, compat, config, self.shm_pool) \
+            if spec.role == Role.DECODE else None
+        return DecodeRole(spec.worker_id, self.engine, receiver, spec.kv_wait_timeout_s)
 
     # ---- outbound ----
 
-    def send(self, message: dict[str, Any]) -> None:
-        message["worker_id"] = self.spec.worker_id
-        data = pack(message)
-        with self._lock:
-            self._out.send(data)
+    def send(self, replies: list[Reply]) -> None:
+        """Push replies to the router (from any thread)."""
+        for reply in replies:
+            data = encode(reply)
+            with self._lock:
+                self._out.send(data)
 
     def _on_outputs(self, outputs: list[EngineOutput]) -> None:
-        if self.prefill is not None:
-            for message in self.prefill.on_outputs(outputs):
-                self.send(message)
-            return
-        self.send({"type": "step", "outputs": [output_record(o) for o in outputs]})
-
-    def _layer_hook(self, layer: int, schedule: Any) -> None:
-        if self.prefill is not None:
-            self.prefill.layer_hook(layer, schedule)
+        self.send(self.role.on_outputs(outputs))
 
     # ---- inbound ----
 
@@ -168,95 +156,76 @@ class Worker:
         while not self._stop.is_set():
             if not self._cmd.poll(200):
                 continue
-            message = unpack(self._cmd.recv())
+            data = self._cmd.recv()
             try:
-                self._dispatch(message)
-            except Exception as e:  # a bad message must not kill the reader
-                log.exception("command %s failed", message.get("type"))
-                self._fail(message.get("request_id"), f"{type(e).__name__}: {e}")
+                command = decode_command(data)
+            except msgspec.DecodeError as e:  # a stray or corrupt message: drop it
+                log.warning("dropped an undecodable command (%d bytes): %s", len(data), e)
+                continue
+            try:
+                self._dispatch(command)
+            except Exception as e:  # a bad command must not kill the reader
+                log.exception("command %s failed", type(command).__name__)
+                self._fail(command.request_id, f"{type(e).__name__}: {e}")
 
-    def _dispatch(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "prefill" and self.prefill is not None:
-            # The handshake may block on the network: do it here, not on the engine thread.
-            peer_id = self.prefill.connect(message["peer_info"])
-            self.loop.submit(self._guard(message, lambda e: self.prefill.start(e, message,
-                                                                               peer_id)))
-        elif kind == "generate" and self.decode is not None:
-            self.loop.submit(self._guard(message, lambda e: self._generate(e, message)))
-        elif kind == "abort":
-            self.loop.submit(lambda e: self._abort(e, message["request_id"]))
-        else:
-            raise ValueError(f"{self.spec.role} worker cannot handle {kind!r}")
+    def _dispatch(self, command: Command) -> None:
+        if isinstance(command, Abort):
+            self.loop.submit(lambda e: self.send(self.role.abort(e, command.request_id)))
+            return
+        self.role.prepare(command)  # may block on the network: not on the engine thread
+        self.loop.submit(self._guard(command))
 
-    def _guard(self, message: dict[str, Any], command: Any) -> Any:
-        """Run an engine command; a failure answers the request instead of vanishing."""
+    def _guard(self, command: Command) -> Any:
+        """Run a command on the engine; a failure answers the request instead of vanishing."""
         def run(engine: LLMEngine) -> None:
             try:
-                command(engine)
+                self.send(self.role.handle(engine, command))
             except Exception as e:
-                self._fail(message.get("request_id"), f"{type(e).__name__}: {e}")
+                self._fail(command.request_id, f"{type(e).__name__}: {e}")
         return run
 
-    def _generate(self, engine: LLMEngine, message: dict[str, Any]) -> None:
-        reply = self.decode.generate(engine, message)
-        if reply is not None:
-            self.send(reply)
-
-    def _abort(self, engine: LLMEngine, request_id: str) -> None:
-        if self.prefill is not None:
-            self.prefill.abort(engine, request_id)
-            return
-        record = self.decode.abort(engine, request_id)
-        if record is not None:
-            self.send({"type": "step", "outputs": [record]})
-
-    def _fail(self, request_id: str | None, error: str) -> None:
-        if request_id is not None:
-            self.send({"type": "error", "request_id": request_id, "error": error})
+    def _fail(self, request_id: str, error: str) -> None:
+        self.send([Failed(worker_id=self.spec.worker_id, request_id=request_id, error=error)])
 
     def _pump_events(self) -> None:
-        endpoint = self.sender or self.receiver
+        endpoint = self.role.endpoint
         if endpoint is None:
             return
         while not self._stop.is_set():
             events = endpoint.wait_events(timeout_s=0.2)
             if events:
-                self.loop.submit(lambda e, ev=events: self._handle_events(e, ev))
-
-    def _handle_events(self, engine: LLMEngine, events: list[Any]) -> None:
-        if self.prefill is not None:
-            for message in self.prefill.on_events(engine, events):
-                self.send(message)
-            return
-        records = self.decode.on_events(engine, events)
-        if records:
-            self.send({"type": "step", "outputs": records})
+                self.loop.submit(lambda e, ev=events: self.send(self.role.on_events(e, ev)))
 
     # ---- control ----
 
-    def stats(self) -> dict[str, Any]:
-        """Load, memory and utilization figures (also pushed every half second)."""
-        stats = dict(self.engine.stats())
+    def stats(self, engine: LLMEngine) -> dict[str, Any]:
+        """Load, memory and utilization figures; call on the engine thread only."""
+        stats = dict(engine.stats())
         uptime = time.monotonic() - self.started
-        stats.update(worker_id=self.spec.worker_id, role=self.spec.role,
+        stats.update(worker_id=self.spec.worker_id, role=str(self.spec.role),
                      busy_seconds=self.loop.busy_seconds, uptime_s=uptime,
                      num_steps=self.loop.num_steps,
                      pid=os.getpid(), transfer_wait_seconds=self.loop.transfer_wait_seconds,
                      peak_flops=self.peaks["flops"], peak_bandwidth=self.peaks["bandwidth"],
-                     utilization=self.utilization)
-        if self.prefill is not None:
-            stats.update(self.prefill.load())
+                     utilization=self.utilization, **self.role.load(engine))
         return stats
 
-    def _push_stats(self) -> None:
-        while not self._stop.wait(_STATS_INTERVAL_S):
-            self._sample_utilization()
-            self.send({"type": "stats", "stats": self.stats()})
+    def _tick_stats(self) -> None:
+        """Every interval, ask the engine thread for a snapshot and push it.
 
-    def _sample_utilization(self) -> None:
+        A busy or stalled engine thread makes the stats late (the router shows the worker
+        as `slow`), never wrong and never a reason to declare the worker dead.
+        """
+        while not self._stop.wait(STATS_INTERVAL_S):
+            self.loop.submit(self._push_stats)
+
+    def _push_stats(self, engine: LLMEngine) -> None:
+        self._sample_utilization(engine)
+        self.send([Stats(worker_id=self.spec.worker_id, stats=self.stats(engine))])
+
+    def _sample_utilization(self, engine: LLMEngine) -> None:
         """Where the last interval went: compute (and how well), KV waits, idle."""
-        counters = self.engine.runner.counters
+        counters = engine.runner.counters
         sample = (time.monotonic(), self.loop.busy_seconds, self.loop.transfer_wait_seconds,
                   counters["flops"], counters["bytes"])
         last, self._last_sample = self._last_sample, sample
@@ -271,24 +240,29 @@ class Worker:
             "bandwidth_utilization": nbytes / self.peaks["bandwidth"]}
 
     def info(self) -> dict[str, Any]:
-        """What the router needs: endpoints, role, model facts, KV peer info."""
+        """What the router needs: endpoints, role, model facts, KV peer info, pid."""
         cfg = self.engine.model_config
+        receiver = self.role.endpoint if self.spec.role == Role.DECODE else None
         return {
-            "worker_id": self.spec.worker_id, "role": self.spec.role,
+            "worker_id": self.spec.worker_id, "role": str(self.spec.role),
             "endpoint": self.endpoint, "model_dir": str(self.engine.model_dir),
             "max_model_len": self.engine.max_model_len, "vocab_size": cfg.vocab_size,
             "block_size": self.spec.block_size, "num_blocks": self.engine.block_pool.num_blocks,
             "block_bytes": self.engine.kv_cache.block_bytes * cfg.num_layers,
-            "peer_info": self.receiver.peer_info() if self.receiver is not None else None,
+            "peer_info": receiver.peer_info() if receiver is not None else None,
             "spec": asdict(self.spec), "torch_threads": torch.get_num_threads(),
+            "pid": os.getpid(), "host": self.spec.host,
         }
+
+    def wait_stopped(self) -> None:
+        """Block until `shutdown` (Ray's liveness watch calls this)."""
+        self._stop.wait()
 
     def shutdown(self) -> None:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5)
         self.loop.stop()
-        for endpoint in (self.sender, self.receiver):
-            if endpoint is not None:
-                endpoint.close()
+        if self.role.endpoint is not None:
+            self.role.endpoint.close()
         self._ctx.destroy(linger=0)

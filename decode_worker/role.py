@@ -1,99 +1,124 @@
 """Decode policy on top of the engine's `decode` (or `mixed`) role and a `KVReceiver`.
 
-Messages in (from the router, as dicts): `generate` (local or remote prefill) and `abort`.
-Messages out: `reserved` / `rejected` (remote prefill), `step` (one per engine step with
-every request's new tokens) and per-request errors inside `step`.
+Commands in: `Generate` (local or remote prefill) and aborts. Replies out: `Reserved` /
+`Rejected` (remote prefill) and `Step` (one per engine step with every request's new
+tokens; per-request errors ride inside it). All engine calls happen on the engine thread.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from engine import EngineOutput, KVCacheFullError, LLMEngine, SamplingParams
 from kv_transfer import KVReceiver, TransferDone, TransferEvent
+from protocol import Command, Generate, Rejected, Reply, Reserved, Role, Step, TokenRecord
+from protocol.worker_role import WorkerRole
 
 
-def output_record(out: EngineOutput, error: str | None = None) -> dict[str, Any]:
-    """One request's part of a `step` message."""
-    record = {"request_id": out.request_id, "token_ids": out.new_token_ids,
-              "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens}
-    if out.new_logprobs:
-        record["logprobs"] = out.new_logprobs
+def token_record(out: EngineOutput, error: str | None = None, transfer_failed: bool = False,
+                 timings: dict[str, float] | None = None) -> TokenRecord:
+    """One request's part of a `Step`."""
     if error is None and out.finish_reason == "error":
         error = "the decode worker's engine step failed"
-    if error:
-        record["error"] = error
-    return record
+    return TokenRecord(request_id=out.request_id, token_ids=list(out.new_token_ids),
+                       finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
+                       logprobs=out.new_logprobs or None, error=error,
+                       transfer_failed=transfer_failed, timings=timings)
 
 
-class DecodeRole:
+class DecodeRole(WorkerRole):
     """Admits requests (prefilling short ones locally), receives remote KV, decodes.
 
     Args:
+        worker_id: the worker's name.
         engine: an engine with scheduler role `decode` (or `mixed` when colocated).
         receiver: the KV receiver over this engine's pool; None when colocated.
         kv_wait_timeout_s: how long a reservation waits for its KV, from the reservation:
             it covers the prompt's wait in the prefill worker's queue, not just the bytes.
     """
 
-    def __init__(self, engine: LLMEngine, receiver: KVReceiver | None,
+    def __init__(self, worker_id: str, engine: LLMEngine, receiver: KVReceiver | None,
                  kv_wait_timeout_s: float = 600.0) -> None:
-        self.engine = engine
+        super().__init__(worker_id)
+        self.role = Role.DECODE if receiver is not None else Role.MIXED
+        self.endpoint = receiver
         self.receiver = receiver
         self.kv_wait_timeout_s = kv_wait_timeout_s
         self.block_size = engine.cache_config.block_size
-        self._expecting: set[str] = set()
+        self._expecting: dict[str, float] = {}  # request id -> when its blocks were reserved
         self._aborting: set[str] = set()
 
-    def generate(self, engine: LLMEngine, msg: dict[str, Any]) -> dict[str, Any] | None:
-        """Take a request: prefill locally, or reserve blocks for a remote prefill.
+    def handle(self, engine: LLMEngine, command: Command) -> list[Reply]:
+        """Take a `Generate`: prefill locally, or reserve blocks for a remote prefill.
 
         Returns:
-            The reply for a remote prefill (`reserved` with the destination blocks, or
-            `rejected` when the pool is full); None for a local prefill.
+            For a remote prefill, `Reserved` with the destination blocks (or `Rejected`
+            when the pool is full); nothing for a local prefill.
         """
-        rid = msg["request_id"]
-        params = SamplingParams(**msg["params"])
-        if not msg.get("remote_prefill") or self.receiver is None:
-            engine.add_request(rid, msg["prompt_token_ids"], params)
-            return None
+        if not isinstance(command, Generate):
+            raise ValueError(f"a {self.role} worker cannot handle {type(command).__name__}")
+        rid = command.request_id
+        params = SamplingParams(**command.params)
+        if not command.remote_prefill or self.receiver is None:
+            engine.add_request(rid, command.prompt_token_ids, params)
+            return []
         try:
-            request = engine.reserve_remote(rid, msg["prompt_token_ids"], params)
+            request = engine.reserve_remote(rid, command.prompt_token_ids, params)
         except KVCacheFullError as e:
-            return {"type": "rejected", "request_id": rid, "reason": str(e)}
+            return [Rejected(worker_id=self.worker_id, request_id=rid, reason=str(e))]
         skip = request.num_computed_tokens // self.block_size
         dst = request.block_ids[skip:]
         self.receiver.expect(rid, dst, timeout_s=self.kv_wait_timeout_s)
-        self._expecting.add(rid)
-        return {"type": "reserved", "request_id": rid, "dst_block_ids": dst,
-                "num_cached_tokens": request.num_computed_tokens}
+        self._expecting[rid] = time.monotonic()
+        return [Reserved(worker_id=self.worker_id, request_id=rid, dst_block_ids=dst,
+                         num_cached_tokens=request.num_computed_tokens)]
 
-    def on_events(self, engine: LLMEngine, events: list[TransferEvent]) -> list[dict[str, Any]]:
+    def on_outputs(self, outputs: list[EngineOutput]) -> list[Reply]:
+        return [self._step([token_record(out) for out in outputs])]
+
+    def on_events(self, engine: LLMEngine, events: list[TransferEvent]) -> list[Reply]:
         """KV landed (the request joins the batch) or failed (the request ends)."""
         records = []
         for event in events:
             rid = event.request_id
-            self._expecting.discard(rid)
+            reserved = self._expecting.pop(rid, time.monotonic())
             if rid in self._aborting:
                 self._aborting.discard(rid)
                 out = engine.abort_request(rid, "abort")
-                records.extend([output_record(out)] if out else [])
+                records.extend([token_record(out)] if out else [])
             elif isinstance(event, TransferDone):
-                out = engine.complete_remote(rid, event.payload["first_token"])
-                if event.payload.get("logprobs"):
-                    out.new_logprobs = [event.payload["logprobs"]]
-                records.append(output_record(out))
+                records.append(self._landed(engine, rid, event.payload, reserved))
             else:
                 out = engine.abort_request(rid, "error")
                 if out is not None:
-                    records.append(output_record(out, f"KV transfer failed: {event.reason}"))
-        return records
+                    records.append(token_record(out, f"KV transfer failed: {event.reason}",
+                                                transfer_failed=True))
+        return [self._step(records)] if records else []
 
-    def abort(self, engine: LLMEngine, request_id: str) -> dict[str, Any] | None:
+    def _landed(self, engine: LLMEngine, rid: str, payload: dict[str, Any],
+                reserved: float) -> TokenRecord:
+        """The request joins the batch; its first record carries the prefill's timings.
+
+        Timings travel with the token, so they can never arrive after the stream ended.
+        `transfer` is the time the reserved blocks waited beyond the prefill itself.
+        """
+        out = engine.complete_remote(rid, payload["first_token"])
+        if payload.get("logprobs"):
+            out.new_logprobs = [payload["logprobs"]]
+        prefill_s = float(payload.get("prefill_s", 0.0))
+        waited = time.monotonic() - reserved
+        return token_record(out, timings={"prefill": prefill_s,
+                                          "transfer": max(waited - prefill_s, 0.0)})
+
+    def abort(self, engine: LLMEngine, request_id: str) -> list[Reply]:
         """End a request; blocks still being written are freed once the transfer stops."""
         if request_id in self._expecting and self.receiver is not None:
             self._aborting.add(request_id)
             self.receiver.cancel(request_id)
-            return None
+            return []
         out = engine.abort_request(request_id, "abort")
-        return output_record(out) if out else None
+        return [self._step([token_record(out)])] if out else []
+
+    def _step(self, records: list[TokenRecord]) -> Step:
+        return Step(worker_id=self.worker_id, outputs=records)

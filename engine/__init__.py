@@ -11,7 +11,7 @@ from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, L
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
-from engine.validation import check_request
+from engine.validation import check_request, fit_context
 
 __all__ = [
     "LLM",
@@ -28,5 +28,6 @@ __all__ = [
     "SchedulerConfig",
     "apply_chat_template",
     "check_request",
+    "fit_context",
     "load_tokenizer",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from engine.sampling_params import SamplingParams
 
@@ -39,3 +40,23 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab
     if bad is not None:
         raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
                          f"[0, {vocab_size})")
+
+
+def fit_context(num_prompt_tokens: int, params: SamplingParams,
+                max_model_len: int) -> SamplingParams:
+    """Prompt + `max_tokens` must fit the context (vLLM answers 400 otherwise).
+
+    `max_tokens` equal to `max_model_len` is the chat default ("to the end of the context")
+    and is cut to what fits.
+
+    Raises:
+        ValueError: `max_tokens` does not fit; the message says how many do.
+    """
+    room = max_model_len - num_prompt_tokens
+    if params.max_tokens <= room:
+        return params
+    if params.max_tokens == max_model_len:
+        return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+    raise ValueError(
+        f"max_tokens: {params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "
+        f"exceeds the context of {max_model_len} tokens; at most {room} fit")

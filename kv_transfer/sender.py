@@ -112,6 +112,11 @@ class KVSender(Endpoint):
         self._peer_blocks[peer_id] = peer_info["num_blocks"]
         return peer_id
 
+    def is_connected(self, peer_id: str) -> bool:
+        """False once the peer was lost (silent past `peer_timeout_s`, left, or refused):
+        `connect` again before sending to it."""
+        return peer_id in self._peers
+
     def begin(self, request_id: str, peer_id: str, src_block_ids: Sequence[int],
               dst_block_ids: Sequence[int], timeout_s: float | None = None) -> None:
         """Start a transfer of `src_block_ids` (here) into `dst_block_ids` (on the peer).

@@ -1,7 +1,8 @@
 """Prefill policy on top of the engine's `prefill` role and a `KVSender`.
 
-Messages in (from the router, as dicts): `prefill` and `abort`. Messages out: `prefilled`
-(first token, timings) and `error`. All engine calls happen on the engine loop thread.
+Commands in: `Prefill` and aborts. Replies out: `Failed` only; the first token and the
+prefill's timing travel with the KV to the decode worker, which reports them with the
+token. All engine calls happen on the engine loop thread.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 from engine import EngineOutput, LLMEngine, SamplingParams
 from engine.scheduler import SchedulerOutput
 from kv_transfer import KVSender, TransferDone, TransferEvent
+from protocol import Command, Failed, Prefill, Reply, Role
+from protocol.worker_role import WorkerRole
 
 
 @dataclass
@@ -22,37 +25,46 @@ class _Job:
     skip_blocks: int  # the decode side's prefix-cache hits: never sent
     started: float = field(default_factory=time.monotonic)
     begun: bool = False
-    prefill_done: float = 0.0
+    aborted: bool = False
 
 
-class PrefillRole:
+class PrefillRole(WorkerRole):
     """Runs prompts to their first token and ships the KV into reserved decode blocks.
 
     Args:
+        worker_id: the worker's name.
         engine: an engine with scheduler role `prefill`.
         sender: the KV sender over this engine's pool.
     """
 
-    def __init__(self, engine: LLMEngine, sender: KVSender) -> None:
-        self.engine = engine
-        self.sender = sender
+    role = Role.PREFILL
+
+    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender) -> None:
+        super().__init__(worker_id)
+        self.endpoint = self.sender = sender
         self.block_size = engine.cache_config.block_size
         self._jobs: dict[str, _Job] = {}
         self._peers: dict[str, str] = {}  # receiver id -> sender peer id
 
-    def connect(self, peer_info: dict[str, Any]) -> str:
-        """Handshake with a decode worker once; safe to call from any thread."""
-        receiver_id = peer_info["receiver_id"]
-        if receiver_id not in self._peers:
-            self._peers[receiver_id] = self.sender.connect(peer_info)
-        return self._peers[receiver_id]
+    def prepare(self, command: Command) -> None:
+        """Handshake with the command's decode worker (may block on the network); again
+        if the connection was lost, e.g. while that worker was stalled."""
+        if isinstance(command, Prefill):
+            receiver_id = command.peer_info["receiver_id"]
+            peer_id = self._peers.get(receiver_id)
+            if peer_id is None or not self.sender.is_connected(peer_id):
+                self._peers[receiver_id] = self.sender.connect(command.peer_info)
 
-    def start(self, engine: LLMEngine, msg: dict[str, Any], peer_id: str) -> None:
-        """Queue a prompt whose KV goes to `msg["dst_block_ids"]` on the decode worker."""
-        rid = msg["request_id"]
-        engine.add_request(rid, msg["prompt_token_ids"], SamplingParams(**msg["params"]))
-        self._jobs[rid] = _Job(peer_id, msg["dst_block_ids"],
-                               msg["num_cached_tokens"] // self.block_size)
+    def handle(self, engine: LLMEngine, command: Command) -> list[Reply]:
+        """Queue a prompt whose KV goes to `command.dst_block_ids` on the decode worker."""
+        if not isinstance(command, Prefill):
+            raise ValueError(f"a prefill worker cannot handle {type(command).__name__}")
+        rid = command.request_id
+        engine.add_request(rid, command.prompt_token_ids, SamplingParams(**command.params))
+        self._jobs[rid] = _Job(self._peers[command.peer_info["receiver_id"]],
+                               command.dst_block_ids,
+                               command.num_cached_tokens // self.block_size)
+        return []
 
     def layer_hook(self, layer: int, schedule: SchedulerOutput) -> None:
         """After layer `layer` wrote its KV: ship it for prompts finishing this step.
@@ -70,13 +82,13 @@ class PrefillRole:
                 job.begun = True
             self.sender.send_layer(item.request.request_id, layer)
 
-    def on_outputs(self, outputs: list[EngineOutput]) -> list[dict[str, Any]]:
-        """First tokens are out: finish the transfers (the token rides along).
+    def on_outputs(self, outputs: list[EngineOutput]) -> list[Reply]:
+        """First tokens are out: finish the transfers (the token and timing ride along).
 
-        A request the engine ended without a token (a failed step) is reported as an
-        error, so the router ends the stream and the decode side frees its reservation.
+        A request the engine ended without a token (a failed step) is reported as failed,
+        so the router ends the stream and the decode side frees its reservation.
         """
-        messages = []
+        replies: list[Reply] = []
         for out in outputs:
             job = self._jobs.get(out.request_id)
             if job is None:
@@ -85,48 +97,44 @@ class PrefillRole:
                 self._jobs.pop(out.request_id)
                 if job.begun:
                     self.sender.abort(out.request_id)
-                messages.append({"type": "error", "request_id": out.request_id,
-                                 "error": f"prefill ended with {out.finish_reason}"})
+                replies.append(self._failed(out.request_id,
+                                            f"prefill ended with {out.finish_reason}"))
                 continue
-            job.prefill_done = time.monotonic()
             logprobs = out.new_logprobs[0] if out.new_logprobs else None
-            self.sender.finish(out.request_id, {"first_token": out.new_token_ids[0],
-                                                "logprobs": logprobs})
-            messages.append({"type": "prefilled", "request_id": out.request_id,
-                             "prefill_s": job.prefill_done - job.started,
-                             "prefill_end": job.prefill_done,
-                             "num_cached_tokens": out.num_cached_tokens})
-        return messages
+            self.sender.finish(out.request_id, {
+                "first_token": out.new_token_ids[0], "logprobs": logprobs,
+                "prefill_s": time.monotonic() - job.started})
+        return replies
 
-    def on_events(self, engine: LLMEngine, events: list[TransferEvent]) -> list[dict[str, Any]]:
+    def on_events(self, engine: LLMEngine, events: list[TransferEvent]) -> list[Reply]:
         """Transfers ended: the KV is no longer needed here either way."""
-        messages = []
+        replies: list[Reply] = []
         for event in events:
             job = self._jobs.pop(event.request_id, None)
             engine.release(event.request_id)
-            if job is None:
-                continue
-            message = {"type": "transferred", "request_id": event.request_id,
-                       "transfer_s": time.monotonic() - (job.prefill_done or job.started),
-                       "num_blocks": len(job.dst_block_ids)}
-            if not isinstance(event, TransferDone):
-                message = {"type": "error", "request_id": event.request_id,
-                           "error": f"KV transfer failed: {event.reason}"}
-            messages.append(message)
-        return messages
+            if job is not None and not job.aborted and not isinstance(event, TransferDone):
+                replies.append(self._failed(event.request_id,
+                                            f"KV transfer failed: {event.reason}", True))
+        return replies
 
-    def abort(self, engine: LLMEngine, request_id: str) -> None:
+    def abort(self, engine: LLMEngine, request_id: str) -> list[Reply]:
         """Drop a request; a transfer in flight is aborted (its event then frees the KV)."""
         job = self._jobs.get(request_id)
         if job is not None and job.begun:
+            job.aborted = True
             self.sender.abort(request_id)
-            return
+            return []
         self._jobs.pop(request_id, None)
         engine.abort_request(request_id)
+        return []
 
-    def load(self) -> dict[str, float]:
+    def load(self, engine: LLMEngine) -> dict[str, Any]:
         """Queued prefill work, for placement."""
-        sched = self.engine.scheduler
+        sched = engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens
                      for r in (*sched.waiting, *sched.running))
-        return {"queued_prefill_tokens": queued, "num_jobs": len(self._jobs)}
+        return {"queued_prefill_tokens": queued}
+
+    def _failed(self, request_id: str, error: str, transfer_failed: bool = False) -> Failed:
+        return Failed(worker_id=self.worker_id, request_id=request_id, error=error,
+                      transfer_failed=transfer_failed)

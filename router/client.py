@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,12 +22,28 @@ class PdClusterClient:
     Args:
         address: `host:port` of the gRPC server.
         timeout: default deadline in seconds for every call; None for none.
+        api_key: sent as `authorization: Bearer <key>` on every call.
+        admin_key: sent instead on `scale` (ScalePool needs it when the server has one).
+        tls: connect with TLS (implied by any of the three files below).
+        tls_ca: CA bundle (PEM) to verify the server with; None uses the system's roots.
+        tls_cert: client certificate (PEM) for mutual TLS.
+        tls_key: its private key (PEM).
     """
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, *,
+                 api_key: str | None = None, admin_key: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._auth = _bearer(api_key)
+        self._admin_auth = _bearer(admin_key) or self._auth
+        if tls or tls_ca or tls_cert or tls_key:
+            credentials = grpc.ssl_channel_credentials(
+                _read(tls_ca), _read(tls_key), _read(tls_cert))
+            self._channel = grpc.secure_channel(address, credentials)
+        else:
+            self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.PdClusterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -54,7 +71,8 @@ class PdClusterClient:
         """
         request = _generate_request(prompt, messages, prompt_token_ids, request_id, model,
                                     sampling)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout,
+                                   metadata=self._auth)
         try:
             for msg in call:
                 yield output_from_proto(msg)
@@ -78,16 +96,19 @@ class PdClusterClient:
 
     def abort(self, request_id: str) -> None:
         """End a queued or running request (grpc.RpcError NOT_FOUND when unknown)."""
-        self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout)
+        self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout,
+                         metadata=self._auth)
 
     def status(self) -> dict[str, Any]:
         """Model, mode, the router's queue and each pool's workers."""
-        return status_from_proto(self._stub.Status(pb.StatusRequest(), timeout=self.timeout))
+        return status_from_proto(self._stub.Status(pb.StatusRequest(), timeout=self.timeout,
+                                                   metadata=self._auth))
 
     def scale(self, prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
         """Resize the pools (None leaves one as it is); returns the new status."""
         request = pb.ScalePoolRequest(prefill=prefill, decode=decode)
-        return status_from_proto(self._stub.ScalePool(request, timeout=self.timeout))
+        return status_from_proto(self._stub.ScalePool(request, timeout=self.timeout,
+                                                      metadata=self._admin_auth))
 
     def health(self, service: str = "") -> str:
         """`SERVING` or `NOT_SERVING` (grpc.health.v1); "" asks about the whole server."""
@@ -103,6 +124,14 @@ class PdClusterClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _bearer(key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {key}"),) if key else None
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
 
 
 def _generate_request(prompt: str | None, messages: list[dict[str, str]] | None,

@@ -6,7 +6,9 @@
 | `ModelNotFoundError` | NOT_FOUND | 404 |
 | `QueueFullError` | RESOURCE_EXHAUSTED | 429 |
 | `QueueTimeoutError` | DEADLINE_EXCEEDED | 504 |
+| `DeadlineExceededError` | DEADLINE_EXCEEDED | 504 |
 | `RequestNotFoundError` | NOT_FOUND | 404 |
+| `UnavailableError` | UNAVAILABLE | 503 |
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ class QueueTimeoutError(RouterError):
     """The request's deadline passed while it waited for admission."""
 
     code = "deadline_exceeded"
+
+
+class DeadlineExceededError(RouterError):
+    """The request's deadline (client's or `request_timeout_s`) passed while it ran; it was
+    aborted and its blocks freed."""
+
+    code = "deadline_exceeded"
+
+
+class UnavailableError(RouterError):
+    """The server is draining (shutting down): it takes no new requests."""
+
+    code = "unavailable"
 
 
 class RequestNotFoundError(RouterError):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,15 +16,18 @@ from engine import (
     SamplingParams,
     apply_chat_template,
     check_request,
+    fit_context,
     load_tokenizer,
 )
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
 from router.errors import (
+    DeadlineExceededError,
     InvalidRequestError,
     ModelNotFoundError,
     RequestNotFoundError,
     RouterError,
+    UnavailableError,
 )
 from router.metrics import RouterMetrics
 from router.outputs import GenerateOutput, Timings, TokenLogprob, Usage
@@ -42,20 +46,25 @@ class RouterConfig:
             None waits as long as it takes.
         served_model_name: the model's name in the API (`model` fields, `/v1/models`, the
             metrics' `model_name` label); None: the name the backend loaded it by.
+        request_timeout_s: longest a request may take, queue included (a shorter client
+            deadline wins); past it the request is aborted everywhere. None: no limit.
     """
 
     max_running: int = 256
     max_queue: int = 1024
     queue_timeout_s: float | None = 60.0
     served_model_name: str | None = None
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
-            raise ValueError(f"queue_timeout_s must be > 0 or None, got {self.queue_timeout_s}")
+        for name in ("queue_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
 
 
 class Router:
@@ -76,6 +85,9 @@ class Router:
         self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
         self.metrics = RouterMetrics(self.admission, self.model_info.name)
         self._active: dict[str, _Stream] = {}
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # ---- admission -------------------------------------------------------------------
 
@@ -105,6 +117,7 @@ class Router:
             self._check_model(model)
             sampling = _sampling_params(params or {})
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling)
+            sampling = self._fit_context(len(token_ids), sampling)
             rid = _request_id(request_id)
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
@@ -127,8 +140,12 @@ class Router:
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("prompt: must be a non-empty string")
+            _check_unicode("prompt", prompt)
             ids = self.tokenizer.encode(prompt)
         elif messages is not None:
+            for i, message in enumerate(messages):
+                for key, value in message.items():
+                    _check_unicode(f"messages[{i}].{key}", value)
             try:
                 ids = apply_chat_template(self.tokenizer, messages)
             except ValueError as e:
@@ -142,6 +159,12 @@ class Router:
             raise InvalidRequestError(str(e)) from None
         return ids
 
+    def _fit_context(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        try:
+            return fit_context(num_prompt_tokens, params, self.model_info.max_model_len)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
     # ---- streaming -------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest,
@@ -153,21 +176,27 @@ class Router:
 
         Args:
             request: from `prepare`.
-            timeout: seconds the caller will wait (e.g. a gRPC deadline); the admission wait
-                is bounded by the smaller of it and `config.queue_timeout_s`.
+            timeout: seconds the caller will wait (e.g. a gRPC deadline); the whole request
+                (admission included) is bounded by the smaller of it and
+                `config.request_timeout_s`, the admission wait also by
+                `config.queue_timeout_s`.
 
         Raises:
             InvalidRequestError: the request id is already in use.
+            UnavailableError: the server is draining.
             QueueFullError: the admission queue is full.
             QueueTimeoutError: the request was not admitted in time.
+            DeadlineExceededError: the request ran past its deadline (it was aborted).
         """
+        limits = [t for t in (timeout, self.config.request_timeout_s) if t is not None]
+        deadline = min(limits) + time.monotonic() if limits else None
         stream = self._register(request)
         try:
-            if not await self._admit(request, timeout):
+            if not await self._admit(request, _remaining(deadline)):
                 yield stream.finish("abort")
                 return
             try:
-                async with aclosing(self._run(stream)) as outs:
+                async with aclosing(self._run(stream, deadline)) as outs:
                     async for out in outs:
                         yield out
             finally:
@@ -177,13 +206,20 @@ class Router:
                     stream.finish("abort")
         finally:
             del self._active[request.request_id]
+            if not self._active:
+                self._idle.set()
 
     def _register(self, request: GenerateRequest) -> _Stream:
+        if self.draining:
+            self.metrics.rejected.labels(UnavailableError.code).inc()
+            raise UnavailableError("the server is draining (shutting down) and takes no new "
+                                   "requests; retry on another replica")
         if request.request_id in self._active:
             self.metrics.rejected.labels(InvalidRequestError.code).inc()
             raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
         stream = _Stream(self, request)
         self._active[request.request_id] = stream
+        self._idle.clear()
         return stream
 
     async def _admit(self, request: GenerateRequest, timeout: float | None) -> bool:
@@ -196,12 +232,16 @@ class Router:
         self.metrics.queue_time.observe(time.monotonic() - request.arrival_time)
         return admitted
 
-    async def _run(self, stream: _Stream) -> AsyncGenerator[GenerateOutput, None]:
+    async def _run(self, stream: _Stream, deadline: float | None
+                   ) -> AsyncGenerator[GenerateOutput, None]:
         stream.admitted = time.monotonic()
         self.metrics.prompt_tokens.inc(len(stream.request.prompt_token_ids))
         try:
             async with aclosing(self.backend.generate(stream.request)) as deltas:
-                async for delta in deltas:
+                while True:
+                    delta = await _next_before(deltas, deadline)
+                    if delta is None:
+                        break
                     out = stream.take(delta)
                     if stream.stop_matched:
                         # A stop string ended the text; the backend would go on otherwise.
@@ -210,6 +250,12 @@ class Router:
                         yield out
                     if stream.finish_reason is not None:
                         return
+        except TimeoutError:
+            self.metrics.aborted.labels("deadline").inc()
+            stream.finish("abort")
+            raise DeadlineExceededError(
+                f"the request ran past its deadline after {stream.num_tokens} tokens; it was "
+                "aborted") from None
         except Exception as e:
             log.exception("backend failed on request %s", stream.request.request_id)
             yield stream.finish("error", f"backend failed: {e}")
@@ -264,7 +310,19 @@ class Router:
         return await self.status()
 
     def healthy(self) -> bool:
-        return self.backend.healthy()
+        """False while draining or when the backend cannot take requests."""
+        return not self.draining and self.backend.healthy()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Take no new requests; wait up to `timeout_s` for the running ones to finish.
+
+        Returns:
+            How many requests were still running at the timeout.
+        """
+        self.draining = True
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return len(self._active)
 
 
 class _Stream:
@@ -347,6 +405,28 @@ class _Stream:
         return GenerateOutput(out.request_id, out.text + self.detok.flush(), out.token_ids,
                               out.logprobs, reason, usage, timings,
                               error if reason == "error" else None)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+async def _next_before(deltas: AsyncGenerator[TokenDelta, None],
+                       deadline: float | None) -> TokenDelta | None:
+    """The next delta (None at the end); TimeoutError past `deadline` (the backend's stream
+    is then cancelled, which aborts the request there)."""
+    return await asyncio.wait_for(anext(deltas, None), _remaining(deadline))
+
+
+def _check_unicode(field: str, value: object) -> None:
+    """Text must be encodable (a lone surrogate such as "\\ud800" is not)."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{field}: not valid Unicode ({e.reason} at position "
+                                  f"{e.start})", field.split("[")[0]) from None
 
 
 def _sampling_params(params: dict[str, Any]) -> SamplingParams:

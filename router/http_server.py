@@ -6,7 +6,7 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncGenerator
-from contextlib import aclosing, nullcontext
+from contextlib import aclosing, nullcontext, suppress
 from dataclasses import replace
 from typing import Any
 
@@ -16,14 +16,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.auth import Access, SecurityConfig, bearer_token
 from router.backend import GenerateRequest
 from router.errors import (
+    DeadlineExceededError,
     InvalidRequestError,
     ModelNotFoundError,
     QueueFullError,
     QueueTimeoutError,
     RequestNotFoundError,
     RouterError,
+    UnavailableError,
 )
 from router.frontend import Router
 from router.openai_protocol import (
@@ -43,27 +46,31 @@ _HTTP_ERRORS: dict[type[RouterError], tuple[int, str, str | None]] = {
     RequestNotFoundError: (404, "invalid_request_error", "request_not_found"),
     QueueFullError: (429, "rate_limit_error", "queue_full"),
     QueueTimeoutError: (504, "timeout_error", "queue_timeout"),
+    DeadlineExceededError: (504, "timeout_error", "deadline_exceeded"),
+    UnavailableError: (503, "server_error", "draining"),
 }
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
     `/metrics`.
 
     Args:
         router: the shared router.
+        security: the keys `/v1/*` requires (see `router.auth`); None for none.
 
     Returns:
         The app, ready for any ASGI server.
     """
     app = FastAPI(title="pdcluster", version="0.1.0")
     app.state.router = router
+    add_auth(app, security or SecurityConfig())
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     info = router.model_info
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
         params = body.params()
         prompts = [router.prepare(**prompt, params=params, model=body.model)
                    for prompt in body.prompts()]
@@ -71,13 +78,14 @@ def build_app(router: Router) -> FastAPI:
         if body.echo:
             texts = [router.tokenizer.decode(r.prompt_token_ids) for r in prompts]
             echo = [text for text in texts for _ in range(body.n)]
-        return await _respond(router, _fan_out(prompts, body.n), body, chat=False, echo=echo)
+        return await _respond(router, _fan_out(prompts, body.n), body, chat=False, raw=raw,
+                              echo=echo)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         request = router.prepare(messages=body.message_dicts(),
                                  params=body.params(info.max_model_len), model=body.model)
-        return await _respond(router, _fan_out([request], body.n), body, chat=True)
+        return await _respond(router, _fan_out([request], body.n), body, chat=True, raw=raw)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -112,7 +120,7 @@ def _fan_out(prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
 
 
 async def _respond(router: Router, requests: list[GenerateRequest],
-                   body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                   body: CompletionRequest | ChatCompletionRequest, chat: bool, raw: Request,
                    echo: list[str] | None = None) -> Response:
     """Run the choices' requests and answer with one response (or one SSE stream)."""
     if body.return_tokens_as_token_ids:
@@ -128,12 +136,9 @@ async def _respond(router: Router, requests: list[GenerateRequest],
         return StreamingResponse(_sse(builder, outputs, body.include_usage, n, echo),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    results = await asyncio.gather(*(_collect(stream) for stream in outputs),
-                                   return_exceptions=True)
-    error = next((r for r in results if isinstance(r, BaseException)), None)
-    if error is not None:
-        raise error
-    collected = [r for r in results if not isinstance(r, BaseException)]
+    collected = await _collect_unless_disconnected(outputs, raw)
+    if collected is None:  # the client left: the requests were aborted, nobody reads this
+        return Response(status_code=499)
     finals = [outs[-1] for outs in collected]
     failed = next((final for final in finals if final.finish_reason == "error"), None)
     if failed is not None:
@@ -165,6 +170,36 @@ async def _admitted(router: Router, requests: list[GenerateRequest]
 async def _collect(outputs: AsyncGenerator[GenerateOutput, None]) -> list[GenerateOutput]:
     async with aclosing(outputs):
         return [out async for out in outputs]
+
+
+async def _collect_unless_disconnected(streams: list[AsyncGenerator[GenerateOutput, None]],
+                                       raw: Request) -> list[list[GenerateOutput]] | None:
+    """Every choice's outputs, or None if the client disconnected first (the requests are
+    aborted)."""
+    async def collect() -> list[list[GenerateOutput]]:
+        results = await asyncio.gather(*(_collect(stream) for stream in streams),
+                                       return_exceptions=True)
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    collecting = asyncio.ensure_future(collect())
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+    if collecting.done():
+        return collecting.result()
+    collecting.cancel()  # closes the outputs: the router aborts the requests
+    with suppress(asyncio.CancelledError):
+        await collecting
+    return None
 
 
 async def _chain(first: GenerateOutput, rest: AsyncGenerator[GenerateOutput, None]
@@ -217,17 +252,22 @@ async def _sse(builder: ResponseBuilder, streams: list[AsyncGenerator[GenerateOu
             for index in range(len(streams)):
                 yield _event(builder.chunk(index, None, include_usage))
         pending_echo = dict(enumerate(echo or []))
-        async for index, out in outputs:
-            if out.finish_reason == "error":
-                yield _event(error_body(out.error or "generation failed", "server_error"))
-                break
-            yield _event(builder.chunk(index, out, include_usage, pending_echo.pop(index, "")))
-            if out.finished:
-                finals[index] = out
-        else:
-            if include_usage:
-                ordered = [finals[i] for i in range(len(streams))]
-                yield _event(builder.usage_chunk(total_usage(ordered, n)))
+        try:
+            async for index, out in outputs:
+                if out.finish_reason == "error":
+                    yield _event(error_body(out.error or "generation failed", "server_error"))
+                    break
+                yield _event(builder.chunk(index, out, include_usage,
+                                           pending_echo.pop(index, "")))
+                if out.finished:
+                    finals[index] = out
+            else:
+                if include_usage:
+                    ordered = [finals[i] for i in range(len(streams))]
+                    yield _event(builder.usage_chunk(total_usage(ordered, n)))
+        except RouterError as e:  # e.g. the deadline passed mid-stream
+            _, type_, code = _HTTP_ERRORS.get(type(e), (500, "server_error", None))
+            yield _event(error_body(str(e), type_, e.param, code))
     yield "data: [DONE]\n\n"
 
 
@@ -258,6 +298,26 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(message, "invalid_request_error", param), 400)
 
 
+def add_auth(app: FastAPI, security: SecurityConfig) -> None:
+    """Require a key (`Authorization: Bearer <key>`) on `/v1/*`; 401 without a valid one.
+
+    `/health` and `/metrics` stay open, for load balancers and scrapers.
+    """
+    if not security.authenticated:
+        return
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next: Any) -> Response:
+        if request.url.path.startswith("/v1/"):
+            key = bearer_token(request.headers.get("authorization"))
+            if security.access(key) < Access.USER:
+                return JSONResponse(error_body(
+                    "a valid API key is required: header 'Authorization: Bearer <key>'",
+                    "invalid_request_error", None, "invalid_api_key"), 401,
+                    headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """Leaves signal handling to the program that also runs the gRPC server."""
 
@@ -275,14 +335,19 @@ class HttpServer:
         router: the shared router.
         host: interface to bind.
         port: port to bind; 0 picks a free one (see `port`).
+        security: keys and TLS; None for neither.
     """
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.app = build_app(router)
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+                 security: SecurityConfig | None = None) -> None:
+        security = security or SecurityConfig()
+        self.app = build_app(router, security)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server((host, port), family=family)
         self.port: int = self._socket.getsockname()[1]
-        config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False)
+        config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
+                                **security.uvicorn_ssl())
+        config.load()  # now, so a bad certificate fails here rather than in the serving task
         self._server = _EmbeddedUvicorn(config)
         self._task: asyncio.Task | None = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from router.auth import SecurityConfig
 from router.backend import Backend
 from router.frontend import Router, RouterConfig
 from router.grpc_server import GrpcServer
@@ -27,6 +28,13 @@ class Servers:
     def http_port(self) -> int:
         return self.http.port
 
+    async def drain(self, timeout_s: float) -> int:
+        """Health NOT_SERVING, new requests refused (UNAVAILABLE / 503); wait up to
+        `timeout_s` for the running ones. Returns how many were still running."""
+        self.router.draining = True
+        await self.grpc.set_health()
+        return await self.router.drain(timeout_s)
+
     async def stop(self, grace: float = 1.0) -> None:
         """Stop both; streams still open after `grace` seconds are cancelled (and aborted)."""
         await asyncio.gather(self.grpc.stop(grace), self.http.stop(grace))
@@ -37,7 +45,8 @@ class Servers:
 
 
 async def start_servers(backend: Backend, host: str = "127.0.0.1", grpc_port: int = 0,
-                        http_port: int = 0, config: RouterConfig | None = None) -> Servers:
+                        http_port: int = 0, config: RouterConfig | None = None,
+                        security: SecurityConfig | None = None) -> Servers:
     """Serve `backend` over gRPC and OpenAI HTTP, sharing one `Router`.
 
     Args:
@@ -46,13 +55,14 @@ async def start_servers(backend: Backend, host: str = "127.0.0.1", grpc_port: in
         grpc_port: 0 picks a free port (see `Servers.grpc_port`).
         http_port: 0 picks a free port (see `Servers.http_port`).
         config: admission limits.
+        security: keys and TLS for both servers (see `router.auth`); None for neither.
 
     Returns:
         The running servers, with their bound ports.
     """
     router = Router(backend, config)
-    grpc_server = GrpcServer(router, host, grpc_port)
-    http_server = HttpServer(router, host, http_port)
+    grpc_server = GrpcServer(router, host, grpc_port, security=security)
+    http_server = HttpServer(router, host, http_port, security)
     await grpc_server.start()
     await http_server.start()
     return Servers(router, grpc_server, http_server)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,9 +49,10 @@ def compat_of(kv: KVCache) -> CompatRecord:
 
 
 def config(transport: str, **overrides: Any) -> TransferConfig:
-    """Short heartbeats so lost peers are noticed within about two seconds."""
+    """Short heartbeats so lost peers are noticed within seconds, with a peer timeout long
+    enough that a loaded machine's scheduling hiccups are not taken for a lost peer."""
     settings = {"transports": (transport,), "verify_checksums": True, "heartbeat_s": 0.2,
-                "peer_timeout_s": 2.0, "request_timeout_s": 20.0, **overrides}
+                "peer_timeout_s": 5.0, "request_timeout_s": 60.0, **overrides}
     return TransferConfig(**settings)
 
 
@@ -74,6 +76,27 @@ class CorruptingSender(KVSender):
         if layer == 1:
             as_bytes(self.kv.layers[layer][block_ids[0]])[0] ^= 0xFF
         return sums
+
+
+class NotingReceiver(KVReceiver):
+    """A receiver that lets a test wait until layers have landed (instead of sleeping)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._landed_layers: dict[str, int] = {}
+        self._cond = threading.Condition()
+
+    def _landed(self, req: Any, layer: int, error: str | None) -> None:
+        super()._landed(req, layer, error)
+        with self._cond:
+            self._landed_layers[req.request_id] = self._landed_layers.get(req.request_id, 0) + 1
+            self._cond.notify_all()
+
+    def wait_landed(self, request_id: str, num_layers: int, timeout_s: float = 30.0) -> bool:
+        """True once `num_layers` layers of `request_id` are in place."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._landed_layers.get(request_id, 0) >= num_layers, timeout_s)
 
 
 def collect(endpoint: KVSender | KVReceiver, count: int, timeout_s: float = 20.0
@@ -113,20 +136,21 @@ def sender_main(conn: Any, transport: str, corrupt: bool = False) -> None:
                 tx.begin(rid, peer_id, src, dst)
                 for layer in range(num_layers):
                     tx.send_layer(rid, layer)
-                time.sleep(0.3)
-                conn.send("started")
+                conn.send("started")  # the test waits on the receiver for the layers
 
 
 def receiver_main(conn: Any, transport: str) -> None:
     """Child: a receiver (pool in shared memory for shm) obeying commands from the test."""
     pool = SharedKVPool() if transport == "shm" else None
     kv = make_kv(RECEIVER_BLOCKS, allocator=pool)
-    with KVReceiver(kv, compat_of(kv), config(transport), shm_pool=pool) as rx:
+    with NotingReceiver(kv, compat_of(kv), config(transport), shm_pool=pool) as rx:
         conn.send(rx.peer_info())
         while (cmd := conn.recv())[0] != "exit":
             if cmd[0] == "expect":
                 rx.expect(cmd[1], cmd[2])
                 conn.send("ok")
+            elif cmd[0] == "wait_landed":
+                conn.send(rx.wait_landed(cmd[1], cmd[2]))
 
 
 @contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +12,7 @@ from kv_peer import (
     RECEIVER_BLOCKS,
     SEED,
     SENDER_BLOCKS,
+    NotingReceiver,
     collect,
     compat_of,
     config,
@@ -30,7 +30,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVReceiver, KVSender,
     pool = SharedKVPool() if transport == "shm" else None
     rx_kv = make_kv(RECEIVER_BLOCKS, allocator=pool)
     tx_kv = make_kv(SENDER_BLOCKS, seed=SEED)
-    with KVReceiver(rx_kv, compat_of(rx_kv), config(transport), shm_pool=pool) as rx, \
+    with NotingReceiver(rx_kv, compat_of(rx_kv), config(transport), shm_pool=pool) as rx, \
             KVSender(tx_kv, compat_of(tx_kv), config(transport)) as tx:
         yield rx, tx, tx.connect(rx.peer_info(), transport)
     if pool is not None:
@@ -98,10 +98,8 @@ def test_fully_cached_prompt_still_delivers_the_payload(pair) -> None:
 
 def test_receiver_times_out_when_nothing_arrives(pair) -> None:
     rx, _, _ = pair
-    start = time.monotonic()
     rx.expect("r1", [1, 2], timeout_s=0.3)
     assert reasons(collect(rx, 1)) == ["timed out after 0.3s with 0 of 4 layers received"]
-    assert time.monotonic() - start < 2
 
 
 def test_receiver_cancel_stops_the_sender_first(pair) -> None:
@@ -109,13 +107,18 @@ def test_receiver_cancel_stops_the_sender_first(pair) -> None:
     rx.expect("r1", [1, 2])
     tx.begin("r1", peer, [1, 2], [1, 2])
     tx.send_layer("r1", 0)
-    time.sleep(0.1)
+    assert rx.wait_landed("r1", 1)
     rx.cancel("r1")
     assert reasons(collect(rx, 1)) == ["cancelled by the decode side"]
     # The receiver waited for the sender's acknowledgement, so the sender has stopped.
     assert reasons(tx.poll()) == ["the decode side failed it: cancelled by the decode side"]
     tx.send_layer("r1", 1)  # ended requests ignore late calls
-    time.sleep(0.1)
+    # A whole transfer after it, on the same sender and peer, lands only after anything
+    # the late call could have sent.
+    rx.expect("r2", [5])
+    tx.begin("r2", peer, [5], [5])
+    send_all(tx, "r2")
+    assert [type(e) for e in collect(rx, 1)] == [TransferDone]
     assert not rx.kv.buffer[1, [1, 2]].any()
 
 
@@ -163,7 +166,7 @@ class GatedSender(KVSender):
         self.accepted.set()
 
     def _transmit(self, req: object, layer: int) -> None:
-        self.gate.wait(10)
+        self.gate.wait()  # shut until the test opens it: a blocking send_layer would hang
         super()._transmit(req, layer)
 
 
@@ -173,11 +176,11 @@ def test_send_layer_returns_while_the_transport_is_busy() -> None:
             GatedSender(tx_kv, compat_of(tx_kv), config("zmq")) as tx:
         rx.expect("r1", [1, 2])
         tx.begin("r1", tx.connect(rx.peer_info()), [5, 6], [1, 2])
-        assert tx.accepted.wait(5)
-        start = time.monotonic()
-        send_all(tx, "r1")
-        assert time.monotonic() - start < 5  # the IO thread is stuck for 10 s per layer
-        assert rx.poll() == [] and tx.poll() == []
-        tx.gate.set()
+        assert tx.accepted.wait(30)
+        try:
+            send_all(tx, "r1")  # returns although no layer can be transmitted yet
+            assert rx.poll() == [] and tx.poll() == []
+        finally:
+            tx.gate.set()
         assert collect(rx, 1) == [TransferDone("r1", [1, 2])]
     assert torch.equal(rx_kv.buffer[:, [1, 2]], tx_kv.buffer[:, [5, 6]])

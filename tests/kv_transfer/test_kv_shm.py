@@ -51,8 +51,8 @@ def test_segment_is_gone_after_its_owner_is_sigkilled() -> None:
         tx.begin("r1", peer_id, [5, 6], [1, 2])
         proc.kill()
         proc.join(5)
-        assert [type(e) for e in collect(tx, 1, timeout_s=10)] == [TransferFailed]
-        deadline = time.monotonic() + 5
+        assert [type(e) for e in collect(tx, 1, timeout_s=30)] == [TransferFailed]
+        deadline = time.monotonic() + 30
         while shared_mappings() and time.monotonic() < deadline:
             time.sleep(0.05)
         # The owner's descriptor and mapping died with it; ours was the last one.

@@ -12,6 +12,7 @@ import pytest
 
 from cluster.engine_backend import EngineBackend
 from engine import LLM, CacheConfig, LLMEngine
+from router.auth import SecurityConfig
 from router.client import PdClusterClient
 from router.frontend import RouterConfig
 from router.servers import Servers, start_servers
@@ -77,12 +78,13 @@ def shared_servers(loop_thread: LoopThread, backend: EngineBackend) -> Iterator[
 @pytest.fixture
 def make_servers(loop_thread: LoopThread, backend: EngineBackend
                  ) -> Iterator[Callable[..., Servers]]:
-    """Start servers with the given RouterConfig fields; stopped after the test, and the
-    engine's pool must then be fully free."""
+    """Start servers with the given RouterConfig fields (and `security`, keys and TLS);
+    stopped after the test, and the engine's pool must then be fully free."""
     started: list[Servers] = []
 
-    def make(**config: Any) -> Servers:
-        servers = loop_thread.run(start_servers(backend, config=RouterConfig(**config)))
+    def make(security: SecurityConfig | None = None, **config: Any) -> Servers:
+        servers = loop_thread.run(start_servers(backend, config=RouterConfig(**config),
+                                                security=security))
         started.append(servers)
         return servers
 

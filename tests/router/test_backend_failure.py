@@ -1,4 +1,9 @@
-"""A backend that fails mid-request: the stream ends with finish_reason `error` and a message."""
+"""How the front doors render a stream that a backend ends in error, on each protocol.
+
+The backend is a stand-in that fails after one token (what a client sees when a request
+cannot be saved, e.g. with `--no-migration`). Real worker deaths, which migrate, are in
+`tests/integration/test_faults.py` and `tests/e2e/test_serve_resilience.py`.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -107,7 +106,8 @@ def test_unknown_model_is_not_found(client):
 
 
 def test_queue_full_rejects_at_once_and_queued_abort(make_servers, wait_until):
-    servers = make_servers(max_running=1, max_queue=1)
+    # No queue timeout: only an immediate refusal can end the third request.
+    servers = make_servers(max_running=1, max_queue=1, queue_timeout_s=None)
     client = PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30)
     running = client.generate(PROMPT, request_id="running", **LONG)
     next(running)  # admitted and decoding
@@ -115,11 +115,9 @@ def test_queue_full_rejects_at_once_and_queued_abort(make_servers, wait_until):
         queued = pool.submit(lambda: list(client.generate(PROMPT, request_id="queued",
                                                           max_tokens=4)))
         wait_until(lambda: servers.router.admission.num_waiting == 1)
-        start = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
             list(client.generate(PROMPT, **LONG))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert time.monotonic() - start < 5  # not after the 60 s queue timeout
         client.abort("queued")
         outs = queued.result(timeout=10)
     assert outs[-1].finish_reason == "abort" and outs[-1].usage.completion_tokens == 0

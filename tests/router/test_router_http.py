@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -131,7 +130,8 @@ def test_malformed_json_body(servers):
 
 
 def test_queue_full_is_429(make_servers, wait_until):
-    servers = make_servers(max_running=1, max_queue=1)
+    # No queue timeout: only an immediate refusal can end the third request.
+    servers = make_servers(max_running=1, max_queue=1, queue_timeout_s=None)
     api = _openai(servers.http_port)
     long = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, **GREEDY}
     running = api.completions.create(stream=True, **long)
@@ -139,10 +139,9 @@ def test_queue_full_is_429(make_servers, wait_until):
     with ThreadPoolExecutor(1) as pool:
         queued = pool.submit(api.completions.create, model="tiny", prompt=PROMPT, max_tokens=4)
         wait_until(lambda: servers.router.admission.num_waiting == 1)
-        start = time.monotonic()
         with pytest.raises(openai.RateLimitError) as e:
             api.completions.create(**long)
-        assert time.monotonic() - start < 5 and e.value.code == "queue_full"
+        assert e.value.code == "queue_full"
         running.close()  # the client goes away: its request is aborted, the queued one runs
         assert queued.result(timeout=30).choices[0].finish_reason in ("length", "stop")
     registry = servers.router.metrics.registry

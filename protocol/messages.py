@@ -1,0 +1,189 @@
+"""Every message between the router and the workers, as typed structs over msgpack.
+
+Router -> worker (`Command`): `Generate` (to a decode or mixed worker), `Prefill` (to a
+prefill worker, after the decode worker `Reserved` its blocks), `Abort`.
+Worker -> router (`Reply`): `Reserved` / `Rejected` (answers to a remote-prefill
+`Generate`), `Step` (one per engine step: every request's new tokens), `Failed` (a request
+ended outside a step), `Stats` (pushed load figures).
+
+Request ids on the wire are the router's *attempt* ids: a request placed again (its worker
+died, its KV transfer failed) gets a new one, so a late message about an earlier attempt is
+recognised and dropped rather than confused with the current one.
+
+A message that does not decode raises `msgspec.DecodeError` (or its `ValidationError`
+subclass); receivers log and drop it, they never crash on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class Role(enum.StrEnum):
+    """What a worker's engine does: prefill only, decode only, or both (colocated)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+    @property
+    def decodes(self) -> bool:
+        """True for the roles that stream tokens (decode and mixed)."""
+        return self is not Role.PREFILL
+
+
+class _Message(msgspec.Struct, kw_only=True, tag_field="type"):
+    pass
+
+
+# ---- router -> worker ----------------------------------------------------------------
+
+class Generate(_Message, tag="generate"):
+    """Start a request on a decode (or mixed) worker.
+
+    Args:
+        request_id: the attempt id.
+        prompt_token_ids: the prompt (for a migrated request: prompt + tokens so far).
+        params: `SamplingParams` fields.
+        remote_prefill: reserve blocks and wait for a prefill worker's KV (answered with
+            `Reserved` or `Rejected`) instead of prefilling here.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    remote_prefill: bool = False
+
+
+class Prefill(_Message, tag="prefill"):
+    """Prefill a prompt on a prefill worker and ship its KV into reserved decode blocks.
+
+    Args:
+        request_id: the attempt id (the same as the decode worker's reservation).
+        prompt_token_ids: the prompt.
+        params: `SamplingParams` fields (the first token is sampled here).
+        peer_info: the decode worker's KV receiver (`KVReceiver.peer_info`).
+        dst_block_ids: the reserved blocks, prefix-cache hits left out.
+        num_cached_tokens: prompt tokens the decode side already holds.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    peer_info: dict[str, Any]
+    dst_block_ids: list[int]
+    num_cached_tokens: int = 0
+
+
+class Abort(_Message, tag="abort"):
+    """End a request and free its blocks; unknown ids are ignored."""
+
+    request_id: str
+
+
+Command = Generate | Prefill | Abort
+
+
+# ---- worker -> router ----------------------------------------------------------------
+
+class TokenRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request's part of a `Step`.
+
+    Args:
+        request_id: the attempt id.
+        token_ids: tokens produced this step.
+        finish_reason: `stop`, `length`, `abort`, `error`, or None while running.
+        num_cached_tokens: prompt tokens found in a prefix cache.
+        logprobs: one map per new token when asked for.
+        error: what went wrong when `finish_reason` is `error`.
+        transfer_failed: the error is a failed KV transfer (the router may retry).
+        timings: seconds, on the record that brings a remote prefill's first token:
+            `prefill` (on the prefill worker) and `transfer` (KV wait beyond it).
+    """
+
+    request_id: str
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    transfer_failed: bool = False
+    timings: dict[str, float] | None = None
+
+
+class Reserved(_Message, tag="reserved"):
+    """The decode worker holds blocks for a remote prefill."""
+
+    worker_id: str
+    request_id: str
+    dst_block_ids: list[int]
+    num_cached_tokens: int
+
+
+class Rejected(_Message, tag="rejected"):
+    """The decode worker cannot hold the prompt's KV now."""
+
+    worker_id: str
+    request_id: str
+    reason: str
+
+
+class Step(_Message, tag="step"):
+    """One engine step's news for every request that changed."""
+
+    worker_id: str
+    outputs: list[TokenRecord]
+
+
+class Failed(_Message, tag="failed"):
+    """A request ended outside an engine step (a bad command, a failed prefill or transfer).
+
+    Args:
+        transfer_failed: the KV transfer failed (the router may retry elsewhere).
+    """
+
+    worker_id: str
+    request_id: str
+    error: str
+    transfer_failed: bool = False
+
+
+class Stats(_Message, tag="stats"):
+    """Load, memory and utilization figures, read on the engine thread and pushed."""
+
+    worker_id: str
+    stats: dict[str, Any]
+
+
+Reply = Reserved | Rejected | Step | Failed | Stats
+WorkerMessage = Command | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+_commands = msgspec.msgpack.Decoder(Command)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: WorkerMessage) -> bytes:
+    """The message as msgpack bytes (its `type` tag included)."""
+    return _encoder.encode(message)
+
+
+def decode_command(data: bytes) -> Command:
+    """A router -> worker message.
+
+    Raises:
+        msgspec.DecodeError: not a well-formed command.
+    """
+    return _commands.decode(data)
+
+
+def decode_reply(data: bytes) -> Reply:
+    """A worker -> router message.
+
+    Raises:
+        msgspec.DecodeError: not a well-formed reply.
+    """
+    return _replies.decode(data)

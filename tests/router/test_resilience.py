@@ -1,0 +1,126 @@
+"""Deadlines, drain, client disconnects and bad input at the front doors (real tiny engine).
+
+Every test ends with the engine's KV pool fully free (the fixtures check it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+
+from router.client import PdClusterClient
+
+PROMPT = "The quick brown fox"
+LONG = {"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}  # about a second or more
+
+
+def _finished(servers, reason: str) -> float:
+    return servers.router.metrics.registry.get_sample_value(
+        "pdcluster:requests_finished_total", {"finish_reason": reason}) or 0.0
+
+
+def test_grpc_deadline_aborts_the_request_everywhere(make_servers, wait_until):
+    servers = make_servers()
+    with PdClusterClient(f"127.0.0.1:{servers.grpc_port}") as client:
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.generate(PROMPT, timeout=0.5, **LONG))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: not servers.router.admission.num_running)
+    assert _finished(servers, "abort") == 1  # and the fixture finds the pool free
+
+
+def test_http_request_timeout(make_servers, wait_until):
+    servers = make_servers(request_timeout_s=0.5)
+    base = f"http://127.0.0.1:{servers.http_port}/v1"
+    body = {"prompt": PROMPT, **LONG}
+    resp = httpx.post(f"{base}/completions", json=body, timeout=60)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "deadline_exceeded"
+    with httpx.stream("POST", f"{base}/completions", json={**body, "stream": True},
+                      timeout=60) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-2][6:])["error"]["code"] == "deadline_exceeded"
+    assert events[-1] == "data: [DONE]"
+    wait_until(lambda: not servers.router.admission.num_running)
+    assert _finished(servers, "abort") == 2
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(servers, wait_until):
+    before = _finished(servers, "abort")
+    body = json.dumps({"prompt": PROMPT, **LONG}).encode()
+    with socket.create_connection(("127.0.0.1", servers.http_port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: servers.router.admission.num_running == 1)
+    wait_until(lambda: not servers.router.admission.num_running)
+    assert _finished(servers, "abort") == before + 1
+    assert servers.router.metrics.registry.get_sample_value(
+        "pdcluster:requests_aborted_total", {"cause": "disconnect"}) >= 1
+
+
+def test_drain_refuses_new_requests_and_lets_running_ones_finish(make_servers, loop_thread,
+                                                                 wait_until):
+    servers = make_servers()
+    client = PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=60)
+    running = client.generate(PROMPT, max_tokens=200, temperature=0.0, ignore_eos=True)
+    first = next(running)
+    assert first.token_ids
+    draining = asyncio.run_coroutine_threadsafe(servers.drain(60), loop_thread.loop)
+    wait_until(lambda: servers.router.draining)
+    assert client.health() == "NOT_SERVING"
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.generate(PROMPT, max_tokens=4))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    base = f"http://127.0.0.1:{servers.http_port}"
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT}).status_code == 503
+    assert httpx.get(f"{base}/health").status_code == 503
+    rest = list(running)
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(o.token_ids) for o in rest) == 200
+    assert draining.result(60) == 0  # nothing left running when the drain ended
+    client.close()
+
+
+def test_lone_surrogate_is_a_400(servers):
+    base = f"http://127.0.0.1:{servers.http_port}/v1"
+    for path, body in (("completions", {"prompt": "a\ud800b"}),
+                       ("chat/completions", {"messages": [{"role": "user",
+                                                           "content": "\udfff"}]})):
+        resp = httpx.post(f"{base}/{path}", content=json.dumps(body),
+                          headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert "not valid Unicode" in resp.json()["error"]["message"]
+
+
+def test_max_tokens_beyond_the_context_is_rejected(servers, client):
+    base = f"http://127.0.0.1:{servers.http_port}/v1"
+    resp = httpx.post(f"{base}/completions", json={"prompt": PROMPT, "max_tokens": 100000000})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "max_tokens"
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.generate(PROMPT, max_tokens=5000))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Chat without max_tokens runs to the end of the context, which fits by definition.
+    resp = httpx.post(f"{base}/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": PROMPT}], "stop": ["e"]})
+    assert resp.status_code == 200
+
+
+def test_many_clients_disconnecting_mid_stream_leak_nothing(servers, wait_until):
+    base = f"http://127.0.0.1:{servers.http_port}/v1"
+
+    def leave_after_first_chunk(i: int) -> None:
+        with httpx.stream("POST", f"{base}/completions", timeout=60, json={
+                "prompt": f"{PROMPT} {i}", "stream": True, **LONG}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    return  # closes the connection mid-stream
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(leave_after_first_chunk, range(8)))
+    wait_until(lambda: not servers.router.admission.num_running)

@@ -1,0 +1,169 @@
+"""Keys and TLS on both front doors, with real clients (gRPC channel, openai, httpx)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from router.auth import SecurityConfig, check_bind
+from router.client import PdClusterClient
+
+API_KEY, ADMIN_KEY = "sk-user-0123456789", "sk-admin-9876543210"
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 4}
+
+
+def test_grpc_keys(make_servers):
+    servers = make_servers(SecurityConfig(api_key=API_KEY, admin_key=ADMIN_KEY))
+    address = f"127.0.0.1:{servers.grpc_port}"
+    with PdClusterClient(address, timeout=30) as anonymous:
+        with pytest.raises(grpc.RpcError) as e:
+            list(anonymous.generate("hello", **GREEDY))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            anonymous.status()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert anonymous.health() == "SERVING"  # load balancers need no key
+    with PdClusterClient(address, timeout=30, api_key="sk-wrong") as wrong:
+        with pytest.raises(grpc.RpcError) as e:
+            wrong.status()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with PdClusterClient(address, timeout=30, api_key=API_KEY) as user:
+        outs = list(user.generate("hello", **GREEDY))
+        assert outs[-1].finish_reason == "length" and outs[-1].usage.completion_tokens == 4
+        with pytest.raises(grpc.RpcError) as e:
+            user.scale(decode=2)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with PdClusterClient(address, timeout=30, api_key=API_KEY, admin_key=ADMIN_KEY) as admin:
+        with pytest.raises(grpc.RpcError) as e:
+            admin.scale(decode=2)  # past the key check: the in-process engine cannot resize
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_http_keys(make_servers):
+    servers = make_servers(SecurityConfig(api_key=API_KEY))
+    base = f"http://127.0.0.1:{servers.http_port}"
+    anonymous = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        anonymous.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}).status_code == 401
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    assert httpx.get(f"{base}/health").status_code == 200
+    user = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    resp = user.completions.create(model="tiny", prompt="hello", max_tokens=4,
+                                   extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 4
+
+
+def test_binding_beyond_loopback_needs_a_key_or_an_explicit_opt_out():
+    with pytest.raises(ValueError, match="--allow-unauthenticated"):
+        check_bind("0.0.0.0", SecurityConfig(), allow_unauthenticated=False)
+    check_bind("0.0.0.0", SecurityConfig(), allow_unauthenticated=True)
+    check_bind("0.0.0.0", SecurityConfig(api_key=API_KEY), allow_unauthenticated=False)
+    check_bind("127.0.0.1", SecurityConfig(), allow_unauthenticated=False)
+    check_bind("::1", SecurityConfig(), allow_unauthenticated=False)
+
+
+# ---- TLS --------------------------------------------------------------------------------
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool = False,
+          san: bool = False) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                              critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                   issuer_key.public_key()), critical=False))
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(
+            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+            key_encipherment=False, data_encipherment=False, key_agreement=False,
+            encipher_only=False, decipher_only=False), critical=True)
+    if san:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, str]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+    root = tmp_path_factory.mktemp("pki")
+    ca_key = _key()
+    ca = _cert("pdcluster test CA", ca_key, "pdcluster test CA", ca_key, ca=True)
+    files = {}
+
+    def write(name: str, data: bytes) -> None:
+        path = Path(root, name)
+        path.write_bytes(data)
+        files[name] = str(path)
+
+    write("ca.pem", ca.public_bytes(serialization.Encoding.PEM))
+    for name, san in (("server", True), ("client", False)):
+        key = _key()
+        write(f"{name}.pem", _cert(name, key, "pdcluster test CA", ca_key, san=san)
+              .public_bytes(serialization.Encoding.PEM))
+        write(f"{name}.key", key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    return files
+
+
+def test_tls_both_doors(make_servers, pki):
+    servers = make_servers(SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"]))
+    with PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30,
+                         tls_ca=pki["ca.pem"]) as client:
+        assert list(client.generate("hello", **GREEDY))[-1].usage.completion_tokens == 4
+    with PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30) as plaintext:
+        with pytest.raises(grpc.RpcError) as e:
+            plaintext.status()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    url = f"https://127.0.0.1:{servers.http_port}/health"
+    assert httpx.get(url, verify=_trusting(pki)).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url)  # not signed by a CA the client trusts
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate(make_servers, pki):
+    servers = make_servers(SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"],
+                                   tls_client_ca=pki["ca.pem"]))
+    grpc_address = f"127.0.0.1:{servers.grpc_port}"
+    with PdClusterClient(grpc_address, timeout=30, tls_ca=pki["ca.pem"],
+                         tls_cert=pki["client.pem"], tls_key=pki["client.key"]) as client:
+        assert client.status()["mode"] == "engine"
+    with PdClusterClient(grpc_address, timeout=30, tls_ca=pki["ca.pem"]) as no_cert:
+        with pytest.raises(grpc.RpcError) as e:
+            no_cert.status()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    url = f"https://127.0.0.1:{servers.http_port}/health"
+    with_cert = _trusting(pki)
+    with_cert.load_cert_chain(pki["client.pem"], pki["client.key"])
+    assert httpx.get(url, verify=with_cert).status_code == 200
+    with pytest.raises(httpx.TransportError):  # the server drops the handshake
+        httpx.get(url, verify=_trusting(pki))
+
+
+def _trusting(pki: dict[str, str]) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=pki["ca.pem"])
