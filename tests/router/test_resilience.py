@@ -21,8 +21,13 @@ LONG = {"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}  # about a s
 
 
 def _finished(servers, reason: str) -> float:
-    return servers.router.metrics.registry.get_sample_value(
-        "pdcluster:requests_finished_total", {"finish_reason": reason}) or 0.0
+    return _sample(servers, "requests_finished", finish_reason=reason)
+
+
+def _sample(servers, name: str, **labels: str) -> float:
+    metrics = servers.router.metrics
+    return metrics.registry.get_sample_value(
+        f"pdcluster:{name}_total", {"model_name": metrics.model_name, **labels}) or 0.0
 
 
 def test_grpc_deadline_aborts_the_request_everywhere(make_servers, wait_until):
@@ -52,6 +57,7 @@ def test_http_request_timeout(make_servers, wait_until):
 
 def test_client_leaving_a_non_streaming_request_aborts_it(servers, wait_until):
     before = _finished(servers, "abort")
+    disconnects = _sample(servers, "requests_aborted", cause="disconnect")
     body = json.dumps({"prompt": PROMPT, **LONG}).encode()
     with socket.create_connection(("127.0.0.1", servers.http_port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
@@ -59,8 +65,7 @@ def test_client_leaving_a_non_streaming_request_aborts_it(servers, wait_until):
         wait_until(lambda: servers.router.admission.num_running == 1)
     wait_until(lambda: not servers.router.admission.num_running)
     assert _finished(servers, "abort") == before + 1
-    assert servers.router.metrics.registry.get_sample_value(
-        "pdcluster:requests_aborted_total", {"cause": "disconnect"}) >= 1
+    assert _sample(servers, "requests_aborted", cause="disconnect") == disconnects + 1
 
 
 def test_drain_refuses_new_requests_and_lets_running_ones_finish(make_servers, loop_thread,
