@@ -385,7 +385,11 @@ class ClusterBackend(Backend):
     # ---- placement and dispatch ----
 
     async def _dispatch(self, stream: _Stream, exclude: frozenset[str] = frozenset()) -> None:
-        """Place the stream's next attempt: prompt + tokens so far, on a live decode worker.
+        """Place the stream's next attempt on a live decode worker.
+
+        A first attempt may prefill remotely; a migrated one (tokens already streamed) is
+        recomputed on its decode worker, which counts those tokens as output, so penalties,
+        the grammar and `max_tokens` continue exactly where the dead worker stopped.
 
         Raises:
             RuntimeError: no decode worker can take it (none alive, or no KV in time).
@@ -395,11 +399,12 @@ class ClusterBackend(Backend):
         stream.attempt += 1
         stream.attempt_id = f"{request.request_id}@{stream.attempt}"
         self._attempts[stream.attempt_id] = stream
-        prompt = request.prompt_token_ids + stream.generated
-        params = _remaining_params(request, len(stream.generated))
+        prompt = request.prompt_token_ids
+        generated = list(stream.generated)
+        params = asdict(request.params)
         deadline = time.monotonic() + self.config.reserve_timeout_s
         while True:
-            placement = self._place(prompt, exclude)
+            placement = self._place(prompt + generated, exclude, remote_prefill=not generated)
             if placement is None:
                 await self._wait_for_worker(deadline)
                 continue
@@ -407,7 +412,8 @@ class ClusterBackend(Backend):
             stream.decode, stream.prefill = decode.worker_id, None
             decode.add(request.request_id)
             command = Generate(request_id=stream.attempt_id, prompt_token_ids=prompt,
-                               params=params, remote_prefill=placement.prefill_worker is not None)
+                               params=params, remote_prefill=placement.prefill_worker is not None,
+                               output_token_ids=generated)
             if not command.remote_prefill:
                 await self._send(decode, command)
                 return
@@ -438,11 +444,12 @@ class ClusterBackend(Backend):
         except TimeoutError:
             raise RuntimeError("no healthy decode worker (a replacement is starting)") from None
 
-    def _place(self, prompt: list[int], exclude: frozenset[str]) -> Placement | None:
+    def _place(self, prompt: list[int], exclude: frozenset[str],
+               remote_prefill: bool = True) -> Placement | None:
         ready = [h for h in self.workers.values() if h.state == "ready"
                  and h.worker_id not in exclude]
         decode = [h.load() for h in ready if h.role.decodes]
-        prefill = [h.load() for h in ready if h.role == Role.PREFILL]
+        prefill = [h.load() for h in ready if h.role == Role.PREFILL and remote_prefill]
         hashes = self._prefix.hashes(prompt)
         d_owner, d_blocks = self._prefix.match(hashes, "decode")
         p_owner, _ = self._prefix.match(hashes, "prefill")
@@ -632,10 +639,3 @@ class ClusterBackend(Backend):
             log.exception("could not replace a %s worker", role)
 
 
-def _remaining_params(request: GenerateRequest, num_generated: int) -> dict[str, Any]:
-    """The request's sampling parameters for what is left after `num_generated` tokens."""
-    params = asdict(request.params)
-    if num_generated:
-        params["max_tokens"] -= num_generated
-        params["min_tokens"] = max(params["min_tokens"] - num_generated, 0)
-    return params

@@ -61,7 +61,7 @@ class DecodeRole(WorkerRole):
         rid = command.request_id
         params = SamplingParams(**command.params)
         if not command.remote_prefill or self.receiver is None:
-            engine.add_request(rid, command.prompt_token_ids, params)
+            engine.add_request(rid, command.prompt_token_ids, params, command.output_token_ids)
             return []
         try:
             request = engine.reserve_remote(rid, command.prompt_token_ids, params)

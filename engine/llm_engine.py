@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -136,13 +136,28 @@ class LLMEngine:
                       self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
+                    params: SamplingParams, output_token_ids: Sequence[int] = ()) -> Request:
         """Validate and queue a request.
+
+        Args:
+            request_id: unique among this engine's requests.
+            prompt_token_ids: the prompt.
+            params: how to sample.
+            output_token_ids: tokens the request already produced elsewhere (it migrated
+                from a worker that died): recomputed with the prompt, exactly like a
+                preempted request, and counted as output for `max_tokens`, penalties and
+                the grammar, so the continuation is the one the first worker would have made.
 
         Raises:
             ValueError: bad input, or `request_id` already in use.
         """
+        if output_token_ids:
+            self.validate(list(prompt_token_ids) + list(output_token_ids), params)
+            if len(output_token_ids) >= params.max_tokens:
+                raise ValueError(f"output_token_ids: {len(output_token_ids)} tokens already "
+                                 f"reach max_tokens {params.max_tokens}")
         request = self._new_request(request_id, prompt_token_ids, params)
+        request.output_token_ids = list(output_token_ids)
         self.scheduler.add_request(request)
         return request
 

@@ -46,16 +46,21 @@ class Generate(_Message, tag="generate"):
 
     Args:
         request_id: the attempt id.
-        prompt_token_ids: the prompt (for a migrated request: prompt + tokens so far).
+        prompt_token_ids: the prompt.
         params: `SamplingParams` fields.
         remote_prefill: reserve blocks and wait for a prefill worker's KV (answered with
             `Reserved` or `Rejected`) instead of prefilling here.
+        output_token_ids: tokens already streamed to the client (a migrated request): the
+            worker recomputes them with the prompt and counts them as output (`max_tokens`,
+            penalties, grammar), so the stream continues where it stopped. Always prefilled
+            locally.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
     remote_prefill: bool = False
+    output_token_ids: list[int] = []
 
 
 class Prefill(_Message, tag="prefill"):

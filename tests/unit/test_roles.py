@@ -3,6 +3,7 @@
 import json
 
 import jsonschema
+import pytest
 import torch
 
 from engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
@@ -126,3 +127,26 @@ def test_logits_processing_carries_over_from_prefill_to_decode():
         jsonschema.validate(json.loads(text), schema)
     for engine in (mixed, prefill, decode):
         assert_pool_free(engine)
+
+
+def test_a_migrated_request_continues_where_it_stopped():
+    """A request that already produced tokens elsewhere (its worker died) is recomputed with
+    them as output: the continuation equals the uninterrupted run, penalties and grammar
+    included, and max_tokens counts the earlier tokens."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}},
+              "required": ["name"], "additionalProperties": False}
+    for params in (PARAMS,
+                   SamplingParams(temperature=0.0, max_tokens=30, json_schema=json.dumps(schema),
+                                  frequency_penalty=0.8, presence_penalty=0.4,
+                                  repetition_penalty=1.3)):
+        prompt = list(range(300, 317))
+        whole = _engine("mixed", 64)
+        whole.add_request("a", prompt, params)
+        expected = _run_until_idle(whole)["a"]
+        for cut in (1, 5, len(expected) - 1):
+            engine = _engine("mixed", 64)
+            engine.add_request("a", prompt, params, output_token_ids=expected[:cut])
+            assert _run_until_idle(engine)["a"] == expected[cut:]
+            assert_pool_free(engine)
+    with pytest.raises(ValueError, match="already reach max_tokens"):
+        _engine("mixed", 64).add_request("a", prompt, PARAMS, output_token_ids=[1] * 12)
