@@ -146,7 +146,7 @@ class _Worker:
     profile: Profile
     scheduler: Scheduler
     commands: list[Callable[[], None]] = field(default_factory=list)
-    busy: bool = False
+    busy: bool = False  # a step, or a wake-up, is pending
     in_flight: int = 0
     stats: WorkerLoad | None = None
     num_steps: int = 0
@@ -305,12 +305,15 @@ class Simulation:
     # ---- workers ----
 
     def _command(self, worker: _Worker, command: Callable[[], None]) -> None:
-        """Runs before the worker's next step (at once when it is idle)."""
+        """Runs before the worker's next step; an idle worker wakes once everything that
+        happens at this instant has reached it (as its loop drains all queued commands)."""
         worker.commands.append(command)
         if not worker.busy:
-            self._kick(worker)
+            worker.busy = True
+            self._at(self.now, lambda: self._kick(worker))
 
     def _kick(self, worker: _Worker) -> None:
+        worker.busy = False
         commands, worker.commands = worker.commands, []
         for command in commands:
             command()
@@ -326,7 +329,6 @@ class Simulation:
                  lambda: self._step_done(worker, out))
 
     def _step_done(self, worker: _Worker, out: SchedulerOutput) -> None:
-        worker.busy = False
         sampled = {s.request.request_id: _TOKEN for s in out.scheduled if s.samples}
         for request in worker.scheduler.postprocess(out, sampled):
             if worker.role == "prefill":
