@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from planner.cli import add_parsers as add_planner_parsers
+
+    add_planner_parsers(sub)
     for command, func in ((gen, _generate), (status, _status), (scale, _scale)):
         command.add_argument("--address", default=None,
                              help="gRPC host:port (default: the running serve's endpoint)")
