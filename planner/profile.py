@@ -133,6 +133,8 @@ class Profile:
         prefill: step-time model of steps with prompt tokens.
         decode: step-time model of decode-only steps.
         transfer: exposed KV transfer time against shipped blocks.
+        prefill_role_factor: a prefill worker's step time over the step model's (KV
+            streaming runs inside its steps).
         fit_error: held-out relative error of each model.
         samples: the raw samples, per model: `{"x": [...], "y": seconds}`.
         schema: the file format version.
@@ -153,6 +155,7 @@ class Profile:
     prefill: LinearModel
     decode: LinearModel
     transfer: LinearModel
+    prefill_role_factor: float = 1.0
     fit_error: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     schema: str = SCHEMA

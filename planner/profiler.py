@@ -20,7 +20,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from planner.profile import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
     TRANSFER_FEATURES,
+    LinearModel,
     Profile,
     decode_features,
     fit_held_out,
@@ -38,6 +39,7 @@ from planner.profile import (
 )
 
 _VOCAB = (100, 400)  # inside every supported model's vocabulary, tiny's included
+_EMPTY = LinearModel((), ())  # replaced by the fits
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ def transfer_samples(settings: ProfileSettings, lengths: Sequence[int], repeats:
             for i in range(repeats):
                 r = pair.once(f"t{n}-{i}", rng.integers(*_VOCAB, n).tolist())
                 blocks = -(-n // settings.block_size)
-                samples.append({"blocks": blocks, "y": r["exposed_s"],
+                samples.append({"tokens": n, "blocks": blocks, "y": r["exposed_s"],
                                 "prefill_s": r["prefill_s"]})
             tick()
     finally:
@@ -257,7 +259,28 @@ def measure(settings: ProfileSettings, progress: Any | None = None) -> Profile:
 def build_profile(settings: ProfileSettings, engine: LLMEngine, load_time: float,
                   prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
                   transfer: list[dict[str, Any]]) -> Profile:
-    """Fit the three models on the samples and assemble the profile."""
+    """Assemble the profile of `engine` from its samples (see `fit_profile`)."""
+    cfg = engine.model_config
+    measured = Profile(
+        model=settings.model, model_id=model_id(engine), dtype=settings.dtype,
+        torch_threads=settings.torch_threads, hardware=hardware(),
+        block_size=settings.block_size, num_blocks=engine.block_pool.num_blocks,
+        kv_cache_gb=settings.kv_cache_gb,
+        block_bytes=engine.kv_cache.block_bytes * cfg.num_layers,
+        max_model_len=engine.max_model_len, transport=settings.transport,
+        load_time_s=load_time, prefill=_EMPTY, decode=_EMPTY, transfer=_EMPTY,
+        samples={"prefill": prefill, "decode": decode, "transfer": transfer})
+    return fit_profile(measured)
+
+
+def fit_profile(profile: Profile) -> Profile:
+    """Fit the three models (and the prefill role's factor) on the profile's raw samples.
+
+    The prefill role's factor is the median ratio of a real prefill worker's prefill time
+    (the transfer samples: layer-wise KV streaming runs inside its steps) to the step
+    model's prediction for the same prompt.
+    """
+    prefill, decode, transfer = (profile.samples[k] for k in ("prefill", "decode", "transfer"))
     px = [prefill_features([(a, n) for a, n, _ in s["items"]]) for s in prefill]
     dx = [decode_features([a + n for a, n, _ in s["items"]]) for s in decode]
     tx = [(1.0, float(s["blocks"])) for s in transfer]
@@ -265,18 +288,13 @@ def build_profile(settings: ProfileSettings, engine: LLMEngine, load_time: float
     decode_model, decode_err = fit_held_out(DECODE_FEATURES, dx, [s["y"] for s in decode])
     transfer_model, transfer_err = fit_held_out(TRANSFER_FEATURES, tx,
                                                 [s["y"] for s in transfer])
-    cfg = engine.model_config
-    return Profile(
-        model=settings.model, model_id=model_id(engine), dtype=settings.dtype,
-        torch_threads=settings.torch_threads, hardware=hardware(),
-        block_size=settings.block_size, num_blocks=engine.block_pool.num_blocks,
-        kv_cache_gb=settings.kv_cache_gb,
-        block_bytes=engine.kv_cache.block_bytes * cfg.num_layers,
-        max_model_len=engine.max_model_len, transport=settings.transport,
-        load_time_s=load_time, prefill=prefill_model, decode=decode_model,
-        transfer=transfer_model,
-        fit_error={"prefill": prefill_err, "decode": decode_err, "transfer": transfer_err},
-        samples={"prefill": prefill, "decode": decode, "transfer": transfer})
+    bs = profile.block_size
+    ratios = [s["prefill_s"] / prefill_model.predict(
+        prefill_features([(0, s.get("tokens", s["blocks"] * bs))])) for s in transfer]
+    return replace(profile, prefill=prefill_model, decode=decode_model, transfer=transfer_model,
+                   prefill_role_factor=float(np.median(ratios)) if ratios else 1.0,
+                   fit_error={"prefill": prefill_err, "decode": decode_err,
+                              "transfer": transfer_err})
 
 
 def model_id(engine: LLMEngine) -> str:

@@ -325,8 +325,10 @@ class Simulation:
         worker.num_steps += 1
         items = [(s.start, s.num_new_tokens, s.start < s.request.num_prompt_tokens)
                  for s in out.scheduled]
-        self._at(self.now + worker.profile.step_time(items),
-                 lambda: self._step_done(worker, out))
+        seconds = worker.profile.step_time(items)
+        if worker.role == "prefill":
+            seconds *= worker.profile.prefill_role_factor
+        self._at(self.now + seconds, lambda: self._step_done(worker, out))
 
     def _step_done(self, worker: _Worker, out: SchedulerOutput) -> None:
         sampled = {s.request.request_id: _TOKEN for s in out.scheduled if s.samples}
