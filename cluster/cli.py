@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -27,9 +28,33 @@ def _serve(args: argparse.Namespace) -> int:
         num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
         local_prefill_threshold=args.local_prefill_threshold, worker=worker)
     options = ServeOptions(cluster, args.address, args.host, args.grpc_port, args.http_port,
-                           RouterConfig(max_running=args.max_running, max_queue=args.max_queue))
+                           RouterConfig(max_running=args.max_running, max_queue=args.max_queue),
+                           autoscaler=_autoscaler(args))
     asyncio.run(run(options))
     return 0
+
+
+def _autoscaler(args: argparse.Namespace) -> Any:
+    """The autoscaling policy `serve --autoscale` asked for, or None."""
+    if not args.autoscale:
+        return None
+    from planner.autoscale import Autoscaler, AutoscalerConfig
+    from planner.plan import SloSpec
+    from planner.profile import Profile, check_same_model
+
+    if args.profile is None or args.slo is None:
+        raise ValueError("--autoscale needs --profile and --slo")
+    profile = Profile.load(args.profile)
+    check_same_model([profile], args.model)
+    low = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
+    config = AutoscalerConfig(
+        SloSpec.parse(args.slo, args.attainment), args.mode,
+        min_workers=args.min_workers or (2 if args.mode == "disaggregated" else 1),
+        max_workers=args.max_workers or max(low, 2), interval_s=args.autoscale_interval,
+        window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown,
+        local_prefill_threshold=args.local_prefill_threshold,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    return Autoscaler(config, profile, profile)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -135,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--max-running", type=int, default=256)
     serve.add_argument("--max-queue", type=int, default=1024)
+    auto = serve.add_argument_group("autoscaling (the planner on the router's recent window)")
+    auto.add_argument("--autoscale", action="store_true",
+                      help="resize the pools live to meet --slo (needs --profile)")
+    auto.add_argument("--profile", type=Path, default=None, help="PROFILE.json of the workers")
+    auto.add_argument("--slo", default=None, help="e.g. ttft_p90_ms=500,tpot_p90_ms=50")
+    auto.add_argument("--attainment", type=float, default=0.9)
+    auto.add_argument("--min-workers", type=int, default=None)
+    auto.add_argument("--max-workers", type=int, default=None)
+    auto.add_argument("--autoscale-interval", type=float, default=10.0, help="seconds")
+    auto.add_argument("--autoscale-window", type=float, default=60.0, help="seconds")
+    auto.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds")
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")

@@ -12,9 +12,12 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
+from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
 from cluster.backend import ClusterBackend, ClusterConfig
 from cluster.metrics import WorkerCollector
 from engine.model_loader import cache_dir, resolve_model_dir
+from planner.autoscale import Autoscaler
+from router.backend import Backend
 from router.frontend import RouterConfig
 from router.servers import Servers, start_servers
 
@@ -33,6 +36,7 @@ class ServeOptions:
         grpc_port: gRPC port (0 picks one).
         http_port: OpenAI HTTP port (0 picks one).
         router: admission limits.
+        autoscaler: the autoscaling policy (`serve --autoscale`), or None.
     """
 
     cluster: ClusterConfig
@@ -41,6 +45,7 @@ class ServeOptions:
     grpc_port: int = 50051
     http_port: int = 8000
     router: RouterConfig = field(default_factory=RouterConfig)
+    autoscaler: Autoscaler | None = None
 
 
 def endpoint_file() -> Path:
@@ -70,14 +75,22 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
         stop = stop or _signal_event()
         backend = ClusterBackend(cfg)
         await backend.start()
-    servers = await start_servers(backend, options.host, options.grpc_port, options.http_port,
+    front: Backend = backend if options.autoscaler is None else RecordingBackend(backend)
+    servers = await start_servers(front, options.host, options.grpc_port, options.http_port,
                                   options.router)
-    servers.router.metrics.registry.register(WorkerCollector(backend))
+    registry = servers.router.metrics.registry
+    registry.register(WorkerCollector(backend))
+    autoscaling = None
+    if options.autoscaler is not None:
+        loop = AutoscalerLoop(options.autoscaler, front, AutoscalerMetrics(registry))
+        autoscaling = asyncio.create_task(loop.run())
     _announce(options, servers)
     try:
         await stop.wait()
     finally:
         console.print("Shutting down")
+        if autoscaling is not None:
+            autoscaling.cancel()
         await servers.stop()
         await backend.close()
         endpoint_file().unlink(missing_ok=True)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.runner import RunSettings, Target, bench_run, pdcluster_serve
 from bench.serving_metrics import Slo
 from bench.traces import TraceRequest
@@ -26,6 +28,8 @@ from planner.simulator import SimRequest
 FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "attainment",
            "goodput_rps")
 _WARMUP_REQUESTS = 4
+_WARMUP_SEED = 987_654
+_WARMUP_VOCAB = (100, 400)
 
 
 def serve_flags(config: dict[str, Any], profile: Profile, max_num_seqs: int = 64,
@@ -78,13 +82,21 @@ def errors(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, flo
     return out
 
 
-def run_config(config: dict[str, Any], profile: Profile, traces: dict[str, list[TraceRequest]],
-               slo: SloSpec, out: Path, max_num_seqs: int = 64, address: str | None = None
-               ) -> dict[str, dict[str, Any]]:
+def run_config(config: dict[str, Any], profile: Profile,
+               runs: dict[str, tuple[list[TraceRequest], SloSpec]], out: Path,
+               max_num_seqs: int = 64, address: str | None = None) -> dict[str, dict[str, Any]]:
     """Serve one configuration and replay each trace on it, one after another.
 
+    Args:
+        config: a plan file's configuration entry.
+        profile: the profile it was planned with (model, dtype, KV budget, transport).
+        runs: per run name, the trace and the SLO to score it with.
+        out: where each run's report and the server log go.
+        max_num_seqs: `serve --max-num-seqs`.
+        address: an existing Ray cluster, or None for a local one.
+
     Returns:
-        Per trace name, the measured figures.
+        Per run name, the measured figures.
     """
     name = label(config).replace(" ", "-")
     settings = RunSettings(config={"model": profile.model, "config": config})
@@ -92,15 +104,19 @@ def run_config(config: dict[str, Any], profile: Profile, traces: dict[str, list[
     with pdcluster_serve(profile.model, serve_flags(config, profile, max_num_seqs, address),
                          out / name / "serve.log") as endpoints:
         target = Target("grpc", endpoints.grpc, endpoints.grpc)
-        first = next(iter(traces.values()))
-        warm = [TraceRequest(0.0, 2, r.prompt_token_ids) for r in first[:_WARMUP_REQUESTS]]
+        # Own random prompts, so the warm-up leaves nothing in the prefix cache the runs hit.
+        rng = np.random.default_rng(_WARMUP_SEED)
+        first = next(iter(runs.values()))[0][:_WARMUP_REQUESTS]
+        warm = [TraceRequest(0.0, 2, rng.integers(*_WARMUP_VOCAB, len(r.prompt_token_ids or
+                                                                      [0] * 16)).tolist())
+                for r in first]
         bench_run(target, warm, ["warm-up"] * len(warm), label="warm-up", out=None,
                   settings=settings, max_concurrency=1)
-        for trace_name, requests in traces.items():
-            report = bench_run(target, requests, [trace_name] * len(requests),
-                               label=f"{name}-{trace_name}", out=out / name / trace_name,
+        for run_name, (requests, slo) in runs.items():
+            report = bench_run(target, requests, [run_name] * len(requests),
+                               label=f"{name}-{run_name}", out=out / name / run_name,
                                settings=settings, slo=bench_slo(slo))
-            results[trace_name] = measured_figures(report)
+            results[run_name] = measured_figures(report)
     return results
 
 
@@ -122,10 +138,10 @@ def neighbours(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
 def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str | None,
              out: Path) -> dict[str, Any]:
     """Measure `count` configurations of the plan; adds `measured` and `error` to each."""
-    traces = {"trace": trace_requests(request.requests)}
+    runs = {"trace": (trace_requests(request.requests), request.slo)}
     for config in neighbours(doc, count):
-        measured = run_config(config, request.decode_profile, traces, request.slo, out,
-                              request.max_num_seqs, address)["trace"]
+        measured = run_config(config, request.decode_profile, runs, out, request.max_num_seqs,
+                              address)["trace"]
         measured["meets_slo"] = measured["failed"] == 0 and meets(measured, request.slo)
         config["measured"] = measured
         config["error"] = errors(config["predicted"], measured)
