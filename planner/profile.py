@@ -51,19 +51,25 @@ class LinearModel:
 
 def fit(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Sequence[float]
         ) -> LinearModel:
-    """Least squares with every coefficient >= 0 (a step cannot get faster with more work).
+    """Least squares on relative error with every coefficient >= 0 (a step cannot get
+    faster with more work).
 
-    A feature whose unconstrained coefficient comes out negative is dropped and the rest
-    refitted, until all are non-negative (the active-set idea of NNLS, enough for a handful
-    of features).
+    Each sample's row is divided by its time: timing noise is multiplicative, and a 5 ms
+    decode step matters as much to latency predictions as a 500 ms prefill. A feature
+    whose unconstrained coefficient comes out negative is dropped and the rest refitted,
+    until all are non-negative (the active-set idea of NNLS, enough for a handful of
+    features).
 
     Raises:
-        ValueError: fewer samples than features.
+        ValueError: fewer samples than features, or a sample of no time.
     """
     a, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
     if a.ndim != 2 or a.shape[0] < a.shape[1]:
         raise ValueError(f"need at least {len(features)} samples to fit {list(features)}, "
                          f"got {len(ys)}")
+    if (y <= 0).any():
+        raise ValueError("every sample must take a positive time")
+    a, y = a / y[:, None], np.ones_like(y)
     active = list(range(a.shape[1]))
     coef = np.zeros(a.shape[1])
     while active:
