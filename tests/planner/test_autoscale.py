@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
+from cluster.cli import main
 from engine import SamplingParams
 from planner.autoscale import Autoscaler, AutoscalerConfig, Window
 from planner.plan import SloSpec
@@ -137,3 +139,15 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
                                      {"role": "prefill"}) == decision.prefill
     assert registry.get_sample_value("pdcluster:autoscaler_estimated_rate_rps") == \
         pytest.approx(1.0)
+
+
+def test_serve_autoscale_refuses_a_profile_of_another_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    PROFILE.save(tmp_path / "p.json")
+    assert main(["serve", "--model", "tiny", "--autoscale", "--profile",
+                 str(tmp_path / "p.json"), "--slo", "ttft_p90_ms=100", "--grpc-port", "0",
+                 "--http-port", "0"]) == 2
+    assert "the profile is of model 'synthetic', not 'tiny'" in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny", "--autoscale", "--grpc-port", "0",
+                 "--http-port", "0"]) == 2
+    assert "--autoscale needs --profile and --slo" in capsys.readouterr().err
