@@ -16,6 +16,7 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+import uuid
 from dataclasses import asdict
 from typing import Any
 
@@ -54,8 +55,9 @@ class WorkerPair:
         self.procs, self.pipes, self.infos, self.push = [], [], {}, {}
         for role in ("decode", "prefill"):
             ours, theirs = spawn.Pipe()
-            worker = WorkerSpec(worker_id=role, role=role, router_endpoint=endpoint,
-                                **(spec or _SPEC))
+            # Unique ids: the decode worker's shared-memory pool is named after it.
+            worker = WorkerSpec(worker_id=f"{role}-{uuid.uuid4().hex[:8]}", role=role,
+                                router_endpoint=endpoint, **(spec or _SPEC))
             proc = spawn.Process(target=_run_worker, args=(worker, theirs), daemon=True)
             proc.start()
             self.procs.append(proc)

@@ -242,9 +242,11 @@ def predict(request: PlanRequest, shape: ClusterShape) -> dict[str, Any]:
     """The predicted figures of one configuration at the planned rate."""
     result = simulate(request, shape)
     predicted = figures(result.ttft, result.tpot, result.duration, request.slo)
-    tokens_per_s = float(result.output_len.sum()) / result.duration
+    served = np.isfinite(result.finish)
+    tokens_per_s = float(result.output_len[served].sum()) / result.duration
     predicted["cost_per_mtok"] = cost_per_hour(request, shape) / (tokens_per_s * 3600) * 1e6
     predicted["num_preemptions"] = result.num_preemptions
+    predicted["num_failed"] = result.num_failed
     return predicted
 
 

@@ -102,8 +102,9 @@ class _Sampler:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         return self.engine.add_request(f"p{next(self.ids)}", prompt, params)
 
-    def step(self, requests: Sequence[Request]) -> tuple[list[tuple[int, int, bool]], float]:
-        """One timed step; per request (start, new tokens, prompt tokens?) it computed."""
+    def step(self, requests: Sequence[Request]) -> tuple[list[list[Any]], float]:
+        """One timed step; per request [start, new tokens, prompt tokens?] it computed (lists,
+        as the JSON file stores them)."""
         before = [(r.num_computed_tokens, r.status.value == "waiting") for r in requests]
         start = time.perf_counter()
         self.engine.step()
@@ -112,7 +113,7 @@ class _Sampler:
         for r, (computed, waiting) in zip(requests, before, strict=True):
             first = r.num_cached_tokens if waiting else computed
             if r.num_computed_tokens > first or (waiting and r.output_token_ids):
-                items.append((first, r.num_computed_tokens - first, first < r.num_prompt_tokens))
+                items.append([first, r.num_computed_tokens - first, first < r.num_prompt_tokens])
         return items, elapsed
 
     def finish(self) -> None:
@@ -203,17 +204,16 @@ def transfer_samples(settings: ProfileSettings, lengths: Sequence[int], repeats:
 
 def _grids(engine: LLMEngine, quick: bool) -> dict[str, Any]:
     limit = engine.max_model_len
-    news = [16, 64, 256, 512] if quick else [16, 32, 64, 128, 256, 512, 1024, 2048]
-    cached = [0, 256] if quick else [0, 256, 1024]
-    prefill = [(n, c, k) for n in news for c in cached for k in (1, 2)
-               if c + n < limit and k * n <= 4096]
+    news = [16, 64, 256, 512] if quick else [16, 64, 256, 512, 1024]
+    cached = [0, 256] if quick else [0, 512]
+    prefill = [(n, c, k) for n in news for c in cached for k in (1, 2) if c + n < limit]
     prefill += [(n, 0, 4) for n in news[:3]]
-    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32, 64]
+    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
     contexts = [32, 256] if quick else [32, 256, 1024]
     room = engine.block_pool.num_blocks * engine.cache_config.block_size * 0.8
     decode = [(b, c) for b in batches for c in contexts if c + 8 < limit and b * (c + 8) < room]
     mixed = [(n, b) for n in news[1:3] for b in (4, 16)]
-    lengths = [64, 256, 512] if quick else [64, 256, 1024, 2048]
+    lengths = [64, 256, 512] if quick else [64, 256, 1024]
     return {"prefill": prefill, "decode": decode, "mixed": mixed,
             "lengths": [n for n in lengths if n < limit]}
 

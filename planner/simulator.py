@@ -42,9 +42,10 @@ from planner.profile import Profile
 from router.placement import PrefixIndex, WorkerLoad, place_request
 
 # cluster/worker.py pushes stats every 0.5 s; cluster/backend.py retries a rejected
-# reservation after 0.05 s.
+# reservation after 0.05 s and fails the request after `reserve_timeout_s` (60 s).
 STATS_INTERVAL_S = 0.5
 RESERVE_RETRY_S = 0.05
+RESERVE_TIMEOUT_S = 60.0
 _TOKEN = 1  # every simulated output token
 
 
@@ -110,6 +111,7 @@ class SimResult:
         num_steps: engine steps simulated, over all workers.
         num_preemptions: preemptions over all workers.
         num_local_prefills: requests prefilled on their decode worker.
+        num_failed: requests that found no decode KV within the router's reserve timeout.
     """
 
     arrival: np.ndarray
@@ -119,6 +121,7 @@ class SimResult:
     num_steps: int = 0
     num_preemptions: int = 0
     num_local_prefills: int = 0
+    num_failed: int = 0
 
     @property
     def ttft(self) -> np.ndarray:
@@ -134,7 +137,7 @@ class SimResult:
     @property
     def duration(self) -> float:
         """From the first arrival to the last token."""
-        return float(self.finish.max() - self.arrival.min())
+        return float(np.nanmax(self.finish) - self.arrival.min())
 
 
 @dataclass
@@ -191,6 +194,7 @@ class Simulation:
         # Remote prefills in flight: request id -> (D, D's request, tokens D had cached).
         self._jobs: dict[str, tuple[_Worker, Request, int]] = {}
         self._num_preemptions = 0
+        self._num_failed = 0
         roles = [("mixed", shape.num_decode)] if shape.mode == "colocated" else \
             [("decode", shape.num_decode), ("prefill", shape.num_prefill)]
         self.workers: list[_Worker] = []
@@ -201,7 +205,10 @@ class Simulation:
         self.decode_pool = [w for w in self.workers if w.role != "prefill"]
         self.prefill_pool = [w for w in self.workers if w.role == "prefill"]
         self._by_id = {w.worker_id: w for w in self.workers}
-        self._max_model_len = min(decode_profile.max_model_len, prefill_profile.max_model_len)
+        # As LLMEngine limits it: the model's context and one worker's whole KV pool.
+        self._max_model_len = min(p.max_model_len for p in (prefill_profile, decode_profile))
+        self._max_model_len = min(self._max_model_len, *(p.num_blocks * p.block_size for p in
+                                                         (prefill_profile, decode_profile)))
 
     def _new_worker(self, worker_id: str, role: str, profile: Profile) -> _Worker:
         shape = self.shape
@@ -245,7 +252,7 @@ class Simulation:
         return SimResult(np.array([r.arrival for r in requests]), self._first, self._finish,
                          np.array([r.output_len for r in requests]),
                          sum(w.num_steps for w in self.workers), self._num_preemptions,
-                         self._local)
+                         self._local, self._num_failed)
 
     def _check(self, index: int, r: SimRequest) -> None:
         total = len(r.prompt_token_ids) + r.output_len
@@ -258,7 +265,8 @@ class Simulation:
     def _push_stats(self) -> None:
         for w in self.workers:
             w.push_stats()
-        if self._remaining:
+        # With nothing else pending nothing can change any more: the run is over (or stalled).
+        if self._remaining and self._events:
             self._at(self.now + STATS_INTERVAL_S, self._push_stats)
 
     # ---- router ----
@@ -292,6 +300,10 @@ class Simulation:
     def _reserve(self, index: int, request: Request, decode: _Worker, prefill: _Worker) -> None:
         if not decode.scheduler.reserve_remote(request):
             decode.in_flight -= 1
+            if self.now - request.arrival_time > RESERVE_TIMEOUT_S:
+                self._remaining -= 1  # failed: no KV freed up in time (TTFT stays NaN)
+                self._num_failed += 1
+                return
             self._at(self.now + RESERVE_RETRY_S, lambda: self._dispatch(index, request))
             return
         # The prefill worker computes its own copy of the prompt, minus D's cached blocks

@@ -139,5 +139,23 @@ def test_bad_traces_are_refused_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="exceed the profile's max_model_len 8192"):
         Simulation(one_worker(2048), profile, profile).run(
             [SimRequest(0.0, [5] * 8000, 500)])
+    small = synthetic_profile(num_blocks=8)  # the engine's limit: the whole pool
+    with pytest.raises(ValueError, match="max_model_len 128"):
+        Simulation(one_worker(2048), small, small).run([SimRequest(0.0, [5] * 120, 10)])
     with pytest.raises(ValueError, match="same block_size"):
         Simulation(one_worker(2048), profile, synthetic_profile(block_size=32))
+
+
+def test_a_reservation_that_never_finds_room_fails_after_the_router_timeout() -> None:
+    """Two 300-token prompts, a 24-block (384-token) decode pool: the second cannot reserve
+    until the first's 70 one-second decode steps end, past the router's 60 s timeout."""
+    profile = synthetic_profile(decode=(1.0, 0.0, 0.0), num_blocks=24)
+    first, second = random_prompts(2, 300, seed=9)
+    shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=0)
+
+    result = Simulation(shape, profile, profile).run(
+        [SimRequest(0.0, first, 70), SimRequest(0.001, second, 2)])
+
+    assert result.num_failed == 1
+    assert np.isfinite(result.ttft[0]) and np.isnan(result.ttft[1])
+    assert result.duration == pytest.approx(result.finish[0])
