@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import uuid
 from dataclasses import asdict
 from typing import Any
 
@@ -48,10 +49,14 @@ def _run_worker(spec: WorkerSpec, ready: Any) -> None:
     worker.shutdown()
 
 
-class _Pair:
-    """A prefill and a decode worker process, and the router end of their sockets."""
+class WorkerPair:
+    """A prefill and a decode worker process, and the router end of their sockets.
 
-    def __init__(self) -> None:
+    Args:
+        spec: WorkerSpec fields for both workers (default: SmolLM2 over shm).
+    """
+
+    def __init__(self, spec: dict[str, Any] | None = None) -> None:
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:0")
@@ -60,8 +65,10 @@ class _Pair:
         self.procs, self.pipes, self.infos, self.push = [], [], {}, {}
         for role in ("decode", "prefill"):
             ours, theirs = spawn.Pipe()
-            spec = WorkerSpec(worker_id=role, role=role, router_endpoint=endpoint, **_SPEC)
-            proc = spawn.Process(target=_run_worker, args=(spec, theirs), daemon=True)
+            # Unique ids: the decode worker's shared-memory pool is named after it.
+            worker = WorkerSpec(worker_id=f"{role}-{uuid.uuid4().hex[:8]}", role=role,
+                                router_endpoint=endpoint, **(spec or _SPEC))
+            proc = spawn.Process(target=_run_worker, args=(worker, theirs), daemon=True)
             proc.start()
             self.procs.append(proc)
             self.pipes.append(ours)
@@ -112,7 +119,7 @@ class _Pair:
 def measure(lengths: list[int], repeats: int, seed: int = 0) -> dict[str, Any]:
     """Median exposed transfer time and its share of prefill time, per prompt length."""
     rng = np.random.default_rng(seed)
-    pair = _Pair()
+    pair = WorkerPair()
     try:
         pair.once("warmup", rng.integers(100, 49000, 64).tolist())
         results = {}

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 # `docker run IMAGE serve ...` must listen on every interface; the image sets this.
@@ -42,9 +43,33 @@ def _serve(args: argparse.Namespace) -> int:
                            security=security,
                            allow_unauthenticated=args.allow_unauthenticated,
                            drain_timeout_s=args.drain_timeout,
-                           metrics_compat=args.metrics_compat)
+                           metrics_compat=args.metrics_compat,
+                           autoscaler=_autoscaler(args))
     asyncio.run(run(options))
     return 0
+
+
+def _autoscaler(args: argparse.Namespace) -> Any:
+    """The autoscaling policy `serve --autoscale` asked for, or None."""
+    if not args.autoscale:
+        return None
+    from planner.autoscale import Autoscaler, AutoscalerConfig
+    from planner.plan import SloSpec
+    from planner.profile import Profile, check_same_model
+
+    if args.profile is None or args.slo is None:
+        raise ValueError("--autoscale needs --profile and --slo")
+    profile = Profile.load(args.profile)
+    check_same_model([profile], args.model)
+    low = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
+    config = AutoscalerConfig(
+        SloSpec.parse(args.slo, args.attainment), args.mode,
+        min_workers=args.min_workers or (2 if args.mode == "disaggregated" else 1),
+        max_workers=args.max_workers or max(low, 2), interval_s=args.autoscale_interval,
+        window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown,
+        local_prefill_threshold=args.local_prefill_threshold,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    return Autoscaler(config, profile, profile)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -167,6 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "vllm:kv_cache_usage_perc, ...) for existing dashboards and "
                             "autoscalers")
     _add_security_flags(serve)
+    auto = serve.add_argument_group("autoscaling (the planner on the router's recent window)")
+    auto.add_argument("--autoscale", action="store_true",
+                      help="resize the pools live to meet --slo (needs --profile)")
+    auto.add_argument("--profile", type=Path, default=None, help="PROFILE.json of the workers")
+    auto.add_argument("--slo", default=None, help="e.g. ttft_p90_ms=500,tpot_p90_ms=50")
+    auto.add_argument("--attainment", type=float, default=0.9)
+    auto.add_argument("--min-workers", type=int, default=None)
+    auto.add_argument("--max-workers", type=int, default=None)
+    auto.add_argument("--autoscale-interval", type=float, default=10.0, help="seconds")
+    auto.add_argument("--autoscale-window", type=float, default=60.0, help="seconds")
+    auto.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds")
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
@@ -188,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from planner.cli import add_parsers as add_planner_parsers
+
+    add_planner_parsers(sub)
     for command, func in ((gen, _generate), (status, _status), (scale, _scale)):
         command.add_argument("--address", default=None,
                              help="gRPC host:port (default: the running serve's endpoint)")

@@ -12,10 +12,13 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
+from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
 from cluster.backend import ClusterBackend, ClusterConfig
 from cluster.metrics import VllmCompatCollector, WorkerCollector
 from engine.model_loader import cache_dir, resolve_model_dir
+from planner.autoscale import Autoscaler
 from router.auth import SecurityConfig, check_bind, is_loopback
+from router.backend import Backend
 from router.frontend import RouterConfig
 from router.servers import Servers, start_servers
 
@@ -39,6 +42,7 @@ class ServeOptions:
         allow_unauthenticated: bind a non-loopback `host` without any key.
         drain_timeout_s: on SIGTERM/SIGINT, how long running requests may take to finish
             (new ones are refused meanwhile) before the servers stop.
+        autoscaler: the autoscaling policy (`serve --autoscale`), or None.
     """
 
     cluster: ClusterConfig
@@ -48,6 +52,7 @@ class ServeOptions:
     http_port: int = 8000
     router: RouterConfig = field(default_factory=RouterConfig)
     metrics_compat: str | None = None
+    autoscaler: Autoscaler | None = None
     security: SecurityConfig = field(default_factory=SecurityConfig)
     allow_unauthenticated: bool = False
     drain_timeout_s: float = 30.0
@@ -85,12 +90,17 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
         stop = stop or _signal_event()
         backend = ClusterBackend(cfg)
         await backend.start()
-    servers = await start_servers(backend, options.host, options.grpc_port, options.http_port,
+    front: Backend = backend if options.autoscaler is None else RecordingBackend(backend)
+    servers = await start_servers(front, options.host, options.grpc_port, options.http_port,
                                   options.router, options.security)
     metrics = servers.router.metrics
     metrics.registry.register(WorkerCollector(backend, metrics.model_name))
     if options.metrics_compat == "vllm":
         metrics.registry.register(VllmCompatCollector(backend, metrics))
+    autoscaling = None
+    if options.autoscaler is not None:
+        loop = AutoscalerLoop(options.autoscaler, front, AutoscalerMetrics(metrics.registry))
+        autoscaling = asyncio.create_task(loop.run())
     _announce(options, servers)
     try:
         await stop.wait()
@@ -101,6 +111,8 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
             console.print(f"{left} requests still running at the drain timeout: aborting them")
     finally:
         console.print("Shutting down")
+        if autoscaling is not None:
+            autoscaling.cancel()
         await servers.stop()
         await backend.close()
         endpoint_file().unlink(missing_ok=True)

@@ -2,17 +2,17 @@
 
 Pure functions over the latest load snapshot of each worker, so they are easy to test and
 to reason about. Prefix affinity uses the router's own chained hashes of the prompt's
-leading blocks: the worker that last served the longest matching prefix is preferred while
-it has room.
+leading blocks (the engine's own chained block hash, so a router prefix and an engine
+cache hit name the same blocks): the worker that last served the longest matching prefix is
+preferred while it has room.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
+from engine.block_pool import hash_blocks
 
 
 @dataclass
@@ -49,13 +49,8 @@ class PrefixIndex:
         self._owner: OrderedDict[bytes, dict[str, str]] = OrderedDict()
 
     def hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
-        out, parent = [], b""
-        tokens = np.asarray(prompt_token_ids, dtype=np.int64)
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            parent = hashlib.blake2b(parent + tokens[start:start + self.block_size].tobytes(),
-                                     digest_size=16).digest()
-            out.append(parent)
-        return out
+        """Chained hashes of the prompt's full blocks (`engine.block_pool.hash_blocks`)."""
+        return hash_blocks(prompt_token_ids, self.block_size)
 
     def match(self, hashes: list[bytes], role: str) -> tuple[str | None, int]:
         """The worker of `role` holding the longest known prefix, and its length in blocks."""
@@ -126,3 +121,29 @@ def place(prompt_len: int, decode: list[WorkerLoad], prefill: list[WorkerLoad],
     uncached = prompt_len - (decode_hit_tokens if d.worker_id == decode_owner else 0)
     p = None if uncached <= local_prefill_threshold else pick_prefill(prefill, prefill_owner)
     return Placement(d.worker_id, p.worker_id if p is not None else None)
+
+
+def place_request(index: PrefixIndex, prompt_token_ids: list[int], decode: list[WorkerLoad],
+                  prefill: list[WorkerLoad], local_prefill_threshold: int) -> Placement | None:
+    """Look the prompt up in the prefix index, `place` it, and record where it went.
+
+    Args:
+        index: the router's prefix index (updated).
+        prompt_token_ids: the prompt.
+        decode: healthy, non-draining decode (or mixed) workers.
+        prefill: healthy, non-draining prefill workers.
+        local_prefill_threshold: uncached prompts at most this long are prefilled on D.
+
+    Returns:
+        None when no decode worker can take it.
+    """
+    hashes = index.hashes(prompt_token_ids)
+    d_owner, d_blocks = index.match(hashes, "decode")
+    p_owner, _ = index.match(hashes, "prefill")
+    placement = place(len(prompt_token_ids), decode, prefill, d_blocks * index.block_size,
+                      d_owner, p_owner, local_prefill_threshold)
+    if placement is not None:
+        index.record(hashes, "decode", placement.decode_worker)
+        if placement.prefill_worker:
+            index.record(hashes, "prefill", placement.prefill_worker)
+    return placement

@@ -1,5 +1,6 @@
-"""The pure parts of `bench.experiments`: workloads, SLO derivation, utilization, tables,
-ladder flags, and the server-process wrapper on a stand-in process (no cluster, no model)."""
+"""The pure parts of `bench.experiments` (workloads, SLO derivation, tables, ladder flags) and
+of `bench.runner` (utilization, the server-process wrapper on a stand-in process; no cluster,
+no model)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from bench import experiments as ex
+from bench import runner
 from bench.loadgen import LoadResult, RequestRecord
 from bench.report import build_report
 from bench.serving_metrics import Slo, summarize
@@ -113,7 +115,7 @@ def test_utilization_between_uses_the_counters_over_the_window() -> None:
     after = {"pools": {"prefill": [worker("p0", "prefill", 110.0, 18.0, 0.0, 5e11, 1e10)],
                        "decode": [worker("d0", "decode", 110.0, 7.0, 3.0, 1e11, 5e10),
                                   worker("d1", "decode", 3.0, 1.0, 0.0, 0.0, 0.0)]}}
-    util = ex.utilization_summary(before, after)
+    util = runner.utilization_summary(before, after)
 
     assert set(util["workers"]) == {"p0", "d0"}  # d1 started inside the window: no baseline
     assert util["by_role"]["prefill"] == pytest.approx(
@@ -123,7 +125,7 @@ def test_utilization_between_uses_the_counters_over_the_window() -> None:
         {"busy": 0.2, "transfer_wait": 0.2, "idle": 0.6, "flops_utilization": 0.1,
          "bandwidth_utilization": 0.5})
     assert util["mean"]["busy"] == pytest.approx(0.5)
-    assert ex.utilization_summary(None, after) is None
+    assert runner.utilization_summary(None, after) is None
 
 
 def metrics(rate: float, goodput: float | None, ttft_p90: float = 1000.0) -> dict[str, Any]:
@@ -196,8 +198,8 @@ def test_managed_process_reads_the_ready_line_and_kills_a_stubborn_process(
               "print('pdcluster ready: gRPC 127.0.0.1:5  OpenAI http://127.0.0.1:6/v1  "
               "metrics x', flush=True); time.sleep(60)")
     log = tmp_path / "logs" / "serve.log"
-    with ex.ManagedProcess("stand-in", [sys.executable, "-c", script], log,
-                           ready_pattern=ex.READY_LINE) as proc:
+    with runner.ManagedProcess("stand-in", [sys.executable, "-c", script], log,
+                           ready_pattern=runner.READY_LINE) as proc:
         match = proc.wait_ready(lambda: proc.ready_match, timeout=30)
         assert (match[1], match[2]) == ("127.0.0.1:5", "http://127.0.0.1:6")
         assert proc.stop(grace_s=0.2) == -9  # ignored SIGINT, so killed
@@ -206,8 +208,8 @@ def test_managed_process_reads_the_ready_line_and_kills_a_stubborn_process(
 
 def test_managed_process_reports_an_early_exit_with_its_log(tmp_path: Path) -> None:
     script = "import sys; print('error: unrecognized arguments: --policy'); sys.exit(2)"
-    with ex.ManagedProcess("stand-in", [sys.executable, "-c", script], tmp_path / "log",
-                           ready_pattern=ex.READY_LINE) as proc, \
+    with runner.ManagedProcess("stand-in", [sys.executable, "-c", script], tmp_path / "log",
+                           ready_pattern=runner.READY_LINE) as proc, \
             pytest.raises(RuntimeError, match=re.compile(
                 r"exited with status 2.*unrecognized arguments: --policy", re.S)):
         proc.wait_ready(lambda: proc.ready_match, timeout=30)

@@ -1,0 +1,156 @@
+"""`serve --autoscale`: the planner's autoscaling policy acting on a live cluster.
+
+`RecordingBackend` wraps the cluster backend the router talks to and keeps the recent
+window of requests (arrival, prompt tokens, output tokens). `AutoscalerLoop` asks the
+policy (`planner.autoscale.Autoscaler`) every interval and resizes through the backend's
+live scale path (removed workers drain first). Each decision is logged with its reason and
+exported as `pdcluster:autoscaler_*` metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from planner.autoscale import Autoscaler, Decision, Window
+from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seen:
+    arrival: float
+    prompt_len: int
+    output_len: int
+
+
+class RecordingBackend(Backend):
+    """Delegates to `inner` and remembers each request's arrival and lengths.
+
+    A request's output length is what it asked for until it finishes, then what it got.
+
+    Args:
+        inner: the cluster backend.
+        horizon_s: how long requests are remembered.
+    """
+
+    def __init__(self, inner: Backend, horizon_s: float = 600.0) -> None:
+        self.inner = inner
+        self.horizon_s = horizon_s
+        self._seen: deque[_Seen] = deque()
+
+    def window(self, start: float, end: float) -> Window:
+        """The requests that arrived in `[start, end)` (monotonic seconds)."""
+        while self._seen and self._seen[0].arrival < end - self.horizon_s:
+            self._seen.popleft()
+        chosen = [s for s in self._seen if start <= s.arrival < end]
+        return Window(start, end, [s.arrival for s in chosen], [s.prompt_len for s in chosen],
+                      [s.output_len for s in chosen])
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        seen = _Seen(time.monotonic(), len(request.prompt_token_ids), request.params.max_tokens)
+        self._seen.append(seen)
+        produced = 0
+        async for delta in self.inner.generate(request):
+            produced += len(delta.token_ids)
+            if delta.finish_reason is not None and produced:
+                seen.output_len = produced
+            yield delta
+
+    def model_info(self) -> ModelInfo:
+        return self.inner.model_info()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.inner.abort(request_id)
+
+    async def status(self) -> dict[str, Any]:
+        return await self.inner.status()
+
+    async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:
+        return await self.inner.scale(num_prefill, num_decode)
+
+    def healthy(self) -> bool:
+        return self.inner.healthy()
+
+
+class AutoscalerMetrics:
+    """`pdcluster:autoscaler_*`: targets, the estimated load, decisions by action."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.target = Gauge("pdcluster:autoscaler_target_workers",
+                            "Workers the autoscaler last asked for, by role.", ["role"],
+                            registry=registry)
+        self.rate = Gauge("pdcluster:autoscaler_estimated_rate_rps",
+                          "Arrival rate estimated from the router's recent window.",
+                          registry=registry)
+        self.attainment = Gauge("pdcluster:autoscaler_predicted_attainment",
+                                "Predicted SLO attainment of the target split.",
+                                registry=registry)
+        self.decisions = Counter("pdcluster:autoscaler_decisions",
+                                 "Autoscaler decisions, by action.", ["action"],
+                                 registry=registry)
+
+    def record(self, decision: Decision) -> None:
+        self.target.labels("prefill").set(decision.prefill)
+        self.target.labels("decode").set(decision.decode)
+        self.rate.set(decision.rate_rps)
+        if decision.predicted_attainment is not None:
+            self.attainment.set(decision.predicted_attainment)
+        self.decisions.labels(decision.action).inc()
+
+
+class AutoscalerLoop:
+    """Every interval: window -> policy -> live scale.
+
+    Args:
+        policy: the autoscaling policy.
+        backend: the recording backend in front of the cluster.
+        metrics: where decisions are exported.
+    """
+
+    def __init__(self, policy: Autoscaler, backend: RecordingBackend,
+                 metrics: AutoscalerMetrics) -> None:
+        self.policy = policy
+        self.backend = backend
+        self.metrics = metrics
+
+    async def current(self) -> tuple[int, int]:
+        """(prefill, decode) workers that are ready (draining ones are leaving)."""
+        pools = (await self.backend.status())["pools"]
+
+        def ready(role: str) -> int:
+            return sum(1 for w in pools.get(role, []) if w.get("state") == "ready")
+
+        return ready("prefill"), ready("decode") + ready("mixed")
+
+    async def step(self, now: float) -> Decision:
+        """Take one decision and carry it out."""
+        config = self.policy.config
+        window = self.backend.window(now - config.window_s, now)
+        current = await self.current()
+        # The simulations take a while: keep the event loop (and the router) serving.
+        decision = await asyncio.to_thread(self.policy.decide, now, window, current)
+        log.info("autoscaler %s -> %dP+%dD: %s", decision.action, decision.prefill,
+                 decision.decode, decision.reason)
+        self.metrics.record(decision)
+        if decision.action != "hold":
+            prefill = decision.prefill if config.mode == "disaggregated" else None
+            await self.backend.scale(prefill, decision.decode)
+        return decision
+
+    async def run(self) -> None:
+        """Decide every `interval_s` until cancelled; a failed step is logged, not fatal."""
+        while True:
+            await asyncio.sleep(self.policy.config.interval_s)
+            try:
+                await self.step(time.monotonic())
+            except Exception:
+                log.exception("autoscaler step failed")

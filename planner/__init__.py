@@ -1,0 +1,1 @@
+"""Capacity planning: profiles, a cluster simulator, P:D sizing and the SLO autoscaling policy."""

@@ -1,0 +1,172 @@
+"""How close the planner's predictions land: predicted vs measured per config, workload, load.
+
+    python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR
+    python -m planner.accuracy table --out DIR
+
+`run` serves one configuration (`1P+1D`: disaggregated; `2C`: colocated) once and replays
+two workloads at two load levels on it: a prefill-heavy one (long prompts, few output
+tokens; prompts above the local-prefill threshold, so disaggregated configs prefill them
+remotely) and a decode-heavy one (short prompts prefilled on the decode worker, longer
+answers). Each point is its own seeded Poisson trace of `--num-requests` requests with
+fresh random prompts (no prefix hits across points).
+
+The SLO of each workload is DistServe-style: 3x the configuration's predicted unloaded p50
+TTFT and 2x its p50 TPOT (TTFT p90 and TPOT p90 bounds, attainment 0.9). The load levels
+are 40 % and 80 % of the configuration's predicted maximum rate under that SLO. The
+predictions are made (and written) before the server starts; nothing measured feeds back.
+`table` prints the markdown table of every `run` in DIR with the error summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.runner import markdown_table
+from bench.traces import DEFAULT_VOCAB_RANGE, arrival_times
+from planner.plan import PlanRequest, SloSpec, config_entry, max_rate, predict, simulate
+from planner.profile import Profile
+from planner.simulator import ClusterShape, SimRequest
+from planner.validate import errors, run_config, trace_requests
+
+# (prompt_len, output_len) ranges, inclusive.
+WORKLOADS = {"prefill-heavy": ((384, 768), (4, 8)), "decode-heavy": ((32, 96), (24, 48))}
+LEVELS = (0.4, 0.8)
+_LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
+
+
+def parse_config(text: str) -> ClusterShape:
+    """`1P+1D` or `2C`.
+
+    Raises:
+        ValueError: neither form.
+    """
+    if m := re.fullmatch(r"(\d+)P\+(\d+)D", text):
+        return ClusterShape("disaggregated", int(m[1]), int(m[2]))
+    if m := re.fullmatch(r"(\d+)C", text):
+        return ClusterShape("colocated", 0, int(m[1]))
+    raise ValueError(f"config: expected like 1P+1D or 2C, got {text!r}")
+
+
+def workload(name: str, num: int, rate: float, seed: int) -> list[SimRequest]:
+    """`num` requests of a workload arriving Poisson at `rate`."""
+    (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    rng = np.random.default_rng((seed, 7))
+    times = arrival_times(num, rate, "poisson", 1.0, seed)
+    return [SimRequest(float(t), rng.integers(*DEFAULT_VOCAB_RANGE,
+                                              int(rng.integers(p_lo, p_hi + 1))).tolist(),
+                       int(rng.integers(o_lo, o_hi + 1))) for t in times]
+
+
+def workload_slo(profile: Profile, shape: ClusterShape, name: str, seed: int) -> SloSpec:
+    """3x predicted unloaded p50 TTFT, 2x p50 TPOT (one request at a time)."""
+    probe = workload(name, 20, 1e-3, seed)  # 1000 s apart: never two at once
+    base = PlanRequest(profile, profile, probe, SloSpec({"ttft_p90_ms": 1e9}), 4,
+                       find_max_rate=False)
+    result = simulate(base, shape)
+    ttft, tpot = float(np.median(result.ttft)), float(np.nanmedian(result.tpot))
+    return SloSpec({"ttft_p90_ms": round(3e3 * ttft, 1), "tpot_p90_ms": round(2e3 * tpot, 1)})
+
+
+def predict_points(profile: Profile, shape: ClusterShape, num: int, seed: int
+                   ) -> list[dict[str, Any]]:
+    """Every (workload, level) point with its trace and predicted figures."""
+    points = []
+    for w_index, name in enumerate(WORKLOADS):
+        slo = workload_slo(profile, shape, name, seed + 100 * w_index)
+        shaped = workload(name, num, 1.0, seed + 100 * w_index + 1)
+        top = max_rate(PlanRequest(profile, profile, shaped, slo), shape)
+        for l_index, level in enumerate(LEVELS):
+            rate = level * top
+            requests = workload(name, num, rate, seed + 100 * w_index + 10 + l_index)
+            request = PlanRequest(profile, profile, requests, slo)
+            points.append({"workload": name, "level": level, "rate_rps": rate,
+                           "max_rate_rps": top, "slo": slo.bounds,
+                           "predicted": predict(request, shape), "requests": requests})
+    return points
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    profile = Profile.load(args.profile)
+    shape = parse_config(args.config)
+    points = predict_points(profile, shape, args.num_requests, args.seed)
+    base = PlanRequest(profile, profile, points[0]["requests"], SloSpec({"ttft_p90_ms": 1}))
+    config = config_entry(base, shape, points[0]["predicted"])
+    name = f"{args.config}-t{profile.torch_threads}"
+    total_s = sum(p["requests"][-1].arrival for p in points)
+    print(f"{name}: {len(points)} points, about {total_s:.0f} s of arrivals", flush=True)
+    runs = {f"{p['workload']}-{p['level']:g}": (trace_requests(p["requests"]),
+                                               SloSpec(p["slo"])) for p in points}
+    measured = run_config(config, profile, runs, args.out / name)
+    for point, key in zip(points, runs, strict=True):
+        point["measured"] = measured[key]
+        point["error"] = errors(point["predicted"], measured[key])
+        del point["requests"]
+    doc = {"config": name, "profile": str(args.profile), "model": profile.model,
+           "threads": profile.torch_threads, "num_requests": args.num_requests,
+           "points": points}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    print(table([doc]))
+    return doc
+
+
+def _cell(point: dict[str, Any], key: str) -> str:
+    p, m, e = point["predicted"][key], point["measured"][key], point["error"][key]
+    if key == "attainment":
+        return f"{p:.0%} / {m:.0%} ({e * 100:+.0f} pt)"
+    if m is None or p is None or e is None:
+        return "-"
+    return f"{p:.0f} / {m:.0f} ({e:+.0%})"
+
+
+def table(docs: list[dict[str, Any]]) -> str:
+    """Markdown: one row per point, predicted / measured (error), and the summary."""
+    headers = ["config", "workload", "load", "req/s", "TTFT p50 ms", "TTFT p90 ms",
+               "TPOT p50 ms", "TPOT p90 ms", "attainment"]
+    rows, latency_errors, attainment_errors = [], [], []
+    for doc in docs:
+        for point in doc["points"]:
+            rows.append([doc["config"], point["workload"], f"{point['level']:.0%}",
+                         f"{point['rate_rps']:.2f}",
+                         *(_cell(point, key) for key in (*_LATENCIES, "attainment"))])
+            latency_errors += [abs(point["error"][k]) for k in _LATENCIES
+                               if point["error"][k] is not None]
+            attainment_errors.append(abs(point["error"]["attainment"]))
+    text = markdown_table(headers, rows)
+    if latency_errors:
+        text += (f"\n\n{len(rows)} points; latency figures: median absolute error "
+                 f"{statistics.median(latency_errors):.1%}, worst {max(latency_errors):.1%}, "
+                 f"{sum(e > 0.25 for e in latency_errors)} of {len(latency_errors)} over 25 %; "
+                 f"attainment: worst difference {max(attainment_errors) * 100:.1f} points")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="predict, then measure, one configuration")
+    r.add_argument("--profile", type=Path, required=True)
+    r.add_argument("--config", required=True, help="1P+1D or 2C")
+    r.add_argument("--num-requests", type=int, default=100)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", type=Path, required=True)
+    t = sub.add_parser("table", help="the markdown table of every run in --out")
+    t.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run(args)
+    else:
+        docs = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
+        print(table(docs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""`pdcluster profile` and `pdcluster plan`: the planner's subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+console = Console()
+
+
+def add_parsers(sub: Any) -> None:
+    """Add `profile` and `plan` to the `pdcluster` subcommands."""
+    profile = sub.add_parser("profile", help="measure a worker type on the real engine")
+    profile.add_argument("--model", default="smollm2")
+    profile.add_argument("--dtype", default="float32")
+    profile.add_argument("--torch-threads", type=int, default=1)
+    profile.add_argument("--transport", choices=["shm", "zmq", "torch"], default="shm")
+    profile.add_argument("--kv-cache-gb", type=float, default=1.0)
+    profile.add_argument("--block-size", type=int, default=16)
+    profile.add_argument("--repeats", type=int, default=3, help="timed repetitions a point")
+    profile.add_argument("--quick", action="store_true", help="a smaller grid")
+    profile.add_argument("--out", type=Path, required=True, help="PROFILE.json")
+    profile.set_defaults(func=run_profile)
+
+    plan = sub.add_parser("plan", help="size the prefill and decode pools for a trace and SLOs")
+    plan.add_argument("--profile", type=Path, help="profile of every worker type")
+    plan.add_argument("--prefill-profile", type=Path, help="profile of prefill workers")
+    plan.add_argument("--decode-profile", type=Path, help="profile of decode workers")
+    plan.add_argument("--trace", type=Path, required=True, help="a `pdcluster bench` JSONL trace")
+    plan.add_argument("--rate", type=float, default=None,
+                      help="rescale the trace's arrivals to this mean rate (requests/s)")
+    plan.add_argument("--slo", required=True, help="e.g. ttft_p90_ms=500,tpot_p90_ms=50")
+    plan.add_argument("--attainment", type=float, default=0.9)
+    plan.add_argument("--max-workers", type=int, default=4)
+    plan.add_argument("--modes", default="disaggregated,colocated")
+    plan.add_argument("--local-prefill-thresholds", default="256",
+                      help="comma-separated thresholds to try (disaggregated)")
+    plan.add_argument("--max-num-batched-tokens", default="2048",
+                      help="comma-separated step token budgets to try")
+    plan.add_argument("--max-num-seqs", type=int, default=64)
+    plan.add_argument("--cost-per-hour-prefill", type=float, default=1.0)
+    plan.add_argument("--cost-per-hour-decode", type=float, default=1.0)
+    plan.add_argument("--json", type=Path, required=True, help="OUT.json")
+    plan.add_argument("--plot", type=Path, default=None, help="OUT.png: goodput by split")
+    plan.add_argument("--validate", action="store_true",
+                      help="serve the recommended config and its neighbours, replay the trace, "
+                           "and record measured figures beside the predicted ones")
+    plan.add_argument("--address", default=None, help="with --validate: an existing Ray cluster")
+    plan.add_argument("--validate-configs", type=int, default=3,
+                      help="with --validate: how many configs (recommended first)")
+    plan.set_defaults(func=run_plan)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TimeElapsedColumn
+
+    from planner.profiler import ProfileSettings, measure
+
+    settings = ProfileSettings(args.model, args.dtype, args.torch_threads, args.transport,
+                               args.kv_cache_gb, args.block_size, args.repeats, args.quick)
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  "{task.completed}/{task.total}", TimeElapsedColumn(),
+                  console=console) as progress:
+        profile = measure(settings, progress)
+    profile.save(args.out)
+    errors = ", ".join(f"{k} {v['median']:.1%} (max {v['max']:.1%})"
+                       for k, v in profile.fit_error.items())
+    console.print(f"wrote {args.out}: {profile.num_blocks} KV blocks, load "
+                  f"{profile.load_time_s:.1f} s; held-out fit error median: {errors}")
+    return 0
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"{name}: expected integers >= 0, got {text!r}")
+    return values
+
+
+def plan_request(args: argparse.Namespace) -> Any:
+    """The PlanRequest the flags describe."""
+    from planner.plan import PlanRequest, SloSpec, at_rate, load_trace
+    from planner.profile import Profile
+
+    if args.profile is None and (args.prefill_profile is None or args.decode_profile is None):
+        raise ValueError("give --profile, or both --prefill-profile and --decode-profile")
+    prefill = Profile.load(args.prefill_profile or args.profile)
+    decode = Profile.load(args.decode_profile or args.profile)
+    slo = SloSpec.parse(args.slo, args.attainment)
+    requests = load_trace(args.trace, decode.model)
+    if args.rate is not None:
+        requests = at_rate(requests, args.rate)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return PlanRequest(prefill, decode, requests, slo, args.max_workers, modes,
+                       _ints(args.local_prefill_thresholds, "local-prefill-thresholds"),
+                       _ints(args.max_num_batched_tokens, "max-num-batched-tokens"),
+                       args.max_num_seqs,
+                       {"prefill": args.cost_per_hour_prefill,
+                        "decode": args.cost_per_hour_decode})
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from planner.plan import plan
+
+    request = plan_request(args)
+    with console.status(f"Simulating {len(request.requests)} requests on every split"):
+        doc = plan(request)
+    print_plan(doc)
+    if args.plot is not None:
+        plot_plan(doc, args.plot)
+    if args.validate:
+        from planner.validate import validate
+
+        doc = validate(doc, request, args.validate_configs, args.address,
+                       args.json.with_suffix(".runs"))
+        print_validation(doc)
+    args.json.write_text(json.dumps(doc, indent=1))
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def print_plan(doc: dict[str, Any]) -> None:
+    """The configurations as a rich table, the recommended one marked."""
+    from rich.table import Table
+
+    from planner.plan import label
+
+    slo = ", ".join(f"{k}={v:g}" for k, v in doc["slo"].items())
+    table = Table(title=f"plan · {doc['model']} · {doc['num_requests']} requests at "
+                        f"{doc['rate_rps']:.3g} req/s · {slo}")
+    for column in ("config", "threshold", "budget", "TTFT p50/p90 ms", "TPOT p50/p90 ms",
+                   "attainment", "goodput req/s", "max rate", "$/h", "$/Mtok", "SLO"):
+        table.add_column(column)
+    best = doc["recommended"]
+    for c in doc["configs"]:
+        p = c["predicted"]
+        mark = "[bold green]recommended[/]" if c is best or c == best else \
+            ("yes" if c["meets_slo"] else "[red]no[/]")
+        table.add_row(label(c), str(c["local_prefill_threshold"]),
+                      str(c["max_num_batched_tokens"]),
+                      f"{_ms(p['ttft_p50_ms'])} / {_ms(p['ttft_p90_ms'])}",
+                      f"{_ms(p['tpot_p50_ms'])} / {_ms(p['tpot_p90_ms'])}",
+                      f"{p['attainment']:.1%}", f"{p['goodput_rps']:.3g}",
+                      f"{p.get('max_rate_rps', float('nan')):.3g}", f"{c['cost_per_hour']:g}",
+                      f"{p['cost_per_mtok']:.3g}", mark)
+    console.print(table)
+    if best is None:
+        console.print("[red]no configuration meets the SLO within --max-workers[/]")
+
+
+def print_validation(doc: dict[str, Any]) -> None:
+    """Predicted beside measured for each validated configuration."""
+    from rich.table import Table
+
+    from planner.plan import label
+
+    table = Table(title="predicted vs measured")
+    for column in ("config", "figure", "predicted", "measured", "error"):
+        table.add_column(column)
+    for c in doc["configs"]:
+        if "measured" not in c:
+            continue
+        for key, error in c["error"].items():
+            table.add_row(label(c), key, _ms(c["predicted"][key]), _ms(c["measured"][key]),
+                          "-" if error is None else f"{error:+.1%}" if key != "attainment"
+                          else f"{error * 100:+.1f} pt")
+    console.print(table)
+
+
+def plot_plan(doc: dict[str, Any], path: Path) -> None:
+    """Goodput against the split (bars), the planned rate as a line."""
+    from matplotlib.figure import Figure
+
+    from planner.plan import label
+
+    configs = doc["configs"]
+    fig = Figure(figsize=(max(6, 0.6 * len(configs)), 4))
+    ax = fig.add_subplot()
+    colors = ["tab:green" if c["meets_slo"] else "tab:gray" for c in configs]
+    ax.bar([label(c) for c in configs], [c["predicted"]["goodput_rps"] for c in configs],
+           color=colors)
+    ax.axhline(doc["rate_rps"], color="tab:red", linestyle="--", label="offered rate")
+    ax.set_ylabel("predicted goodput (req/s)")
+    ax.set_title("goodput by split (green: meets the SLO)")
+    ax.tick_params(axis="x", rotation=60)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,332 @@
+"""Size the pools: simulate every split (and colocated N) on the trace, keep the cheapest
+configuration that meets the SLO attainment target.
+
+For each mode and worker count the search also tries each local-prefill threshold and step
+token budget given, keeping the variant with the best attainment (then goodput). Each
+configuration's `max_rate_rps` is the highest arrival rate (the trace's arrivals scaled)
+at which it still meets the SLO, found by doubling then bisecting.
+
+The per-request SLO is the one `pdcluster bench` scores (TTFT and TPOT each at most their
+bound; a one-token answer has no TPOT); a configuration meets `--slo` when the fraction of
+requests within it (attainment) reaches the target and every named percentile is within
+its bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.serving_metrics import distribution
+from bench.traces import TraceRequest, read_trace
+from planner.profile import Profile, check_same_model
+from planner.simulator import ClusterShape, SimRequest, SimResult, Simulation
+
+SCHEMA = "pdcluster.plan/1"
+MODES = ("disaggregated", "colocated")
+_METRICS = ("ttft", "tpot")
+_PERCENTILES = (50, 90, 99)
+SLO_KEYS = tuple(f"{m}_p{q}_ms" for m in _METRICS for q in _PERCENTILES)
+
+
+@dataclass(frozen=True)
+class SloSpec:
+    """Latency bounds by name (`ttft_p90_ms`, `tpot_p50_ms`, ...) and the attainment target.
+
+    Args:
+        bounds: key -> milliseconds.
+        attainment: fraction of requests that must meet the per-request SLO.
+    """
+
+    bounds: dict[str, float]
+    attainment: float = 0.9
+
+    @classmethod
+    def parse(cls, text: str, attainment: float = 0.9) -> SloSpec:
+        """Parse `ttft_p90_ms=X,tpot_p90_ms=Y`.
+
+        Raises:
+            ValueError: an unknown key, a non-positive value, or a target outside (0, 1].
+        """
+        bounds: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            key = key.strip()
+            if key not in SLO_KEYS:
+                raise ValueError(f"slo: unknown key {key!r}; use any of {', '.join(SLO_KEYS)}")
+            try:
+                bounds[key] = float(value)
+            except ValueError:
+                raise ValueError(f"slo: {key} must be a number of ms, got {value!r}") from None
+            if not bounds[key] > 0:
+                raise ValueError(f"slo: {key} must be > 0 ms, got {value}")
+        if not bounds:
+            raise ValueError("slo: give at least one bound, e.g. ttft_p90_ms=500,tpot_p90_ms=50")
+        if not 0 < attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {attainment}")
+        return cls(bounds, attainment)
+
+    def bound(self, metric: str) -> float | None:
+        """The tightest bound on `ttft` or `tpot` in ms (the per-request SLO), or None."""
+        values = [v for k, v in self.bounds.items() if k.startswith(f"{metric}_")]
+        return min(values) if values else None
+
+    def text(self) -> str:
+        return ",".join(f"{k}={v:g}" for k, v in self.bounds.items())
+
+
+def figures(ttft_s: np.ndarray, tpot_s: np.ndarray, duration_s: float,
+            slo: SloSpec) -> dict[str, float | None]:
+    """Latency percentiles (ms), attainment and goodput, defined as `pdcluster bench` does.
+
+    Args:
+        ttft_s: per request (failed requests as NaN count against attainment).
+        tpot_s: per request, NaN where undefined (one output token) or failed.
+        duration_s: first arrival to last token.
+        slo: the objectives.
+    """
+    ok = np.isfinite(ttft_s)
+    out: dict[str, float | None] = {}
+    for metric, values in (("ttft", ttft_s[ok]), ("tpot", tpot_s[np.isfinite(tpot_s)])):
+        dist = distribution(values.tolist(), 1e3)
+        for q in _PERCENTILES:
+            out[f"{metric}_p{q}_ms"] = dist[f"p{q}"]
+    good = ok.copy()
+    if (bound := slo.bound("ttft")) is not None:
+        good &= ttft_s * 1e3 <= bound
+    if (bound := slo.bound("tpot")) is not None:
+        good &= ~(tpot_s * 1e3 > bound)  # NaN (no TPOT) meets it
+    out["attainment"] = float(good.mean())
+    out["goodput_rps"] = float(good.sum() / duration_s) if duration_s > 0 else 0.0
+    return out
+
+
+def meets(predicted: dict[str, Any], slo: SloSpec) -> bool:
+    """Attainment reaches the target and every named percentile is within its bound."""
+    if predicted["attainment"] < slo.attainment:
+        return False
+    return all(predicted.get(k) is None or predicted[k] <= v for k, v in slo.bounds.items())
+
+
+# ---- traces ----
+
+def load_trace(path: Path, model: str) -> list[SimRequest]:
+    """Read a `pdcluster bench` JSONL trace; text prompts are tokenized with `model`'s
+    tokenizer.
+
+    Raises:
+        ValueError: a bad line, or an empty trace.
+    """
+    requests = read_trace(Path(path))
+    return to_sim_requests(requests, model)
+
+
+def to_sim_requests(requests: Sequence[TraceRequest], model: str) -> list[SimRequest]:
+    """Bench trace requests as simulator requests."""
+    if not requests:
+        raise ValueError("the trace has no requests")
+    tokenizer = None
+    out = []
+    for r in requests:
+        ids = r.prompt_token_ids
+        if ids is None:
+            if tokenizer is None:
+                from engine.model_loader import resolve_model_dir
+                from engine.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(resolve_model_dir(model))
+            ids = tokenizer.encode(r.prompt)
+        out.append(SimRequest(r.timestamp, list(ids), r.output_len))
+    return out
+
+
+def trace_rate(requests: Sequence[SimRequest]) -> float:
+    """The trace's mean arrival rate (requests/s), `inf` when they all arrive at once."""
+    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    return (len(requests) - 1) / span if span > 0 else float("inf")
+
+
+def at_rate(requests: Sequence[SimRequest], rate: float) -> list[SimRequest]:
+    """The same requests with their arrivals scaled to a mean rate of `rate`.
+
+    Raises:
+        ValueError: a rate <= 0, or a trace whose requests all arrive at once.
+    """
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    current = trace_rate(requests)
+    if len(requests) > 1 and np.isinf(current):
+        raise ValueError("the trace's requests all arrive at once: --rate cannot rescale them")
+    scale = current / rate if len(requests) > 1 else 1.0
+    return [replace(r, arrival=r.arrival * scale) for r in requests]
+
+
+# ---- search ----
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for.
+
+    Args:
+        prefill_profile: profile of prefill workers.
+        decode_profile: profile of decode (and colocated) workers.
+        requests: the trace (already at the planned rate).
+        slo: objectives and attainment target.
+        max_workers: most workers in a configuration.
+        modes: modes to consider.
+        thresholds: local-prefill thresholds to try (disaggregated).
+        budgets: step token budgets to try.
+        max_num_seqs: running requests per worker.
+        cost_per_hour: $/h of a prefill and of a decode (or colocated) worker.
+        find_max_rate: also search each configuration's highest rate meeting the SLO.
+    """
+
+    prefill_profile: Profile
+    decode_profile: Profile
+    requests: list[SimRequest]
+    slo: SloSpec
+    max_workers: int = 4
+    modes: tuple[str, ...] = MODES
+    thresholds: tuple[int, ...] = (256,)
+    budgets: tuple[int, ...] = (2048,)
+    max_num_seqs: int = 64
+    cost_per_hour: dict[str, float] = field(
+        default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
+    find_max_rate: bool = True
+
+    def __post_init__(self) -> None:
+        check_same_model([self.prefill_profile, self.decode_profile])
+        if not self.requests:
+            raise ValueError("the trace has no requests")
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
+        bad = set(self.modes) - set(MODES)
+        if bad or not self.modes:
+            raise ValueError(f"modes must be among {', '.join(MODES)}, got {list(self.modes)}")
+        if self.modes == ("disaggregated",) and self.max_workers < 2:
+            raise ValueError("disaggregated needs max_workers >= 2 (one prefill, one decode)")
+
+
+def shapes(request: PlanRequest) -> list[list[ClusterShape]]:
+    """Every configuration to simulate, grouped by (mode, P, D): the variants of one group
+    differ by threshold and budget."""
+    groups = []
+    for mode in request.modes:
+        if mode == "colocated":
+            splits = [(0, n) for n in range(1, request.max_workers + 1)]
+            thresholds: Sequence[int] = request.thresholds[:1]
+        else:
+            splits = [(p, d) for total in range(2, request.max_workers + 1)
+                      for p in range(1, total) for d in [total - p]]
+            thresholds = request.thresholds
+        for p, d in splits:
+            groups.append([ClusterShape(mode, p, d, budget, request.max_num_seqs, threshold)
+                           for threshold, budget in itertools.product(thresholds,
+                                                                      request.budgets)])
+    return groups
+
+
+def simulate(request: PlanRequest, shape: ClusterShape,
+             requests: Sequence[SimRequest] | None = None) -> SimResult:
+    """One simulation of `shape` on the request's trace (or on `requests`)."""
+    return Simulation(shape, request.prefill_profile, request.decode_profile).run(
+        requests or request.requests)
+
+
+def predict(request: PlanRequest, shape: ClusterShape) -> dict[str, Any]:
+    """The predicted figures of one configuration at the planned rate."""
+    result = simulate(request, shape)
+    predicted = figures(result.ttft, result.tpot, result.duration, request.slo)
+    served = np.isfinite(result.finish)
+    tokens_per_s = float(result.output_len[served].sum()) / result.duration
+    predicted["cost_per_mtok"] = cost_per_hour(request, shape) / (tokens_per_s * 3600) * 1e6
+    predicted["num_preemptions"] = result.num_preemptions
+    predicted["num_failed"] = result.num_failed
+    return predicted
+
+
+def cost_per_hour(request: PlanRequest, shape: ClusterShape) -> float:
+    return (shape.num_prefill * request.cost_per_hour["prefill"]
+            + shape.num_decode * request.cost_per_hour["decode"])
+
+
+def max_rate(request: PlanRequest, shape: ClusterShape, iterations: int = 6) -> float:
+    """Highest mean arrival rate (requests/s) at which `shape` meets the SLO; 0 if none.
+
+    Doubling from the planned rate (or halving) brackets it; bisection narrows it to
+    2^-iterations of the bracket.
+    """
+    base = trace_rate(request.requests)
+    if np.isinf(base) or len(request.requests) < 2:
+        return 0.0
+
+    def ok(rate: float) -> bool:
+        result = simulate(request, shape, at_rate(request.requests, rate))
+        return meets(figures(result.ttft, result.tpot, result.duration, request.slo),
+                     request.slo)
+
+    low, high = 0.0, base
+    for _ in range(8):
+        if not ok(high):
+            break
+        low, high = high, high * 2
+    else:
+        return low
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
+
+
+def plan(request: PlanRequest) -> dict[str, Any]:
+    """Search the configurations and recommend the cheapest that meets the SLO.
+
+    Returns:
+        The `pdcluster.plan/1` document (see docs/planner.md).
+    """
+    configs = []
+    for group in shapes(request):
+        scored = [(shape, predict(request, shape)) for shape in group]
+        shape, predicted = max(scored, key=lambda sp: (meets(sp[1], request.slo),
+                                                       sp[1]["attainment"],
+                                                       sp[1]["goodput_rps"]))
+        if request.find_max_rate:
+            predicted["max_rate_rps"] = max_rate(request, shape)
+        configs.append(config_entry(request, shape, predicted))
+    good = [c for c in configs if c["meets_slo"]]
+    recommended = min(good, key=lambda c: (c["cost_per_hour"], -c["predicted"]["goodput_rps"],
+                                           c["prefill"] + c["decode"]), default=None)
+    return {"schema": SCHEMA, "model": request.decode_profile.model,
+            "slo": {**request.slo.bounds, "attainment": request.slo.attainment},
+            "rate_rps": trace_rate(request.requests), "num_requests": len(request.requests),
+            "recommended": recommended, "configs": configs}
+
+
+def config_entry(request: PlanRequest, shape: ClusterShape, predicted: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """One configuration as the plan file lists it."""
+    return {"mode": shape.mode, "prefill": shape.num_prefill, "decode": shape.num_decode,
+            "threads_per_worker": request.decode_profile.torch_threads,
+            "max_num_batched_tokens": shape.max_num_batched_tokens,
+            "local_prefill_threshold": shape.local_prefill_threshold,
+            "cost_per_hour": cost_per_hour(request, shape),
+            "meets_slo": meets(predicted, request.slo), "predicted": predicted}
+
+
+def shape_of(config: dict[str, Any], max_num_seqs: int = 64) -> ClusterShape:
+    """The simulator shape of a plan file's configuration entry."""
+    return ClusterShape(config["mode"], config["prefill"], config["decode"],
+                        config["max_num_batched_tokens"], max_num_seqs,
+                        config["local_prefill_threshold"])
+
+
+def label(config: dict[str, Any]) -> str:
+    """`2P+2D` or `4 colocated`."""
+    if config["mode"] == "colocated":
+        return f"{config['decode']} colocated"
+    return f"{config['prefill']}P+{config['decode']}D"

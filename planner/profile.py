@@ -1,0 +1,223 @@
+"""A worker type's measured performance: step-time models, KV transfer cost, KV capacity.
+
+`pdcluster profile` (planner/profiler.py) measures the real engine and writes a
+`pdcluster.profile/1` JSON file; the simulator reads it. Step time is modelled by two
+least-squares linear models over features of the step's schedule, fitted on raw samples
+and checked on held-out ones:
+
+- a step that computes any prompt tokens (prefill, chunk, or a colocated mixed step):
+  `const + tokens + attention + seqs`, where `tokens` is every token computed (the linear
+  layers), `attention` the query x key pairs in thousands (sum over requests of
+  new tokens x (context before + (new + 1) / 2)), and `seqs` the requests in the step;
+- a decode-only step: `const + seqs + context`, `context` being the tokens attended to
+  in thousands (the KV read).
+
+The exposed KV transfer (end of prefill to the request joining the decode batch, the part
+layer-wise streaming does not hide) is `const + blocks` in the shipped blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMA = "pdcluster.profile/1"
+PREFILL_FEATURES = ("const", "tokens", "attention", "seqs")
+DECODE_FEATURES = ("const", "seqs", "context")
+TRANSFER_FEATURES = ("const", "blocks")
+
+
+@dataclass(frozen=True)
+class LinearModel:
+    """Seconds as a non-negative linear combination of named features.
+
+    Args:
+        features: the feature names (`const` is the constant 1).
+        coef: one coefficient per feature.
+    """
+
+    features: tuple[str, ...]
+    coef: tuple[float, ...]
+
+    def predict(self, x: Sequence[float]) -> float:
+        """The model's value for one feature vector (same order as `features`)."""
+        return float(sum(c * v for c, v in zip(self.coef, x, strict=True)))
+
+
+def fit(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Sequence[float]
+        ) -> LinearModel:
+    """Least squares on relative error with every coefficient >= 0 (a step cannot get
+    faster with more work).
+
+    Each sample's row is divided by its time: timing noise is multiplicative, and a 5 ms
+    decode step matters as much to latency predictions as a 500 ms prefill. A feature
+    whose unconstrained coefficient comes out negative is dropped and the rest refitted,
+    until all are non-negative (the active-set idea of NNLS, enough for a handful of
+    features).
+
+    Raises:
+        ValueError: fewer samples than features, or a sample of no time.
+    """
+    a, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    if a.ndim != 2 or a.shape[0] < a.shape[1]:
+        raise ValueError(f"need at least {len(features)} samples to fit {list(features)}, "
+                         f"got {len(ys)}")
+    if (y <= 0).any():
+        raise ValueError("every sample must take a positive time")
+    a, y = a / y[:, None], np.ones_like(y)
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        solution = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
+        if (solution >= 0).all():
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return LinearModel(tuple(features), tuple(float(c) for c in coef))
+
+
+def relative_errors(model: LinearModel, xs: Sequence[Sequence[float]], ys: Sequence[float]
+                    ) -> dict[str, float]:
+    """Absolute relative error of `model` on samples: median, p90 and max."""
+    errors = [abs(model.predict(x) - y) / y for x, y in zip(xs, ys, strict=True) if y > 0]
+    if not errors:
+        raise ValueError("no samples to score the fit on")
+    return {"median": float(np.median(errors)), "p90": float(np.percentile(errors, 90)),
+            "max": float(max(errors)), "num_samples": len(errors)}
+
+
+def fit_held_out(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Sequence[float],
+                 seed: int = 0) -> tuple[LinearModel, dict[str, float]]:
+    """Fit on a random three quarters of the samples, score on the other quarter, refit on all.
+
+    Returns:
+        The model fitted on every sample, and its held-out error (`relative_errors`).
+    """
+    order = np.random.default_rng(seed).permutation(len(ys))
+    num_test = max(len(ys) // 4, 1)
+    test, train = order[:num_test], order[num_test:]
+    held = fit(features, [xs[i] for i in train], [ys[i] for i in train])
+    error = relative_errors(held, [xs[i] for i in test], [ys[i] for i in test])
+    return fit(features, xs, ys), error
+
+
+def prefill_features(items: Sequence[tuple[int, int]]) -> tuple[float, ...]:
+    """Features of a step with prompt tokens; `items` are (context before, new tokens)."""
+    tokens = sum(n for _, n in items)
+    attention = sum(n * (start + (n + 1) / 2) for start, n in items) / 1e3
+    return (1.0, float(tokens), attention, float(len(items)))
+
+
+def decode_features(contexts: Sequence[int]) -> tuple[float, ...]:
+    """Features of a decode-only step; `contexts` are each request's tokens attended to."""
+    return (1.0, float(len(contexts)), sum(contexts) / 1e3)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One worker type on one machine (see the module docstring).
+
+    Args:
+        model: the model as given to `--model`.
+        model_id: what identifies its weights' shape (architecture and sizes), to refuse
+            a profile of another model.
+        dtype: model dtype.
+        torch_threads: intra-op threads the engine ran with.
+        hardware: CPU model and flags, cores, GPU name.
+        block_size: tokens per KV block.
+        num_blocks: KV blocks for `kv_cache_gb`.
+        kv_cache_gb: the KV budget profiled.
+        block_bytes: bytes of one block over all layers.
+        max_model_len: longest prompt + output.
+        transport: the KV transport measured.
+        load_time_s: seconds to build the engine (model load and KV allocation).
+        prefill: step-time model of steps with prompt tokens.
+        decode: step-time model of decode-only steps.
+        transfer: exposed KV transfer time against shipped blocks.
+        prefill_role_factor: a prefill worker's step time over the step model's (KV
+            streaming runs inside its steps).
+        fit_error: held-out relative error of each model.
+        samples: the raw samples, per model: `{"x": [...], "y": seconds}`.
+        schema: the file format version.
+    """
+
+    model: str
+    model_id: str
+    dtype: str
+    torch_threads: int
+    hardware: dict[str, Any]
+    block_size: int
+    num_blocks: int
+    kv_cache_gb: float
+    block_bytes: int
+    max_model_len: int
+    transport: str
+    load_time_s: float
+    prefill: LinearModel
+    decode: LinearModel
+    transfer: LinearModel
+    prefill_role_factor: float = 1.0
+    fit_error: dict[str, dict[str, float]] = field(default_factory=dict)
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    schema: str = SCHEMA
+
+    def step_time(self, items: Sequence[tuple[int, int, bool]]) -> float:
+        """Seconds for one engine step.
+
+        Args:
+            items: per scheduled request (context before the step, new tokens, whether
+                the tokens are prompt tokens).
+        """
+        if any(is_prompt for _, _, is_prompt in items):
+            return self.prefill.predict(prefill_features([(s, n) for s, n, _ in items]))
+        return self.decode.predict(decode_features([s + n for s, n, _ in items]))
+
+    def transfer_time(self, num_blocks: int) -> float:
+        """Exposed seconds to ship `num_blocks` blocks of KV to a decode worker."""
+        return self.transfer.predict((1.0, float(num_blocks)))
+
+    def save(self, path: Path) -> None:
+        """Write the profile as JSON."""
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        """Read a profile file.
+
+        Raises:
+            ValueError: not a readable `pdcluster.profile/1` file; the message says why.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"profile {path}: cannot read it: {e}") from e
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"profile {path}: schema is {found!r}, expected {SCHEMA!r} "
+                             "(write one with `pdcluster profile`)")
+        try:
+            models = {key: LinearModel(tuple(data[key]["features"]), tuple(data[key]["coef"]))
+                      for key in ("prefill", "decode", "transfer")}
+            return cls(**{**data, **models})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"profile {path}: malformed: {e}") from e
+
+
+def check_same_model(profiles: Sequence[Profile], model: str | None = None) -> None:
+    """Refuse profiles of different models (or not of `model`, when given).
+
+    Raises:
+        ValueError: names both models.
+    """
+    for p in profiles:
+        if p.model_id != profiles[0].model_id:
+            raise ValueError(f"profiles are of different models: {profiles[0].model} "
+                             f"({profiles[0].model_id}) and {p.model} ({p.model_id})")
+        if model is not None and p.model != model:
+            raise ValueError(f"the profile is of model {p.model!r}, not {model!r}: "
+                             f"profile {model!r} with `pdcluster profile --model {model}`")

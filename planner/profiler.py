@@ -1,0 +1,304 @@
+"""`pdcluster profile`: measure one worker type on the real engine and fit its models.
+
+Step times are measured in this process on an `LLMEngine` built as a worker builds it
+(same dtype, threads, block size, KV budget), by timing `engine.step()` on chosen
+schedules:
+
+- prefill: prompts of `new` tokens after `cached` tokens already in the prefix cache
+  (a first request puts them there), one to four prompts per step, and mixed steps (a
+  prompt joining running decodes, as a colocated worker runs them);
+- decode: `batch` requests with `context` tokens each, several steps per point.
+
+The exposed KV transfer is measured with real prefill and decode workers in two processes
+over the chosen transport, as `bench.kv_exposed` does. Every sample is kept in the file;
+each model is scored on held-out samples before being refitted on all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.request import Request
+from planner.profile import (
+    DECODE_FEATURES,
+    PREFILL_FEATURES,
+    TRANSFER_FEATURES,
+    LinearModel,
+    Profile,
+    decode_features,
+    fit_held_out,
+    prefill_features,
+)
+
+_VOCAB = (100, 400)  # inside every supported model's vocabulary, tiny's included
+_EMPTY = LinearModel((), ())  # replaced by the fits
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What to profile.
+
+    Args:
+        model: `--model`.
+        dtype: model dtype.
+        torch_threads: intra-op threads (as `serve --torch-threads`).
+        transport: KV transport for the transfer measurement (`shm`, `zmq`, `torch`).
+        kv_cache_gb: KV budget per worker.
+        block_size: tokens per block.
+        repeats: timed repetitions of each point.
+        quick: a smaller grid (tests, plumbing checks).
+        seed: seeds the random prompts.
+    """
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    torch_threads: int = 1
+    transport: str = "shm"
+    kv_cache_gb: float = 1.0
+    block_size: int = 16
+    repeats: int = 3
+    quick: bool = False
+    seed: int = 0
+
+
+def hardware() -> dict[str, Any]:
+    """CPU model and its vector flags, cores, GPU name (if any)."""
+    import torch
+
+    cpu, flags = platform.processor(), []
+    try:
+        info = open("/proc/cpuinfo").read()  # noqa: SIM115 - read once
+        lines = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        cpu = lines.get("model name\t", cpu).strip()
+        wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "neon")
+        flags = sorted(set(lines.get("flags\t", "").split()) & set(wanted))
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "gpu": gpu,
+            "machine": platform.machine(), "torch": torch.__version__}
+
+
+class _Sampler:
+    """Times engine steps and records what each step computed."""
+
+    def __init__(self, engine: LLMEngine, rng: np.random.Generator) -> None:
+        self.engine = engine
+        self.rng = rng
+        self.ids = iter(range(10**9))
+
+    def prompt(self, n: int) -> list[int]:
+        return self.rng.integers(*_VOCAB, size=n).tolist()
+
+    def add(self, prompt: list[int], max_tokens: int) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return self.engine.add_request(f"p{next(self.ids)}", prompt, params)
+
+    def step(self, requests: Sequence[Request]) -> tuple[list[list[Any]], float]:
+        """One timed step; per request [start, new tokens, prompt tokens?] it computed (lists,
+        as the JSON file stores them)."""
+        before = [(r.num_computed_tokens, r.status.value == "waiting") for r in requests]
+        start = time.perf_counter()
+        self.engine.step()
+        elapsed = time.perf_counter() - start
+        items = []
+        for r, (computed, waiting) in zip(requests, before, strict=True):
+            first = r.num_cached_tokens if waiting else computed
+            if r.num_computed_tokens > first or (waiting and r.output_token_ids):
+                items.append([first, r.num_computed_tokens - first, first < r.num_prompt_tokens])
+        return items, elapsed
+
+    def finish(self) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def prefill_samples(s: _Sampler, grid: Sequence[tuple[int, int, int]], repeats: int,
+                    tick: Callable[[], None]) -> list[dict[str, Any]]:
+    """Steps with prompt tokens: (new, cached, prompts per step) points, plus mixed steps."""
+    samples = []
+    for new, cached, count in grid:
+        for _ in range(repeats):
+            prefixes = [s.prompt(cached) for _ in range(count)] if cached else [[]] * count
+            if cached:
+                warm = [s.add(p, 1) for p in prefixes]
+                while s.engine.has_unfinished_requests():
+                    s.engine.step()
+                del warm
+            requests = [s.add(p + s.prompt(new), 1) for p in prefixes]
+            items, elapsed = s.step(requests)
+            samples.append({"items": items, "y": elapsed})
+            s.finish()
+            tick()
+    return samples
+
+
+def mixed_samples(s: _Sampler, points: Sequence[tuple[int, int]], repeats: int,
+                  tick: Callable[[], None]) -> list[dict[str, Any]]:
+    """A prompt of `new` tokens joining `batch` running decodes in one step."""
+    samples = []
+    for new, batch in points:
+        for _ in range(repeats):
+            running = [s.add(s.prompt(64), 64) for _ in range(batch)]
+            s.engine.step()  # their prefill
+            running.append(s.add(s.prompt(new), 1))
+            items, elapsed = s.step(running)
+            samples.append({"items": items, "y": elapsed})
+            s.finish()
+            tick()
+    return samples
+
+
+def decode_samples(s: _Sampler, points: Sequence[tuple[int, int]], steps: int,
+                   tick: Callable[[], None]) -> list[dict[str, Any]]:
+    """Decode-only steps of `batch` requests with `context` tokens each."""
+    samples = []
+    for batch, context in points:
+        requests = [s.add(s.prompt(context), steps + 2) for _ in range(batch)]
+        while any(not r.output_token_ids for r in requests):
+            s.engine.step()
+        for _ in range(steps):
+            items, elapsed = s.step(requests)
+            samples.append({"items": items, "y": elapsed})
+        s.finish()
+        tick()
+    return samples
+
+
+def transfer_samples(settings: ProfileSettings, lengths: Sequence[int], repeats: int,
+                     tick: Callable[[], None]) -> list[dict[str, Any]]:
+    """Exposed transfer against shipped blocks, with real workers over the transport."""
+    from bench.kv_exposed import WorkerPair
+    from cluster.serve import TRANSPORTS
+
+    spec = {"model": settings.model, "dtype": settings.dtype,
+            "kv_cache_memory_gb": settings.kv_cache_gb, "block_size": settings.block_size,
+            "torch_threads": settings.torch_threads, "max_num_batched_tokens": max(lengths),
+            "transports": TRANSPORTS[settings.transport]}
+    rng = np.random.default_rng((settings.seed, 1))
+    samples = []
+    pair = WorkerPair(spec)
+    try:
+        pair.once("warmup", rng.integers(*_VOCAB, 64).tolist())
+        for n in lengths:
+            for i in range(repeats):
+                r = pair.once(f"t{n}-{i}", rng.integers(*_VOCAB, n).tolist())
+                blocks = -(-n // settings.block_size)
+                samples.append({"tokens": n, "blocks": blocks, "y": r["exposed_s"],
+                                "prefill_s": r["prefill_s"]})
+            tick()
+    finally:
+        pair.close()
+    return samples
+
+
+def _grids(engine: LLMEngine, quick: bool) -> dict[str, Any]:
+    limit = engine.max_model_len
+    news = [16, 64, 256, 512] if quick else [16, 64, 256, 512, 1024]
+    cached = [0, 256] if quick else [0, 512]
+    prefill = [(n, c, k) for n in news for c in cached for k in (1, 2) if c + n < limit]
+    prefill += [(n, 0, 4) for n in news[:3]]
+    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+    contexts = [32, 256] if quick else [32, 256, 1024]
+    room = engine.block_pool.num_blocks * engine.cache_config.block_size * 0.8
+    decode = [(b, c) for b in batches for c in contexts if c + 8 < limit and b * (c + 8) < room]
+    mixed = [(n, b) for n in news[1:3] for b in (4, 16)]
+    lengths = [64, 256, 512] if quick else [64, 256, 1024]
+    return {"prefill": prefill, "decode": decode, "mixed": mixed,
+            "lengths": [n for n in lengths if n < limit]}
+
+
+def measure(settings: ProfileSettings, progress: Any | None = None) -> Profile:
+    """Measure the engine and fit the profile (see the module docstring).
+
+    Args:
+        settings: what to profile.
+        progress: a `rich.progress.Progress` to report on, or None.
+    """
+    start = time.perf_counter()
+    engine = LLMEngine(settings.model, settings.dtype,
+                       cache=CacheConfig(block_size=settings.block_size,
+                                         kv_cache_memory_gb=settings.kv_cache_gb),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=8192,
+                                                 max_num_seqs=256),
+                       num_threads=settings.torch_threads)
+    load_time = time.perf_counter() - start
+    grids = _grids(engine, settings.quick)
+    repeats = settings.repeats
+    total = (len(grids["prefill"]) + len(grids["mixed"])) * repeats + len(grids["decode"]) \
+        + len(grids["lengths"])
+    task = progress.add_task("profiling", total=total) if progress is not None else None
+
+    def tick() -> None:
+        if progress is not None:
+            progress.advance(task)
+
+    s = _Sampler(engine, np.random.default_rng(settings.seed))
+    s.finish()
+    warm = s.add(s.prompt(64), 4)
+    while s.engine.has_unfinished_requests():
+        s.engine.step()
+    del warm
+    prefill = prefill_samples(s, grids["prefill"], repeats, tick)
+    prefill += mixed_samples(s, grids["mixed"], repeats, tick)
+    decode = decode_samples(s, grids["decode"], max(repeats, 3), tick)
+    transfer = transfer_samples(settings, grids["lengths"], repeats, tick)
+    return build_profile(settings, engine, load_time, prefill, decode, transfer)
+
+
+def build_profile(settings: ProfileSettings, engine: LLMEngine, load_time: float,
+                  prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
+                  transfer: list[dict[str, Any]]) -> Profile:
+    """Assemble the profile of `engine` from its samples (see `fit_profile`)."""
+    cfg = engine.model_config
+    measured = Profile(
+        model=settings.model, model_id=model_id(engine), dtype=settings.dtype,
+        torch_threads=settings.torch_threads, hardware=hardware(),
+        block_size=settings.block_size, num_blocks=engine.block_pool.num_blocks,
+        kv_cache_gb=settings.kv_cache_gb,
+        block_bytes=engine.kv_cache.block_bytes * cfg.num_layers,
+        max_model_len=engine.max_model_len, transport=settings.transport,
+        load_time_s=load_time, prefill=_EMPTY, decode=_EMPTY, transfer=_EMPTY,
+        samples={"prefill": prefill, "decode": decode, "transfer": transfer})
+    return fit_profile(measured)
+
+
+def fit_profile(profile: Profile) -> Profile:
+    """Fit the three models (and the prefill role's factor) on the profile's raw samples.
+
+    The prefill role's factor is the median ratio of a real prefill worker's prefill time
+    (the transfer samples: layer-wise KV streaming runs inside its steps) to the step
+    model's prediction for the same prompt.
+    """
+    prefill, decode, transfer = (profile.samples[k] for k in ("prefill", "decode", "transfer"))
+    px = [prefill_features([(a, n) for a, n, _ in s["items"]]) for s in prefill]
+    dx = [decode_features([a + n for a, n, _ in s["items"]]) for s in decode]
+    tx = [(1.0, float(s["blocks"])) for s in transfer]
+    prefill_model, prefill_err = fit_held_out(PREFILL_FEATURES, px, [s["y"] for s in prefill])
+    decode_model, decode_err = fit_held_out(DECODE_FEATURES, dx, [s["y"] for s in decode])
+    transfer_model, transfer_err = fit_held_out(TRANSFER_FEATURES, tx,
+                                                [s["y"] for s in transfer])
+    bs = profile.block_size
+    ratios = [s["prefill_s"] / prefill_model.predict(
+        prefill_features([(0, s.get("tokens", s["blocks"] * bs))])) for s in transfer]
+    return replace(profile, prefill=prefill_model, decode=decode_model, transfer=transfer_model,
+                   prefill_role_factor=float(np.median(ratios)) if ratios else 1.0,
+                   fit_error={"prefill": prefill_err, "decode": decode_err,
+                              "transfer": transfer_err})
+
+
+def model_id(engine: LLMEngine) -> str:
+    """The model's shape: two profiles with equal ids time the same computation."""
+    c = engine.model_config
+    return (f"{c.architecture}:L{c.num_layers}:H{c.hidden_size}:I{c.intermediate_size}:"
+            f"A{c.num_heads}/{c.num_kv_heads}x{c.head_dim}:V{c.vocab_size}")

@@ -1,0 +1,378 @@
+"""A discrete-event simulation of the whole cluster on a virtual clock.
+
+It reuses the project's policy code instead of re-describing it: every simulated worker
+runs the real `engine.scheduler.Scheduler` over a real `KVCacheManager`/`BlockPool` (token
+budget, chunked prefill, `max_num_seqs`, prefix hits, preemption and KV capacity exactly as
+in the engine), and the router's `router.placement.place_request` places each request.
+Only the model is missing: a step's duration comes from the profile's step-time model, a
+KV transfer's from its transfer model.
+
+It follows the real request path (cluster/backend.py, cluster/worker.py, the roles):
+
+- commands reach a worker's engine between steps (`EngineLoop`): a new request, a KV
+  reservation, a finished transfer;
+- placement sees each worker's pushed stats (refreshed every `STATS_INTERVAL_S`) plus the
+  router's own in-flight counts;
+- a remote prefill reserves blocks on D first (a rejection is retried after
+  `RESERVE_RETRY_S`), then queues on P; once P samples the first token the KV transfer's
+  exposed time passes, P frees its blocks, and D adds the request to its batch at its next
+  step boundary: that is the first token the client sees;
+- decode steps stream one token per request per step.
+
+Output tokens are a fixed id and the trace's `output_len` is exact (the bench sends
+`ignore_eos`), so only lengths and prompt tokens (for prefix hits) matter.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from planner.profile import Profile
+from router.placement import PrefixIndex, WorkerLoad, place_request
+
+# cluster/worker.py pushes stats every 0.5 s; cluster/backend.py retries a rejected
+# reservation after 0.05 s and fails the request after `reserve_timeout_s` (60 s).
+STATS_INTERVAL_S = 0.5
+RESERVE_RETRY_S = 0.05
+RESERVE_TIMEOUT_S = 60.0
+_TOKEN = 1  # every simulated output token
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """One cluster configuration to simulate.
+
+    Args:
+        mode: `disaggregated` or `colocated`.
+        num_prefill: prefill workers (0 when colocated).
+        num_decode: decode workers, or mixed workers when colocated.
+        max_num_batched_tokens: every worker's step token budget.
+        max_num_seqs: most running requests per worker.
+        local_prefill_threshold: uncached prompts this short prefill on the decode worker.
+        enable_prefix_caching: as `serve --no-prefix-caching` leaves it.
+    """
+
+    mode: str
+    num_prefill: int
+    num_decode: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    local_prefill_threshold: int = 256
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.num_decode < 1:
+            raise ValueError(f"num_decode must be >= 1, got {self.num_decode}")
+        if self.num_prefill < 0 or (self.mode == "colocated" and self.num_prefill):
+            raise ValueError("num_prefill must be >= 0, and 0 when colocated")
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of a simulated trace.
+
+    Args:
+        arrival: seconds after the start.
+        prompt_token_ids: the prompt (its blocks' hashes drive prefix hits).
+        output_len: output tokens (exact).
+    """
+
+    arrival: float
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class SimResult:
+    """What the simulation predicts, per request (seconds; NaN where undefined).
+
+    Args:
+        arrival: arrival times.
+        first_token: first-token times.
+        finish: last-token times.
+        output_len: output tokens.
+        num_steps: engine steps simulated, over all workers.
+        num_preemptions: preemptions over all workers.
+        num_local_prefills: requests prefilled on their decode worker.
+        num_failed: requests that found no decode KV within the router's reserve timeout.
+    """
+
+    arrival: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    output_len: np.ndarray
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_local_prefills: int = 0
+    num_failed: int = 0
+
+    @property
+    def ttft(self) -> np.ndarray:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> np.ndarray:
+        """(last - first token) / (output - 1); NaN for one-token outputs (as the bench)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.output_len > 1, (self.finish - self.first_token)
+                            / np.maximum(self.output_len - 1, 1), np.nan)
+
+    @property
+    def duration(self) -> float:
+        """From the first arrival to the last token."""
+        return float(np.nanmax(self.finish) - self.arrival.min())
+
+
+@dataclass
+class _Worker:
+    """One simulated worker: the real scheduler and KV pool, and the router's view of it."""
+
+    worker_id: str
+    role: str
+    profile: Profile
+    scheduler: Scheduler
+    commands: list[Callable[[], None]] = field(default_factory=list)
+    busy: bool = False  # a step, or a wake-up, is pending
+    in_flight: int = 0
+    stats: WorkerLoad | None = None
+    num_steps: int = 0
+
+    def load(self) -> WorkerLoad:
+        """The last pushed stats with the router's live in-flight count (as `_Handle.load`)."""
+        assert self.stats is not None
+        self.stats.in_flight = self.in_flight
+        return self.stats
+
+    def push_stats(self) -> None:
+        sched, pool = self.scheduler, self.scheduler.kv.pool
+        queued = 0
+        if self.role == "prefill":
+            queued = sum(r.num_tokens - r.num_computed_tokens
+                         for r in (*sched.waiting, *sched.running))
+        self.stats = WorkerLoad(self.worker_id, self.role, num_free_blocks=pool.num_free_blocks,
+                                num_blocks=pool.num_blocks, num_running=len(sched.running),
+                                num_waiting=len(sched.waiting), queued_prefill_tokens=queued)
+
+
+class Simulation:
+    """Replays requests through a simulated cluster.
+
+    Args:
+        shape: the configuration.
+        prefill_profile: profile of prefill workers (disaggregated).
+        decode_profile: profile of decode (or mixed) workers.
+    """
+
+    def __init__(self, shape: ClusterShape, prefill_profile: Profile,
+                 decode_profile: Profile) -> None:
+        if prefill_profile.block_size != decode_profile.block_size:
+            raise ValueError("prefill and decode profiles must use the same block_size, got "
+                             f"{prefill_profile.block_size} and {decode_profile.block_size}")
+        self.shape = shape
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._prefix = PrefixIndex(decode_profile.block_size)
+        self._params_cache: dict[int, SamplingParams] = {}
+        # Remote prefills in flight: request id -> (D, D's request, tokens D had cached).
+        self._jobs: dict[str, tuple[_Worker, Request, int]] = {}
+        self._num_preemptions = 0
+        self._num_failed = 0
+        roles = [("mixed", shape.num_decode)] if shape.mode == "colocated" else \
+            [("decode", shape.num_decode), ("prefill", shape.num_prefill)]
+        self.workers: list[_Worker] = []
+        for role, count in roles:
+            profile = prefill_profile if role == "prefill" else decode_profile
+            for i in range(count):
+                self.workers.append(self._new_worker(f"{role}-{i}", role, profile))
+        self.decode_pool = [w for w in self.workers if w.role != "prefill"]
+        self.prefill_pool = [w for w in self.workers if w.role == "prefill"]
+        self._by_id = {w.worker_id: w for w in self.workers}
+        # As LLMEngine limits it: the model's context and one worker's whole KV pool.
+        self._max_model_len = min(p.max_model_len for p in (prefill_profile, decode_profile))
+        self._max_model_len = min(self._max_model_len, *(p.num_blocks * p.block_size for p in
+                                                         (prefill_profile, decode_profile)))
+
+    def _new_worker(self, worker_id: str, role: str, profile: Profile) -> _Worker:
+        shape = self.shape
+        config = SchedulerConfig(max_num_batched_tokens=shape.max_num_batched_tokens,
+                                 max_num_seqs=shape.max_num_seqs,
+                                 role="mixed" if role == "mixed" else role)
+        kv = KVCacheManager(BlockPool(profile.num_blocks, shape.enable_prefix_caching),
+                            profile.block_size)
+        worker = _Worker(worker_id, role, profile, Scheduler(config, kv))
+        worker.push_stats()
+        return worker
+
+    # ---- event loop ----
+
+    def _at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), action))
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        """Simulate every request to its last token.
+
+        Raises:
+            ValueError: no requests, or a request that cannot fit the profile's limits.
+        """
+        if not requests:
+            raise ValueError("the trace has no requests")
+        n = len(requests)
+        self._first = np.full(n, np.nan)
+        self._finish = np.full(n, np.nan)
+        self._local = 0
+        self._remaining = n
+        for index, r in enumerate(requests):
+            self._check(index, r)
+            self._at(r.arrival, lambda i=index, r=r: self._arrive(i, r))
+        self._at(0.0, self._push_stats)
+        while self._events and self._remaining:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+        if self._remaining:
+            raise RuntimeError(f"simulation stalled with {self._remaining} requests unfinished "
+                               "(a prompt larger than a worker's KV pool?)")
+        return SimResult(np.array([r.arrival for r in requests]), self._first, self._finish,
+                         np.array([r.output_len for r in requests]),
+                         sum(w.num_steps for w in self.workers), self._num_preemptions,
+                         self._local, self._num_failed)
+
+    def _check(self, index: int, r: SimRequest) -> None:
+        total = len(r.prompt_token_ids) + r.output_len
+        if not r.prompt_token_ids or r.output_len < 1:
+            raise ValueError(f"request {index}: needs a prompt and output_len >= 1")
+        if total > self._max_model_len:
+            raise ValueError(f"request {index}: {total} prompt + output tokens exceed the "
+                             f"profile's max_model_len {self._max_model_len}")
+
+    def _push_stats(self) -> None:
+        for w in self.workers:
+            w.push_stats()
+        # With nothing else pending nothing can change any more: the run is over (or stalled).
+        if self._remaining and self._events:
+            self._at(self.now + STATS_INTERVAL_S, self._push_stats)
+
+    # ---- router ----
+
+    def _arrive(self, index: int, r: SimRequest) -> None:
+        request = Request(str(index), r.prompt_token_ids, self._params(r.output_len),
+                          max_model_len=self._max_model_len, arrival_time=r.arrival)
+        self._dispatch(index, request)
+
+    def _params(self, output_len: int) -> SamplingParams:
+        params = self._params_cache.get(output_len)
+        if params is None:
+            params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+            self._params_cache[output_len] = params
+        return params
+
+    def _dispatch(self, index: int, request: Request) -> None:
+        placement = place_request(self._prefix, request.prompt_token_ids,
+                                  [w.load() for w in self.decode_pool],
+                                  [w.load() for w in self.prefill_pool],
+                                  self.shape.local_prefill_threshold)
+        decode = self._by_id[placement.decode_worker]
+        decode.in_flight += 1
+        if placement.prefill_worker is None:
+            self._local += 1
+            self._command(decode, lambda: decode.scheduler.add_request(request))
+            return
+        prefill = self._by_id[placement.prefill_worker]
+        self._command(decode, lambda: self._reserve(index, request, decode, prefill))
+
+    def _reserve(self, index: int, request: Request, decode: _Worker, prefill: _Worker) -> None:
+        if not decode.scheduler.reserve_remote(request):
+            decode.in_flight -= 1
+            if self.now - request.arrival_time > RESERVE_TIMEOUT_S:
+                self._remaining -= 1  # failed: no KV freed up in time (TTFT stays NaN)
+                self._num_failed += 1
+                return
+            self._at(self.now + RESERVE_RETRY_S, lambda: self._dispatch(index, request))
+            return
+        # The prefill worker computes its own copy of the prompt, minus D's cached blocks
+        # (which are not shipped); its own prefix cache may save more.
+        copy = Request(request.request_id, request.prompt_token_ids, request.params,
+                       max_model_len=self._max_model_len, arrival_time=request.arrival_time)
+        self._jobs[request.request_id] = (decode, request, request.num_computed_tokens)
+        prefill.in_flight += 1
+        self._command(prefill, lambda: prefill.scheduler.add_request(copy))
+
+    # ---- workers ----
+
+    def _command(self, worker: _Worker, command: Callable[[], None]) -> None:
+        """Runs before the worker's next step; an idle worker wakes once everything that
+        happens at this instant has reached it (as its loop drains all queued commands)."""
+        worker.commands.append(command)
+        if not worker.busy:
+            worker.busy = True
+            self._at(self.now, lambda: self._kick(worker))
+
+    def _kick(self, worker: _Worker) -> None:
+        worker.busy = False
+        commands, worker.commands = worker.commands, []
+        for command in commands:
+            command()
+        out = worker.scheduler.schedule()
+        self._num_preemptions += len(out.preempted)
+        if not out.scheduled:
+            return
+        worker.busy = True
+        worker.num_steps += 1
+        items = [(s.start, s.num_new_tokens, s.start < s.request.num_prompt_tokens)
+                 for s in out.scheduled]
+        seconds = worker.profile.step_time(items)
+        if worker.role == "prefill":
+            seconds *= worker.profile.prefill_role_factor
+        self._at(self.now + seconds, lambda: self._step_done(worker, out))
+
+    def _step_done(self, worker: _Worker, out: SchedulerOutput) -> None:
+        sampled = {s.request.request_id: _TOKEN for s in out.scheduled if s.samples}
+        for request in worker.scheduler.postprocess(out, sampled):
+            if worker.role == "prefill":
+                self._prefilled(worker, request)
+            else:
+                self._token(worker, request)
+        self._kick(worker)
+
+    def _token(self, worker: _Worker, request: Request) -> None:
+        index = int(request.request_id)
+        if len(request.output_token_ids) == 1:
+            self._first[index] = self.now
+        if request.is_finished:
+            self._finish[index] = self.now
+            worker.in_flight -= 1
+            self._remaining -= 1
+
+    def _prefilled(self, prefill: _Worker, copy: Request) -> None:
+        decode, request, num_cached = self._jobs.pop(copy.request_id)
+        shipped = len(copy.block_ids) - num_cached // prefill.profile.block_size
+        self._at(self.now + prefill.profile.transfer_time(shipped),
+                 lambda: self._transferred(prefill, copy, decode, request))
+
+    def _transferred(self, prefill: _Worker, copy: Request, decode: _Worker,
+                     request: Request) -> None:
+        prefill.in_flight -= 1
+        self._command(prefill, lambda: prefill.scheduler.finish(copy.request_id, "stop"))
+
+        def complete() -> None:
+            decode.scheduler.complete_remote(request.request_id, _TOKEN)
+            self._token(decode, request)
+
+        self._command(decode, complete)

@@ -1,0 +1,153 @@
+"""Autoscaler decisions on recorded windows: scale up, hysteresis, cool-down, bounds; the
+recording backend's window; the exported metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
+from cluster.cli import main
+from engine import SamplingParams
+from planner.autoscale import Autoscaler, AutoscalerConfig, Window
+from planner.plan import SloSpec
+from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
+from tests.planner.test_plan import PROFILE
+
+# Long prompts (1 s of prefill each, one output token), TTFT p90 <= 3 s: one prefill worker
+# holds up to about 0.65 req/s, two up to about 1.5 req/s (planner predictions on this
+# profile); the scale-down headroom is 20 %.
+SLO = SloSpec.parse("ttft_p90_ms=3000")
+
+
+def autoscaler(min_workers: int = 2, max_workers: int = 4) -> Autoscaler:
+    config = AutoscalerConfig(SLO, "disaggregated", min_workers, max_workers, cooldown_s=60.0,
+                              headroom=0.2, trace_requests=200)
+    return Autoscaler(config, PROFILE, PROFILE)
+
+
+def window(rate: float, end: float = 60.0, duration: float = 60.0) -> Window:
+    """A recorded window: evenly spaced long-prompt requests at `rate`."""
+    n = round(rate * duration)
+    start = end - duration
+    return Window(start, end, [start + i * duration / n for i in range(n)], [1000] * n, [1] * n)
+
+
+def test_overload_scales_up_to_the_cheapest_split_that_meets_the_slo() -> None:
+    decision = autoscaler().decide(0.0, window(1.0), (1, 1))
+    assert (decision.action, decision.prefill, decision.decode) == ("scale_up", 2, 1)
+    assert decision.rate_rps == pytest.approx(1.0)
+    assert "1P+1D is predicted at" in decision.reason and "2P+1D is the cheapest" in decision.reason
+
+
+def test_hysteresis_holds_both_splits_inside_the_band() -> None:
+    """At 0.6 req/s 1P+1D still meets the SLO (no scale up), but not at 0.6 x 1.2 (so 2P+1D
+    does not scale down): neither split flaps."""
+    assert autoscaler().decide(0.0, window(0.6), (1, 1)).action == "hold"
+    held = autoscaler().decide(0.0, window(0.6), (2, 1))
+    assert (held.action, held.prefill, held.decode) == ("hold", 2, 1)
+    assert "no cheaper split does with headroom" in held.reason
+    down = autoscaler().decide(0.0, window(0.3), (2, 1))
+    assert (down.action, down.prefill, down.decode) == ("scale_down", 1, 1)
+
+
+def test_cool_down_holds_after_a_change_then_acts() -> None:
+    scaler = autoscaler()
+    assert scaler.decide(0.0, window(1.0, end=0.0), (1, 1)).action == "scale_up"
+    held = scaler.decide(30.0, window(0.3, end=30.0), (2, 1))
+    assert held.action == "hold" and "cool-down: 30 s left" in held.reason
+    assert scaler.decide(61.0, window(0.3, end=61.0), (2, 1)).action == "scale_down"
+    assert [d.action for d in scaler.history] == ["scale_up", "hold", "scale_down"]
+
+
+def test_bounds_are_never_crossed() -> None:
+    """Far beyond capacity the best split within max_workers is taken, never a bigger one;
+    at low load min_workers is the floor."""
+    up = autoscaler(max_workers=3).decide(0.0, window(3.0), (1, 1))
+    assert up.prefill + up.decode == 3 and up.action == "scale_up"
+    assert "no split within 3 workers meets the SLO" in up.reason
+    again = autoscaler(max_workers=3).decide(0.0, window(3.0), (up.prefill, up.decode))
+    assert again.action == "hold" and "already the best" in again.reason
+    floor = autoscaler(min_workers=2).decide(0.0, window(0.3), (1, 1))
+    assert (floor.action, floor.prefill, floor.decode) == ("hold", 1, 1)
+    with pytest.raises(ValueError, match="min_workers <= max_workers"):
+        AutoscalerConfig(SLO, "disaggregated", 1, 4)
+
+
+def test_a_window_with_too_few_requests_holds() -> None:
+    decision = autoscaler().decide(0.0, window(5 / 60), (1, 1))
+    assert decision.action == "hold" and "5 requests in the window" in decision.reason
+
+
+class FakeCluster(Backend):
+    """Streams `output` one-token deltas per request; records scale calls."""
+
+    def __init__(self, output: int) -> None:
+        self.output = output
+        self.pools = {"prefill": [{"state": "ready"}], "decode": [{"state": "ready"}]}
+        self.scaled: list[tuple[int | None, int | None]] = []
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("fake", "/", 1024, 1000)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        for i in range(self.output):
+            yield TokenDelta(request.request_id, [7], "length" if i == self.output - 1 else None)
+
+    async def abort(self, request_id: str) -> bool:
+        return False
+
+    async def status(self) -> dict[str, Any]:
+        return {"pools": self.pools}
+
+    async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:
+        self.scaled.append((num_prefill, num_decode))
+        return await self.status()
+
+    def healthy(self) -> bool:
+        return True
+
+
+def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
+    cluster = FakeCluster(output=3)
+    front = RecordingBackend(cluster)
+    registry = CollectorRegistry()
+    loop = AutoscalerLoop(autoscaler(), front, AutoscalerMetrics(registry))
+
+    async def scenario() -> Any:
+        for i in range(60):  # 60 requests in the last few ms: far above capacity
+            request = GenerateRequest(f"r{i}", [5] * 1000, SamplingParams(max_tokens=9), 0.0)
+            assert len([d async for d in front.generate(request)]) == 3
+        now = front._seen[-1].arrival + 1e-3
+        recorded = front.window(now - 60.0, now)
+        return recorded, await loop.step(now)
+
+    recorded, decision = asyncio.run(scenario())
+
+    assert list(recorded.prompt_lens) == [1000] * 60
+    assert list(recorded.output_lens) == [3] * 60  # what was produced, not the 9 asked for
+    assert decision.action == "scale_up"
+    assert cluster.scaled == [(decision.prefill, decision.decode)]
+    assert registry.get_sample_value("pdcluster:autoscaler_decisions_total",
+                                     {"action": "scale_up"}) == 1
+    assert registry.get_sample_value("pdcluster:autoscaler_target_workers",
+                                     {"role": "prefill"}) == decision.prefill
+    assert registry.get_sample_value("pdcluster:autoscaler_estimated_rate_rps") == \
+        pytest.approx(1.0)
+
+
+def test_serve_autoscale_refuses_a_profile_of_another_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    PROFILE.save(tmp_path / "p.json")
+    assert main(["serve", "--model", "tiny", "--autoscale", "--profile",
+                 str(tmp_path / "p.json"), "--slo", "ttft_p90_ms=100", "--grpc-port", "0",
+                 "--http-port", "0"]) == 2
+    assert "the profile is of model 'synthetic', not 'tiny'" in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny", "--autoscale", "--grpc-port", "0",
+                 "--http-port", "0"]) == 2
+    assert "--autoscale needs --profile and --slo" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""Planner choices on synthetic profiles whose answers are known, the plan file, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.cli import main
+from planner.plan import PlanRequest, SloSpec, at_rate, load_trace, plan, trace_rate
+from planner.profile import Profile
+from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
+
+# A 1000-token prompt takes 1 s to prefill, a 32-token one 34 ms; a decode step 10 ms.
+PROFILE = synthetic_profile(prefill=(0.002, 1e-3, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+
+
+def labels(doc: dict) -> dict[str, dict]:
+    return {("c" if c["mode"] == "colocated" else f"{c['prefill']}P") + f"{c['decode']}": c
+            for c in doc["configs"]}
+
+
+def test_a_prefill_bound_trace_gets_just_enough_prefill_workers() -> None:
+    """1.5 long prompts/s of 1 s each: one prefill worker is overloaded (rho 1.5), two hold
+    (rho 0.75); the cheapest split meeting TTFT p90 <= 3 s is 2P+1D, and 1P+1D's highest
+    sustainable rate lies between rho 0.5 (meets) and 1 (unstable)."""
+    requests = trace(poisson_arrivals(200, 1.5, seed=1), random_prompts(200, 1000, seed=2), 1)
+    request = PlanRequest(PROFILE, PROFILE, requests, SloSpec.parse("ttft_p90_ms=3000"),
+                          max_workers=4, modes=("disaggregated",), budgets=(1024,))
+
+    doc = plan(request)
+
+    configs = labels(doc)
+    assert not configs["1P1"]["meets_slo"] and not configs["1P3"]["meets_slo"]
+    assert configs["2P1"]["meets_slo"] and configs["3P1"]["meets_slo"]
+    best = doc["recommended"]
+    assert (best["mode"], best["prefill"], best["decode"]) == ("disaggregated", 2, 1)
+    assert 0.5 < configs["1P1"]["predicted"]["max_rate_rps"] < 1.0
+
+
+def test_interference_makes_the_planner_disaggregate() -> None:
+    """Short prompts with 50-token answers share the cluster with rare 1 s prefills. On a
+    colocated worker a short answer caught behind a long prefill misses TPOT <= 15 ms;
+    with a prefill worker the decode steps stay 10 ms. At equal cost (2 workers) the
+    planner must pick 1P+1D over 2 colocated."""
+    n = 400
+    rng = np.random.default_rng(3)
+    long = rng.random(n) < 0.1
+    prompts = [p if is_long else p[:32]
+               for p, is_long in zip(random_prompts(n, 1000, seed=4), long, strict=True)]
+    outputs = [1 if is_long else 50 for is_long in long]
+    requests = trace(poisson_arrivals(n, 2.0, seed=5), prompts, outputs)
+    slo = SloSpec.parse("ttft_p90_ms=5000,tpot_p90_ms=15", attainment=0.99)
+
+    doc = plan(PlanRequest(PROFILE, PROFILE, requests, slo, max_workers=2,
+                           find_max_rate=False))
+
+    configs = labels(doc)
+    assert not configs["c1"]["meets_slo"] and not configs["c2"]["meets_slo"]
+    assert configs["c2"]["predicted"]["tpot_p99_ms"] > 15
+    assert configs["1P1"]["meets_slo"]
+    assert (doc["recommended"]["prefill"], doc["recommended"]["decode"]) == (1, 1)
+
+
+def test_nothing_recommended_when_no_config_meets_the_slo() -> None:
+    requests = trace(poisson_arrivals(50, 5.0, seed=6), random_prompts(50, 1000, seed=7), 1)
+    doc = plan(PlanRequest(PROFILE, PROFILE, requests, SloSpec.parse("ttft_p90_ms=100"),
+                           max_workers=2, find_max_rate=False))
+    assert doc["recommended"] is None
+    assert not any(c["meets_slo"] for c in doc["configs"])
+
+
+def write_trace(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_plan_cli_writes_the_plan_schema(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    PROFILE.save(profile)
+    rows = [{"timestamp": 0.5 * i, "prompt_len": 300, "output_len": 8} for i in range(40)]
+    trace_path = write_trace(tmp_path / "trace.jsonl", rows)
+    out = tmp_path / "plan.json"
+
+    assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--rate", "1",
+                 "--slo", "ttft_p90_ms=2000,tpot_p90_ms=50", "--max-workers", "2",
+                 "--json", str(out)]) == 0
+
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "pdcluster.plan/1"
+    assert doc["rate_rps"] == pytest.approx(1.0)
+    assert [(c["mode"], c["prefill"], c["decode"]) for c in doc["configs"]] == [
+        ("disaggregated", 1, 1), ("colocated", 0, 1), ("colocated", 0, 2)]
+    keys = {"ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "attainment",
+            "goodput_rps", "max_rate_rps", "cost_per_mtok"}
+    for c in doc["configs"]:
+        assert {"mode", "prefill", "decode", "threads_per_worker", "max_num_batched_tokens",
+                "local_prefill_threshold", "predicted"} <= set(c)
+        assert keys <= set(c["predicted"])
+    assert doc["recommended"] == min((c for c in doc["configs"] if c["meets_slo"]),
+                                     key=lambda c: c["cost_per_hour"])
+
+
+def test_rate_rescales_the_trace() -> None:
+    requests = trace(np.arange(11) * 2.0, random_prompts(11, 20, seed=8), 4)
+    assert trace_rate(requests) == pytest.approx(0.5)
+    faster = at_rate(requests, 2.0)
+    assert [r.arrival for r in faster] == pytest.approx(np.arange(11) * 0.5)
+    with pytest.raises(ValueError, match="all arrive at once"):
+        at_rate(trace(np.zeros(3), random_prompts(3, 20, seed=9), 4), 1.0)
+
+
+def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown key 'ttft_p95_ms'"):
+        SloSpec.parse("ttft_p95_ms=100")
+    with pytest.raises(ValueError, match="must be > 0"):
+        SloSpec.parse("tpot_p90_ms=0")
+    with pytest.raises(ValueError, match="attainment must be in"):
+        SloSpec.parse("tpot_p90_ms=10", attainment=1.5)
+    with pytest.raises(ValueError, match="no requests"):
+        load_trace(write_trace(tmp_path / "empty.jsonl", []), "tiny")
+    other = synthetic_profile(model="other")
+    requests = trace(np.zeros(1), random_prompts(1, 20, seed=10), 2)
+    with pytest.raises(ValueError, match="different models"):
+        PlanRequest(PROFILE, other, requests, SloSpec.parse("ttft_p90_ms=100"))
+    (tmp_path / "not.json").write_text('{"schema": "something/9"}')
+    with pytest.raises(ValueError, match=r"expected 'pdcluster\.profile/1'"):
+        Profile.load(tmp_path / "not.json")
+
+
+def test_bad_input_through_the_cli_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
+                                           ) -> None:
+    profile = tmp_path / "profile.json"
+    PROFILE.save(profile)
+    trace_path = write_trace(tmp_path / "t.jsonl", [{"timestamp": 0, "prompt_len": 5,
+                                                     "output_len": 2}])
+    assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
+                 "latency=5", "--json", str(tmp_path / "p.json")]) == 2
+    assert "unknown key 'latency'" in capsys.readouterr().err

@@ -1,0 +1,84 @@
+"""Profile fits: recovery of a known model, held-out scoring, the file round trip, and a real
+(quick) profile of the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import CacheConfig, LLMEngine
+from planner.profile import (
+    PREFILL_FEATURES,
+    Profile,
+    check_same_model,
+    fit,
+    fit_held_out,
+    prefill_features,
+)
+from planner.profiler import ProfileSettings, measure
+from tests.planner.synthetic import synthetic_profile
+
+
+def test_fit_recovers_a_known_model_and_scores_held_out_samples() -> None:
+    """Samples of 2 ms + 50 us/token + 3 us/kilo-pair with 2 % noise: the fit lands within
+    a few percent of each coefficient and the held-out error reflects the noise."""
+    rng = np.random.default_rng(0)
+    items = [[(int(rng.integers(0, 1024)), int(rng.integers(1, 2048)))
+              for _ in range(int(rng.integers(1, 4)))] for _ in range(200)]
+    xs = [prefill_features(i) for i in items]
+    truth = np.array([2e-3, 5e-5, 3e-6, 0.0])
+    ys = [float(np.dot(truth, x) * (1 + rng.normal(0, 0.02))) for x in xs]
+
+    model, error = fit_held_out(PREFILL_FEATURES, xs, ys)
+
+    np.testing.assert_allclose(model.coef[:3], truth[:3], rtol=0.1)
+    assert model.coef[3] < 2e-4  # a true zero stays near zero (and never negative)
+    assert all(c >= 0 for c in model.coef)
+    assert error["num_samples"] == 50  # a quarter held out
+    assert 0.005 < error["median"] < 0.03
+
+
+def test_fit_never_returns_a_negative_coefficient() -> None:
+    """y falls with x2 in the samples; the step model keeps that coefficient at 0."""
+    xs = [(1.0, float(i), float(10 - i)) for i in range(10)]
+    ys = [1.0 + 0.5 * i for i in range(10)]
+    model = fit(("const", "a", "b"), xs, ys)
+    assert all(c >= 0 for c in model.coef)
+    assert model.predict((1.0, 4.0, 6.0)) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="need at least 3 samples"):
+        fit(("const", "a", "b"), xs[:2], ys[:2])
+
+
+def test_profile_file_round_trip_and_model_checks(tmp_path: Path) -> None:
+    profile = synthetic_profile()
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+    with pytest.raises(ValueError, match="of model 'synthetic', not 'smollm2'"):
+        check_same_model([profile], "smollm2")
+    with pytest.raises(ValueError, match="cannot read it"):
+        Profile.load(tmp_path / "missing.json")
+
+
+def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
+    """The real engine and real prefill/decode workers: every sample recorded, the models
+    fitted on them and scored on held-out ones, KV capacity as the engine sizes it."""
+    settings = ProfileSettings(model="tiny", kv_cache_gb=0.25, repeats=2, quick=True)
+
+    profile = measure(settings)
+
+    engine = LLMEngine("tiny", cache=CacheConfig(kv_cache_memory_gb=0.25))
+    assert profile.num_blocks == engine.block_pool.num_blocks
+    assert profile.max_model_len == engine.max_model_len
+    assert profile.model == "tiny" and profile.model_id.startswith("LlamaForCausalLM:")
+    for key in ("prefill", "decode", "transfer"):
+        samples = profile.samples[key]
+        assert samples and all(s["y"] > 0 for s in samples)
+        assert profile.fit_error[key]["num_samples"] == max(len(samples) // 4, 1)
+        assert all(c >= 0 for c in getattr(profile, key).coef)
+    # Prompt steps of many tokens cost more than of a few (orders of magnitude apart).
+    assert profile.step_time([(0, 512, True)]) > profile.step_time([(0, 16, True)])
+    assert profile.prefill_role_factor > 0
+    profile.save(tmp_path / "tiny.json")
+    assert Profile.load(tmp_path / "tiny.json") == profile

@@ -1,0 +1,161 @@
+"""The simulator against closed forms: M/D/1 prefill queueing, exact decode step counts, the
+disaggregated path's exact timeline, prefix hits and KV preemption from the real scheduler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.block_pool import hash_blocks
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from planner.simulator import ClusterShape, SimRequest, Simulation
+from router.placement import PrefixIndex
+from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
+
+
+def one_worker(max_tokens: int, max_num_seqs: int = 64) -> ClusterShape:
+    return ClusterShape("colocated", 0, 1, max_num_batched_tokens=max_tokens,
+                        max_num_seqs=max_num_seqs)
+
+
+def test_one_prefill_worker_is_an_md1_queue() -> None:
+    """One-token answers on one worker whose budget fits one prompt: a FIFO queue with a
+    deterministic service time S. Each request's wait must follow Lindley's recursion on
+    the same arrivals exactly, and the mean wait the M/D/1 formula rho S / (2 (1 - rho))
+    within four standard errors (batch means over 20 batches, since waits are correlated)."""
+    service_s, rho, n = 0.1, 0.6, 20_000
+    arrivals = poisson_arrivals(n, rho / service_s, seed=11)
+    prompts = random_prompts(n, 64, seed=12)
+    profile = synthetic_profile(prefill=(service_s, 0.0, 0.0, 0.0))
+
+    result = Simulation(one_worker(64), profile, profile).run(trace(arrivals, prompts, 1))
+
+    waits = result.ttft - service_s
+    lindley = np.zeros(n)
+    for i in range(1, n):
+        lindley[i] = max(0.0, lindley[i - 1] + service_s - (arrivals[i] - arrivals[i - 1]))
+    np.testing.assert_allclose(waits, lindley, atol=1e-9)
+    assert result.num_steps == n
+
+    expected = rho * service_s / (2 * (1 - rho))
+    batch_means = waits[n // 10:].reshape(20, -1).mean(axis=1)  # first 10 %: warm-up
+    stderr = batch_means.std(ddof=1) / np.sqrt(len(batch_means))
+    assert abs(batch_means.mean() - expected) < 4 * stderr
+    assert stderr < 0.1 * expected  # the test has the power to see a 10 % error
+
+
+def test_a_fixed_decode_batch_takes_exactly_one_step_per_token() -> None:
+    """B prompts at 0, budget for all of them: one prefill step, then output - 1 decode
+    steps whose time grows with the context read; every token time is known exactly."""
+    batch, prompt_len, output_len = 8, 32, 20
+    prefill, base, per_seq, per_kilotoken = 0.05, 0.01, 0.002, 0.004
+    profile = synthetic_profile(prefill=(prefill, 0.0, 0.0, 0.0),
+                                decode=(base, per_seq, per_kilotoken))
+    requests = trace(np.zeros(batch), random_prompts(batch, prompt_len, seed=3), output_len)
+
+    result = Simulation(one_worker(batch * prompt_len), profile, profile).run(requests)
+
+    assert result.num_steps == output_len
+    # Decode step k (1-based) attends to prompt + k tokens for each request.
+    steps = [base + per_seq * batch + per_kilotoken * batch * (prompt_len + k) / 1e3
+             for k in range(1, output_len)]
+    assert result.first_token == pytest.approx([prefill] * batch)
+    assert result.finish == pytest.approx([prefill + sum(steps)] * batch)
+    assert result.tpot == pytest.approx([sum(steps) / (output_len - 1)] * batch)
+
+
+def test_max_num_seqs_splits_the_batch_into_waves() -> None:
+    """8 requests, 4 at a time: the second wave starts when the first finishes."""
+    profile = synthetic_profile(prefill=(0.05, 0.0, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+    requests = trace(np.zeros(8), random_prompts(8, 16, seed=4), 10)
+
+    result = Simulation(one_worker(4096, max_num_seqs=4), profile, profile).run(requests)
+
+    wave = 0.05 + 9 * 0.01
+    assert result.num_steps == 20
+    assert result.finish == pytest.approx([wave] * 4 + [2 * wave] * 4)
+
+
+def test_the_disaggregated_path_is_prefill_then_transfer_then_decode() -> None:
+    """A long prompt goes to P; its first token reaches the client when the exposed transfer
+    (fixed + per block) has passed; D then decodes; a short prompt stays on D."""
+    profile = synthetic_profile(prefill=(0.02, 1e-4, 0.0, 0.0), decode=(0.01, 0.0, 0.0),
+                                transfer=(0.003, 1e-4))
+    shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=100)
+    long_prompt, short_prompt = random_prompts(2, 320, seed=5)
+    requests = [SimRequest(0.0, long_prompt, 5), SimRequest(10.0, short_prompt[:50], 3)]
+
+    result = Simulation(shape, profile, profile).run(requests)
+
+    prefill_s, transfer_s = 0.02 + 320e-4, 0.003 + 20 * 1e-4  # 320 tokens = 20 blocks
+    assert result.first_token[0] == pytest.approx(prefill_s + transfer_s)
+    assert result.finish[0] == pytest.approx(prefill_s + transfer_s + 4 * 0.01)
+    assert result.first_token[1] == pytest.approx(10.0 + 0.02 + 50e-4)  # local prefill
+    assert result.num_local_prefills == 1
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_on_the_same_worker() -> None:
+    """The second copy of a prompt computes only its last partial block (real prefix cache,
+    and the router's prefix affinity sends it back to the worker that has it)."""
+    profile = synthetic_profile(prefill=(0.01, 1e-3, 0.0, 0.0))
+    prompt = random_prompts(1, 100, seed=6)[0]  # 6 full blocks + 4 tokens
+    shape = ClusterShape("colocated", 0, 4)
+    requests = [SimRequest(0.0, prompt, 1), SimRequest(1.0, prompt, 1)]
+
+    result = Simulation(shape, profile, profile).run(requests)
+
+    assert result.ttft == pytest.approx([0.01 + 100e-3, 0.01 + 4e-3])
+
+
+def test_a_full_kv_pool_preempts_and_recomputes() -> None:
+    """Two requests that together outgrow an 8-block pool: the newest is preempted (the
+    engine's policy) and both still finish."""
+    profile = synthetic_profile(num_blocks=8)
+    requests = trace(np.zeros(2), random_prompts(2, 48, seed=7), 40)
+
+    result = Simulation(one_worker(4096), profile, profile).run(requests)
+
+    assert result.num_preemptions >= 1
+    assert np.isfinite(result.finish).all()
+
+
+def test_router_and_engine_hash_prefixes_with_one_function() -> None:
+    prompt = random_prompts(1, 70, seed=8)[0]
+    request = Request("r", prompt, SamplingParams())
+    from engine.block_pool import BlockPool
+
+    engine_hashes = KVCacheManager(BlockPool(8), 16).block_hashes(request)
+    assert PrefixIndex(16).hashes(prompt) == engine_hashes == hash_blocks(prompt, 16)
+    assert len(engine_hashes) == 4
+
+
+def test_bad_traces_are_refused_with_a_clear_error() -> None:
+    profile = synthetic_profile()
+    sim = Simulation(one_worker(2048), profile, profile)
+    with pytest.raises(ValueError, match="no requests"):
+        sim.run([])
+    with pytest.raises(ValueError, match="exceed the profile's max_model_len 8192"):
+        Simulation(one_worker(2048), profile, profile).run(
+            [SimRequest(0.0, [5] * 8000, 500)])
+    small = synthetic_profile(num_blocks=8)  # the engine's limit: the whole pool
+    with pytest.raises(ValueError, match="max_model_len 128"):
+        Simulation(one_worker(2048), small, small).run([SimRequest(0.0, [5] * 120, 10)])
+    with pytest.raises(ValueError, match="same block_size"):
+        Simulation(one_worker(2048), profile, synthetic_profile(block_size=32))
+
+
+def test_a_reservation_that_never_finds_room_fails_after_the_router_timeout() -> None:
+    """Two 300-token prompts, a 24-block (384-token) decode pool: the second cannot reserve
+    until the first's 70 one-second decode steps end, past the router's 60 s timeout."""
+    profile = synthetic_profile(decode=(1.0, 0.0, 0.0), num_blocks=24)
+    first, second = random_prompts(2, 300, seed=9)
+    shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=0)
+
+    result = Simulation(shape, profile, profile).run(
+        [SimRequest(0.0, first, 70), SimRequest(0.001, second, 2)])
+
+    assert result.num_failed == 1
+    assert np.isfinite(result.ttft[0]) and np.isnan(result.ttft[1])
+    assert result.duration == pytest.approx(result.finish[0])
