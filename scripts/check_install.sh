@@ -30,6 +30,13 @@ fi
 grep -q "pip install 'pdcluster\[bench\]'" "$work/bench.err" || { cat "$work/bench.err"; exit 1; }
 
 # The image's command line: its entrypoint script with the environment the Dockerfile sets.
+# On every interface without a key it must refuse to start, and say how to fix it.
+if PDCLUSTER_HOST=0.0.0.0 sh deploy/docker-entrypoint.sh serve --model tiny \
+        >"$work/nokey.log" 2>&1; then
+    echo "serve bound 0.0.0.0 without an API key" >&2; exit 1
+fi
+grep -q -- "--api-key" "$work/nokey.log" || { cat "$work/nokey.log"; exit 1; }
+export PDCLUSTER_API_KEY=install-check-key
 PDCLUSTER_HOST=0.0.0.0 sh deploy/docker-entrypoint.sh serve --model tiny --prefill 1 \
     --decode 1 --grpc-port 0 --http-port 0 >"$work/serve.log" 2>&1 &
 serve_pid=$!
@@ -52,7 +59,8 @@ import json, sys, urllib.request
 
 body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
 request = urllib.request.Request(sys.argv[1] + "/v1/completions", body,
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json",
+                                  "Authorization": "Bearer install-check-key"})
 with urllib.request.urlopen(request, timeout=120) as resp:
     answer = json.load(resp)
 assert answer["usage"]["completion_tokens"] >= 1, answer
