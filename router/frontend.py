@@ -127,8 +127,12 @@ class Router:
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("prompt: must be a non-empty string")
+            _check_unicode("prompt", prompt)
             ids = self.tokenizer.encode(prompt)
         elif messages is not None:
+            for i, message in enumerate(messages):
+                if isinstance(message, dict) and isinstance(message.get("content"), str):
+                    _check_unicode(f"messages[{i}].content", message["content"])
             try:
                 ids = apply_chat_template(self.tokenizer, messages)
             except ValueError as e:
@@ -354,6 +358,15 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
         return SamplingParams(**{k: v for k, v in params.items() if v is not None})
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(str(e)) from None
+
+
+def _check_unicode(field: str, text: str) -> None:
+    """JSON may carry lone surrogates (`\\ud800`), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{field}: not valid Unicode text (a lone surrogate at "
+                                  f"character {e.start})") from None
 
 
 def _request_id(request_id: str | None) -> str:
