@@ -286,9 +286,7 @@ def vllm_result(result: LoadResult, settings: dict[str, Any], percentile_metrics
         "latencies": [e2e(r) if succeeded(r) else 0.0 for r in records],
         "start_times": [r.send for r in records],
         "errors": [r.error or "" for r in records],
-        "max_output_tokens_per_s": max(token_throughput_over_time(records, duration, 1.0),
-                                       default=0.0),
-        "max_concurrent_requests": _max_concurrency(records),
+        **_per_second_peaks(ok),
     }
     for name in percentile_metrics:
         values = np.asarray(per_request[name], dtype=np.float64) * 1e3
@@ -302,11 +300,19 @@ def vllm_result(result: LoadResult, settings: dict[str, Any], percentile_metrics
     return out
 
 
-def _max_concurrency(records: Sequence[RequestRecord]) -> int:
-    events = sorted([(r.send, 1) for r in records] + [(r.finish, -1) for r in records],
-                    key=lambda e: (e[0], e[1]))
-    running = peak = 0
-    for _, step in events:
-        running += step
-        peak = max(peak, running)
-    return peak
+def _per_second_peaks(ok: Sequence[RequestRecord]) -> dict[str, float | int]:
+    """vLLM's `max_output_tokens_per_s` and `max_concurrent_requests`: one-second buckets
+    from the first send; a request counts in every bucket it was active in, so the second
+    can exceed the concurrency cap when one request ends and the next starts in it."""
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    start = min(r.send for r in ok)
+    num_buckets = int(np.ceil(max(r.finish for r in ok) - start)) + 1
+    tokens = np.zeros(num_buckets)
+    active = np.zeros(num_buckets)
+    for r in ok:
+        for when, num_tokens in r.chunks:
+            tokens[int(when - start)] += num_tokens
+        active[int(r.send - start):int(r.finish - start) + 1] += 1
+    return {"max_output_tokens_per_s": float(tokens.max()),
+            "max_concurrent_requests": int(active.max())}

@@ -116,7 +116,7 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len,
                                      self.scheduler_config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
-        self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size)
+        self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
 
     def _blocks_for_memory(self) -> int:
         cfg = self.model_config

@@ -120,7 +120,7 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         pairs = [(_token_key(token_id), value) for token_id, value in items]  # type: ignore[union-attr]
     except (TypeError, ValueError):
         raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
-    return tuple(sorted(pairs))
+    return tuple(sorted(dict(pairs).items()))  # one entry per id (`5` and `"5"` are one)
 
 
 def _token_key(token_id: object) -> int:

@@ -49,9 +49,12 @@ class GrammarCompiler:
         vocab_size: rows of the model's logits (may exceed the tokenizer's vocabulary).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._eos_only = torch.zeros(vocab_size, dtype=torch.bool)
+        self._eos_only[list(eos_token_ids)] = True
 
     @cached_property
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -60,7 +63,7 @@ class GrammarCompiler:
     def matcher(self, schema: str) -> GrammarMatcher:
         """A fresh matcher at the start of `schema`'s grammar."""
         return GrammarMatcher(llguidance.LLMatcher(self._tokenizer, _grammar(schema)),
-                              self.vocab_size)
+                              self.vocab_size, self._eos_only)
 
 
 class GrammarMatcher:
@@ -69,26 +72,33 @@ class GrammarMatcher:
     Args:
         matcher: llguidance's matcher at the grammar's start.
         vocab_size: length of the mask.
+        eos_only: the mask once the grammar is complete.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int,
+                 eos_only: torch.Tensor) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
+        self._eos_only = eos_only
         self._num_consumed = 0
 
     def allowed(self, output_token_ids: list[int]) -> torch.Tensor:
         """The tokens the grammar allows after `output_token_ids`.
 
+        Once the grammar is complete only EOS is allowed; a request that ignores EOS goes on
+        with EOS tokens up to its `max_tokens` (the text stays the finished JSON).
+
         Returns:
             `[vocab_size]` bool.
-
-        Raises:
-            RuntimeError: an output token broke the grammar (it came from elsewhere).
         """
         new = output_token_ids[self._num_consumed:]
-        if new and not self._matcher.consume_tokens(new):
-            raise RuntimeError(f"structured output: {self._matcher.get_error()}")
         self._num_consumed = len(output_token_ids)
+        if new and not self._matcher.is_stopped():
+            # A refused token (only EOS after the end can be one) leaves the matcher stopped
+            # or in error; either way nothing but EOS may follow.
+            self._matcher.consume_tokens(new)
+        if self._matcher.is_stopped() or self._matcher.is_error():
+            return self._eos_only
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")[:self._vocab_size]
         return torch.from_numpy(bits.astype(bool))

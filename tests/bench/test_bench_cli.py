@@ -211,3 +211,21 @@ def test_goodput_errors(argv: list[str], message: str,
                         capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--address", "127.0.0.1:1", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_vllm_result_peaks_use_vllm_one_second_buckets() -> None:
+    """As vLLM counts them: a request is active in every one-second bucket it touches, so two
+    back-to-back requests under a cap of one both count in the second they meet."""
+    from bench.loadgen import LoadResult, RequestRecord
+    from bench.report import vllm_result
+
+    first = RequestRecord(0, 0.0, 3, prompt_tokens=5, send=0.1, chunks=[(0.2, 1), (0.3, 1),
+                          (0.9, 1)], finish=0.95, output_tokens=3, finish_reason="length")
+    second = RequestRecord(1, 0.0, 2, prompt_tokens=5, send=0.96, chunks=[(1.15, 1), (1.18, 1)],
+                           finish=1.2, output_tokens=2, finish_reason="length")
+    result = vllm_result(LoadResult([first, second], 1.3), {}, ("ttft",), (50,), None)
+    assert result["max_concurrent_requests"] == 2
+    assert result["max_output_tokens_per_s"] == 3.0  # 3 tokens in [0.1, 1.1), 2 after
+    assert result["ttfts"] == pytest.approx([0.1, 0.19])
+    assert result["median_ttft_ms"] == pytest.approx(145.0)
+    assert result["request_goodput"] is None and result["completed"] == 2

@@ -58,7 +58,8 @@ def _serve(*flags: str) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def disaggregated():
-    yield from _serve("--prefill", "1", "--decode", "1", "--local-prefill-threshold", "0")
+    yield from _serve("--prefill", "1", "--decode", "1", "--local-prefill-threshold", "0",
+                      "--metrics-compat", "vllm")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,49 @@ def test_health_and_openai_http(disaggregated):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         http.completions.create(model="smollm2", prompt="hi", temperature=-1)
     _pools_free(disaggregated.grpc)
+
+
+def test_structured_output_and_penalties_across_prefill_and_decode(disaggregated, colocated):
+    """The prefill worker samples the first token, the decode worker the rest: grammar and
+    penalty state must carry over, so the answer validates and equals the colocated one."""
+    import json
+
+    import jsonschema
+    import openai
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "country": {"type": "string", "maxLength": 20}}}
+    answers = []
+    for served in (disaggregated, colocated):
+        http = openai.OpenAI(base_url=served.http + "/v1", api_key="unused")
+        reply = http.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": CHATS[0]}], max_tokens=60,
+            temperature=0.0, frequency_penalty=0.3, n=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                    "schema": schema}})
+        assert [c.finish_reason for c in reply.choices] == ["stop", "stop"]
+        answers.append([c.message.content for c in reply.choices])
+    assert answers[0] == answers[1]
+    jsonschema.validate(json.loads(answers[0][0]), schema)
+    _pools_free(disaggregated.grpc)
+
+
+def test_metrics_carry_model_name_and_vllm_names(disaggregated):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(disaggregated.http + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    usage = families["vllm:kv_cache_usage_perc"].samples
+    with PdClusterClient(disaggregated.grpc, timeout=10) as client:
+        workers = {w["worker_id"] for ws in client.status()["pools"].values() for w in ws}
+    assert len(workers) == 2 and {s.labels["engine"] for s in usage} == workers
+    assert all(s.labels["model_name"] == "smollm2" and 0 <= s.value <= 1 for s in usage)
+    assert any(s.labels.get("engine") == "router"
+               for s in families["vllm:num_requests_waiting"].samples)
+    ttft = families["pdcluster:time_to_first_token_seconds"].samples
+    assert ttft and all(s.labels["model_name"] == "smollm2" for s in ttft)
 
 
 def test_generate_cli_answers_paris(disaggregated):

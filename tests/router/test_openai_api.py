@@ -183,6 +183,27 @@ def test_tools_are_refused_by_name(api):
     assert e.value.body["param"] == "tools"
 
 
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(api, servers):
+    resp = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       **GREEDY)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens + resp.usage.completion_tokens == \
+        servers.router.model_info.max_model_len
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("completions", b'{"prompt": "a \\ud800 b", "max_tokens": 2}', "prompt"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "a \\ud800"}]}',
+     "messages"),
+])
+def test_lone_surrogates_are_a_400_not_a_500(servers, path, body, param):
+    resp = httpx.post(f"http://127.0.0.1:{servers.http_port}/v1/{path}", content=body,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == param
+    assert "lone surrogate" in resp.json()["error"]["message"]
+
+
 def test_sse_is_not_cached(servers):
     body = {"prompt": "hi", "max_tokens": 2, "stream": True}
     with httpx.stream("POST", f"http://127.0.0.1:{servers.http_port}/v1/completions",
