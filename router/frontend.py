@@ -426,8 +426,8 @@ def _check_unicode(field: str, value: object) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{field}: not valid Unicode ({e.reason} at position "
-                                  f"{e.start})", field.split("[")[0]) from None
+        raise InvalidRequestError(f"{field}: not valid Unicode text (a lone surrogate at "
+                                  f"character {e.start})", field.split("[")[0]) from None
 
 
 def _sampling_params(params: dict[str, Any]) -> SamplingParams:
