@@ -48,6 +48,7 @@ class WorkerPair:
 
     def __init__(self, spec: dict[str, Any] | None = None) -> None:
         self.ctx = zmq.Context()
+        self.seen: dict[tuple[str, str], tuple[dict[str, Any], float]] = {}
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:0")
         endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -67,17 +68,21 @@ class WorkerPair:
             self.push[role].connect(self.infos[role]["endpoint"])
 
     def wait_for(self, request_id: str, kind: str) -> tuple[dict[str, Any], float]:
-        while True:
+        """The first `kind` message for the request (`step`: its first token), and when it
+        came. The two workers push to one socket, so a `step` can overtake `prefilled`:
+        messages that come early are kept for a later call."""
+        while (request_id, kind) not in self.seen:
             message = unpack(self.pull.recv())
             now = time.monotonic()
-            if message["type"] == "step" and kind == "step":
-                for record in message["outputs"]:
-                    if record["request_id"] == request_id and record["token_ids"]:
-                        return record, now
-            elif message.get("request_id") == request_id and message["type"] == kind:
-                return message, now
-            elif message["type"] == "error":
+            if message["type"] == "error":
                 raise RuntimeError(message["error"])
+            if message["type"] == "step":
+                for record in message["outputs"]:
+                    if record["token_ids"]:
+                        self.seen.setdefault((record["request_id"], "step"), (record, now))
+            elif "request_id" in message:
+                self.seen.setdefault((message["request_id"], message["type"]), (message, now))
+        return self.seen.pop((request_id, kind))
 
     def once(self, request_id: str, prompt: list[int]) -> dict[str, float]:
         params = asdict(SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
