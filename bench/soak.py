@@ -88,6 +88,11 @@ class Load:
                 self.one(client, rng)
 
     def one(self, client: PdClusterClient, rng: random.Random) -> None:
+        """Send one request and record its outcome.
+
+        A completed gRPC request must hold exactly `max_tokens` tokens (EOS is ignored), and
+        greedy ones the same tokens as every other completion of their prompt.
+        """
         which = rng.randrange(len(self.prompts))
         greedy = rng.random() < 0.6
         params = {"max_tokens": rng.randint(8, 120), "ignore_eos": True,
@@ -108,7 +113,12 @@ class Load:
             self.tally.add("aborted_by_client")
         elif reason in ("length", "stop"):
             self.tally.add("completed")
-            if greedy and not self.tally.check_greedy(which, tokens):
+            if tokens is None:  # HTTP: text, not token ids
+                return
+            if len(tokens) != params["max_tokens"]:  # ignore_eos: exactly max_tokens
+                self.tally.add("wrong_tokens", f"{len(tokens)} tokens, not "
+                                               f"{params['max_tokens']}")
+            elif greedy and not self.tally.check_greedy(which, tokens):
                 self.tally.add("wrong_tokens", f"greedy prompt {which} differs")
         elif reason is None:
             self.tally.add("lost", "stream ended without a finish_reason")
@@ -131,7 +141,8 @@ class Load:
         return tokens, None
 
     def _http(self, which: int, params: dict[str, Any], abort_after: int | None
-              ) -> tuple[list[int], str | None]:
+              ) -> tuple[None, str | None]:
+        """Streams over OpenAI HTTP; returns no token ids (the chunks carry text)."""
         body = {"prompt": self.prompts[which], "stream": True, **params}
         headers = {"authorization": f"Bearer {self.api_key}"}
         chunks = 0
@@ -144,14 +155,14 @@ class Load:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     self.tally.errors.append(chunk["error"]["message"])
-                    return [], "error"
+                    return None, "error"
                 chunks += 1
                 reason = chunk["choices"][0].get("finish_reason")
                 if reason:
-                    return [], reason  # text, not token ids: no greedy check here
+                    return None, reason
                 if abort_after is not None and chunks >= abort_after:
-                    return [], "client_abort"  # leaving the block closes the connection
-        return [], None
+                    return None, "client_abort"  # leaving the block closes the connection
+        return None, None
 
 
 def _victim(admin: PdClusterClient, role: str) -> dict[str, Any]:

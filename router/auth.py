@@ -7,8 +7,9 @@ gRPC metadata `authorization: Bearer <key>`); keys are compared in constant time
 |---|---|---|
 | no key configured at all | allowed | allowed (a local, open cluster) |
 | the admin key | allowed | allowed |
-| the API key | allowed | PERMISSION_DENIED / 403 |
-| none or a wrong one (a key is configured) | UNAUTHENTICATED / 401 | UNAUTHENTICATED / 401 |
+| the API key | allowed | PERMISSION_DENIED |
+| none or a wrong one, an API key is set | UNAUTHENTICATED / 401 | UNAUTHENTICATED |
+| none or a wrong one, only an admin key is set | allowed | PERMISSION_DENIED |
 
 Health checks (`grpc.health.v1`, `/health`) and reflection stay open, for load balancers.
 """
@@ -67,8 +68,8 @@ class SecurityConfig:
 
     @property
     def authenticated(self) -> bool:
-        """True when some key is required."""
-        return self.api_key is not None or self.admin_key is not None
+        """True when requests need a key (an API key is set)."""
+        return self.api_key is not None
 
     @property
     def tls(self) -> bool:
@@ -78,11 +79,9 @@ class SecurityConfig:
         """What the presented key (None: none) allows."""
         if self.admin_key is not None and _same(presented, self.admin_key):
             return Access.ADMIN
-        if not self.authenticated:
-            return Access.ADMIN
-        if self.api_key is not None and _same(presented, self.api_key):
-            return Access.USER
-        return Access.NONE
+        if self.api_key is None:  # requests are open; resizing only if no admin key is set
+            return Access.USER if self.admin_key is not None else Access.ADMIN
+        return Access.USER if _same(presented, self.api_key) else Access.NONE
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """Server credentials for `add_secure_port` (requires `tls`)."""

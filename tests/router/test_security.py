@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from router.auth import SecurityConfig, check_bind
+from router.auth import Access, SecurityConfig, bearer_token, check_bind
 from router.client import PdClusterClient
 
 API_KEY, ADMIN_KEY = "sk-user-0123456789", "sk-admin-9876543210"
@@ -167,3 +167,24 @@ def test_mutual_tls_refuses_clients_without_a_certificate(make_servers, pki):
 
 def _trusting(pki: dict[str, str]) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=pki["ca.pem"])
+
+
+@pytest.mark.parametrize(("api_key", "admin_key", "presented", "expected"), [
+    (None, None, None, Access.ADMIN),
+    (API_KEY, None, None, Access.NONE),
+    (API_KEY, None, "sk-wrong", Access.NONE),
+    (API_KEY, None, API_KEY, Access.USER),
+    (API_KEY, ADMIN_KEY, API_KEY, Access.USER),
+    (API_KEY, ADMIN_KEY, ADMIN_KEY, Access.ADMIN),
+    (None, ADMIN_KEY, None, Access.USER),
+    (None, ADMIN_KEY, ADMIN_KEY, Access.ADMIN),
+    (API_KEY, ADMIN_KEY, API_KEY + "x", Access.NONE),
+])
+def test_access_table(api_key, admin_key, presented, expected):
+    assert SecurityConfig(api_key=api_key, admin_key=admin_key).access(presented) == expected
+
+
+def test_bearer_header_parsing():
+    assert bearer_token("Bearer abc") == "abc" and bearer_token("bearer  abc ") == "abc"
+    assert bearer_token("Basic abc") is None and bearer_token("Bearer") is None
+    assert bearer_token(None) is None and bearer_token("") is None
