@@ -78,11 +78,11 @@ def default_model_dir() -> Path:
 class PdclusterRunner:
     """pdcluster's offline `LLM`, loaded once, timing `generate` on whole workloads."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype: str = "float32") -> None:
         from engine import LLM, CacheConfig
 
         start = time.perf_counter()
-        self.llm = LLM(model=str(model_dir), dtype="float32",
+        self.llm = LLM(model=str(model_dir), dtype=dtype,
                        cache=CacheConfig(kv_cache_memory_gb=KV_CACHE_GB))
         self.generate(Workload("warm-up", 0, [BenchRequest(list(range(100, 116)), 4)]))
         self.startup_s = time.perf_counter() - start
