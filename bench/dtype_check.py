@@ -65,8 +65,7 @@ def run(max_tokens: int) -> dict[str, Any]:
     model_dir = default_model_dir()
     tokenizer = load_tokenizer(model_dir)
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompts = [tokenizer.encode(apply_chat_template(tokenizer, [{"role": "user", "content": c}]))
-               for c in CHATS]
+    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": c}]) for c in CHATS]
     prompts += [r.prompt_token_ids for r in w_mixed(8, vocab_size, seed=5,
                                                     prompt_len=(16, 128)).requests]
     workload = Workload("oracle", 0, [BenchRequest(p, max_tokens) for p in prompts])
