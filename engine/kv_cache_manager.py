@@ -20,6 +20,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self._hashes: dict[str, list[bytes]] = {}
+        # Leading blocks of each request already registered: a step registers only new ones.
+        self._num_registered: dict[str, int] = {}
 
     def block_hashes(self, request: Request) -> list[bytes]:
         """Chained hashes of the request's full blocks, extended as tokens arrive."""
@@ -86,20 +88,27 @@ class KVCacheManager:
         return True
 
     def cache_blocks(self, request: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+        """Register the request's full, computed blocks in the prefix cache (new ones only)."""
+        done = self._num_registered.get(request.request_id, 0)
         num_full = request.num_computed_tokens // self.block_size
+        if num_full <= done:
+            return
         hashes = self.block_hashes(request)
-        for block_id, block_hash in zip(request.block_ids[:num_full], hashes, strict=False):
+        for block_id, block_hash in zip(request.block_ids[done:num_full], hashes[done:num_full],
+                                        strict=True):
             self.pool.cache_block(block_id, block_hash)
+        self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so prefixes outlive suffixes in the LRU."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
         self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
 
     def reset(self, request: Request) -> None:
         """Free for recompute (preemption): blocks go, hashes of the tokens stay valid."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
         request.num_computed_tokens = 0
+        self._num_registered.pop(request.request_id, None)

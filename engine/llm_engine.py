@@ -12,6 +12,7 @@ from threadpoolctl import threadpool_limits
 from engine.attention import get_backend
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig, parse_dtype
+from engine.hardware import cpu_features
 from engine.kv_cache import BufferAllocator, KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
@@ -81,7 +82,8 @@ class LLMEngine:
         max_model_len: longest prompt + output; defaults to the model's and the pool's limit.
         attention_backend: `auto`, `torch` or `flashinfer`.
         kv_allocator: places the KV pool (for example in shared memory).
-        num_threads: torch intra-op threads; None leaves torch's default.
+        num_threads: torch and BLAS compute threads; None: on CPU all cores but one
+            (`CpuFeatures.compute_threads`), elsewhere torch's default.
     """
 
     def __init__(self, model: str = "tiny", dtype: str | torch.dtype = "float32", *,
@@ -93,9 +95,11 @@ class LLMEngine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.device = _pick_device(device)
         self.dtype = parse_dtype(dtype, self.device)
+        if num_threads is None and self.device.type == "cpu":
+            num_threads = cpu_features().compute_threads
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-            threadpool_limits(num_threads, user_api="blas")  # numpy's, for small batches
+            threadpool_limits(num_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
         self.model_dir = resolve_model_dir(model)
         self.model_config, hf_config = read_model_config(self.model_dir, max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -113,7 +113,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig, dtype: t
     state = {name: state[name].to(dtype=dtype, device=device) for name in expected}
     model.load_state_dict(state, assign=True)
     model.eval().requires_grad_(False)
-    model.prepare_small_batches()
+    model.prepare_matmuls()
     return model
 
 

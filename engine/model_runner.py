@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import AttentionBackend, BatchLayout
+from engine.hardware import cpu_features
 from engine.kv_cache import KVCache
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +78,19 @@ class ModelRunner:
         self.costs = StepCosts.for_model(model, kv_cache)
         # Running totals for utilization metrics: tokens, model FLOPs, bytes read.
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "flops": 0.0, "bytes": 0.0}
+        if device.type == "cpu":
+            self._log_cpu_paths(kv_cache.dtype)
+
+    def _log_cpu_paths(self, dtype: torch.dtype) -> None:
+        cpu = cpu_features()
+        # fp32 linears run on OpenBLAS (BlasLinear), decode attention on the paged kernel
+        # built for this CPU (-march=native); other dtypes take torch's kernels.
+        linears = "OpenBLAS" if dtype == torch.float32 else "torch (oneDNN/MKL)"
+        log.info("CPU: %s; %s, %d torch threads; linears: %s", cpu.describe(),
+                 str(dtype).removeprefix("torch."), torch.get_num_threads(), linears)
+        if dtype in (torch.bfloat16, torch.float16) and not cpu.native_bf16:
+            log.warning("%s on a CPU without native bf16/AMX is emulated: expect it slower "
+                        "than float32", str(dtype).removeprefix("torch."))
 
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput, layer_hook: LayerHook | None = None

@@ -15,34 +15,33 @@ from engine.kv_cache import KVCache
 from engine.models.rope import RotaryEmbedding, apply_rope
 
 LayerHook = Callable[[int], None]
-# Up to this many rows (decode batches), a CPU fp32 matmul goes through numpy's BLAS
-# (OpenBLAS) on a pre-transposed weight: MKL's fp32 GEMM with a few rows runs far below
-# bandwidth on AVX2 CPUs (1.4-1.7x slower, docs/benchmarks.md). Prefill keeps torch's.
-SMALL_BATCH_ROWS = 16
 
 
-class SmallBatchWeight:
-    """A weight `[out, in]` also kept as a row-major `[in, out]` numpy array for small batches.
+class BlasLinear:
+    """A CPU fp32 linear through numpy's BLAS (OpenBLAS) on a row-major `[in, out]` weight.
+
+    On AVX2 CPUs OpenBLAS on this layout beats MKL's and oneDNN's fp32 kernels at every batch
+    size a step has, 1 to 512+ rows (docs/benchmarks.md), so it is the one layout kept: the
+    weight parameter becomes a `[out, in]` view of the transposed storage (no second copy).
 
     Args:
-        weight: the CPU float32 weight; its transposed copy costs as much memory again.
+        weight: a CPU float32 `[out, in]` parameter, re-laid in place.
+        bias: optional `[out]`.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
-        self.transposed = np.ascontiguousarray(weight.detach().numpy().T)
+    def __init__(self, weight: nn.Parameter, bias: torch.Tensor | None = None) -> None:
+        transposed = weight.data.T.contiguous()  # [in, out]
+        weight.data = transposed.T
+        self.weight_t = transposed.numpy()
+        self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > SMALL_BATCH_ROWS:
-            return F.linear(x, self.weight)
-        return torch.from_numpy(np.matmul(x.contiguous().numpy(), self.transposed))
+        out = torch.from_numpy(np.matmul(x.contiguous().numpy(), self.weight_t))
+        return out if self.bias is None else out.add_(self.bias)
 
 
-def small_batch_linear(module: nn.Linear) -> None:
-    """Route `module`'s small CPU fp32 batches through a transposed copy (no bias only)."""
-    if (module.bias is None and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.float32):
-        module.forward = SmallBatchWeight(module.weight)
+def _is_cpu_fp32(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -105,16 +104,19 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._tied_head: BlasLinear | None = None
 
-    def prepare_small_batches(self) -> None:
-        """Once the weights are loaded: give decode-sized matmuls their fast CPU path."""
-        for layer in self.layers:
-            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                small_batch_linear(proj)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            self._logits = SmallBatchWeight(weight)
+    def prepare_matmuls(self) -> None:
+        """Once the weights are loaded: CPU fp32 linears go through `BlasLinear`."""
+        linears = [proj for layer in self.layers for proj in (
+            layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        for linear in linears + ([self.lm_head] if self.lm_head is not None else []):
+            if _is_cpu_fp32(linear.weight):
+                linear.forward = BlasLinear(linear.weight, linear.bias)
+        # A tied LM head shares the embedding's storage: gathering embedding rows from the
+        # transposed layout costs microseconds, a second 113 MB copy would cost every step.
+        if self.lm_head is None and _is_cpu_fp32(self.embed_tokens.weight):
+            self._tied_head = BlasLinear(self.embed_tokens.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionBackend, layer_hook: LayerHook | None = None) -> torch.Tensor:
@@ -134,7 +136,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits `[N, vocab]` for the chosen hidden states `[N, hidden]`."""
         hidden = self.norm(hidden)
-        if self._logits is not None:
-            return self._logits(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self._tied_head is not None:
+            return self._tied_head(hidden)
+        return F.linear(hidden, self.embed_tokens.weight)

@@ -92,3 +92,40 @@ def test_allocate_slots_refuses_without_side_effects():
     request = _request("a", list(range(12)))
     assert not manager.allocate_slots(request, 12)
     assert request.block_ids == [] and manager.pool.num_free_blocks == 2
+
+
+class _RecordingPool(BlockPool):
+    """A real pool that also records every registration it is asked for."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.registered: list[int] = []
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        self.registered.append(block_id)
+        super().cache_block(block_id, block_hash)
+
+
+def test_cache_blocks_registers_only_blocks_that_filled_since_the_last_step():
+    # Bookkeeping per step must follow the new blocks, not rescan a long request's history.
+    pool = _RecordingPool(16)
+    manager = KVCacheManager(pool, block_size=4)
+    request = _request("a", list(range(30)))
+    assert manager.allocate_slots(request, 30)
+    request.num_computed_tokens = 30
+    manager.cache_blocks(request)
+    assert pool.registered == [0, 1, 2, 3, 4, 5, 6]
+    for token in range(100, 106):  # six decode steps: tokens 31..36 fill blocks 7 and 8
+        request.append_token(token)
+        assert manager.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+        manager.cache_blocks(request)
+    assert pool.registered == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert request.block_ids == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    manager.reset(request)  # preempted: recomputed blocks are registered again
+    assert manager.allocate_slots(request, 36)
+    request.num_computed_tokens = 36
+    manager.cache_blocks(request)
+    assert pool.registered[9:] == request.block_ids[:9]
+    manager.free(request)
+    assert pool.num_free_blocks == 16

@@ -1,0 +1,39 @@
+"""CPU fp32 linears run through numpy's BLAS on one transposed weight layout: same results."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import LLM
+from engine.models.llama import BlasLinear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_blas_linear_matches_torch_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    module = nn.Linear(32, 48, bias=bias)
+    reference = module.weight.detach().clone()
+    x = torch.randn(32, rows, generator=gen).T  # not contiguous: the path must cope
+    module.forward = BlasLinear(module.weight, module.bias)
+    out = module(x)
+    assert out.shape == (rows, 48) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, reference, module.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_one_weight_layout_is_kept():
+    # The parameter keeps its shape and values but is a view of the transposed storage that
+    # the BLAS call reads: no second copy of any weight, the tied embedding included.
+    model = LLM("tiny").engine.model
+    qkv = model.layers[0].qkv_proj
+    assert isinstance(qkv.forward, BlasLinear)
+    assert qkv.weight.T.is_contiguous()
+    assert qkv.weight.data_ptr() == qkv.forward.weight_t.ctypes.data
+    assert model.lm_head is None  # tiny ties its LM head to the embedding
+    assert model._tied_head.weight_t.ctypes.data == model.embed_tokens.weight.data_ptr()
+
+
+def test_other_dtypes_keep_torch_linear():
+    model = LLM("tiny", dtype="bfloat16").engine.model
+    assert not isinstance(model.layers[0].qkv_proj.forward, BlasLinear)
