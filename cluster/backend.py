@@ -46,7 +46,7 @@ from protocol import (
     encode,
 )
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
-from router.placement import Placement, PrefixIndex, WorkerLoad, place
+from router.placement import Placement, PrefixIndex, WorkerLoad, place_request
 
 log = logging.getLogger(__name__)
 # Stats older than this many intervals mark a worker `slow` in status (never dead).
@@ -450,16 +450,8 @@ class ClusterBackend(Backend):
                  and h.worker_id not in exclude]
         decode = [h.load() for h in ready if h.role.decodes]
         prefill = [h.load() for h in ready if h.role == Role.PREFILL and remote_prefill]
-        hashes = self._prefix.hashes(prompt)
-        d_owner, d_blocks = self._prefix.match(hashes, "decode")
-        p_owner, _ = self._prefix.match(hashes, "prefill")
-        placement = place(len(prompt), decode, prefill, d_blocks * self._prefix.block_size,
-                          d_owner, p_owner, self.config.local_prefill_threshold)
-        if placement is not None:
-            self._prefix.record(hashes, "decode", placement.decode_worker)
-            if placement.prefill_worker:
-                self._prefix.record(hashes, "prefill", placement.prefill_worker)
-        return placement
+        return place_request(self._prefix, prompt, decode, prefill,
+                             self.config.local_prefill_threshold)
 
     def _start_prefill(self, stream: _Stream, prefill_id: str, decode: _Handle,
                        reply: Reserved, prompt: list[int], params: dict[str, Any]) -> None:
