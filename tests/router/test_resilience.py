@@ -118,6 +118,7 @@ def test_max_tokens_beyond_the_context_is_rejected(servers, client):
 
 def test_many_clients_disconnecting_mid_stream_leak_nothing(servers, wait_until):
     base = f"http://127.0.0.1:{servers.http_port}/v1"
+    aborted = _finished(servers, "abort")
 
     def leave_after_first_chunk(i: int) -> None:
         with httpx.stream("POST", f"{base}/completions", timeout=60, json={
@@ -129,3 +130,4 @@ def test_many_clients_disconnecting_mid_stream_leak_nothing(servers, wait_until)
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(leave_after_first_chunk, range(8)))
     wait_until(lambda: not servers.router.admission.num_running)
+    assert _finished(servers, "abort") == aborted + 8  # and the fixture finds the pool free
