@@ -16,7 +16,6 @@ each model is scored on held-out samples before being refitted on all of them.
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -70,21 +69,17 @@ class ProfileSettings:
 
 
 def hardware() -> dict[str, Any]:
-    """CPU model and its vector flags, cores, GPU name (if any)."""
+    """CPU model and its vector features, cores, GPU name (if any)."""
     import torch
 
-    cpu, flags = platform.processor(), []
-    try:
-        info = open("/proc/cpuinfo").read()  # noqa: SIM115 - read once
-        lines = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-        cpu = lines.get("model name\t", cpu).strip()
-        wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "neon")
-        flags = sorted(set(lines.get("flags\t", "").split()) & set(wanted))
-    except OSError:
-        pass
+    from engine.hardware import cpu_features
+
+    cpu = cpu_features()
+    features = [name for name, present in (("avx512", cpu.avx512), ("bf16", cpu.native_bf16),
+                                            ("amx", cpu.amx)) if present]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "gpu": gpu,
-            "machine": platform.machine(), "torch": torch.__version__}
+    return {"cpu": cpu.model, "cpu_isa": cpu.isa, "cpu_flags": features, "cores": cpu.cores,
+            "gpu": gpu, "machine": platform.machine(), "torch": torch.__version__}
 
 
 class _Sampler:
