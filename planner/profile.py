@@ -30,6 +30,8 @@ SCHEMA = "pdcluster.profile/1"
 PREFILL_FEATURES = ("const", "tokens", "attention", "seqs")
 DECODE_FEATURES = ("const", "seqs", "context")
 TRANSFER_FEATURES = ("const", "blocks")
+# A sample this much slower (as a fraction) than the first fit predicts is an outlier.
+OUTLIER = 0.5
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ def fit(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Sequence[flo
     decode step matters as much to latency predictions as a 500 ms prefill. A feature
     whose unconstrained coefficient comes out negative is dropped and the rest refitted,
     until all are non-negative (the active-set idea of NNLS, enough for a handful of
-    features).
+    features). Samples more than `OUTLIER` slower than the first fit predicts (a step
+    another process interrupted) are then left out and the model refitted once.
 
     Raises:
         ValueError: fewer samples than features, or a sample of no time.
@@ -70,6 +73,15 @@ def fit(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Sequence[flo
     if (y <= 0).any():
         raise ValueError("every sample must take a positive time")
     a, y = a / y[:, None], np.ones_like(y)
+    coef = _nonnegative_lstsq(a, y)
+    # Relative to the sample's own time, a row of `a @ coef` is predicted / measured.
+    kept = a @ coef >= 1 / (1 + OUTLIER)
+    if not kept.all() and kept.sum() >= a.shape[1]:
+        coef = _nonnegative_lstsq(a[kept], y[kept])
+    return LinearModel(tuple(features), tuple(float(c) for c in coef))
+
+
+def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     active = list(range(a.shape[1]))
     coef = np.zeros(a.shape[1])
     while active:
@@ -78,7 +90,7 @@ def fit(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Sequence[flo
             coef[active] = solution
             break
         active.pop(int(np.argmin(solution)))
-    return LinearModel(tuple(features), tuple(float(c) for c in coef))
+    return coef
 
 
 def relative_errors(model: LinearModel, xs: Sequence[Sequence[float]], ys: Sequence[float]
@@ -141,6 +153,13 @@ class Profile:
         transfer: exposed KV transfer time against shipped blocks.
         prefill_role_factor: a prefill worker's step time over the step model's (KV
             streaming runs inside its steps).
+        neighbour_slowdown: how much slower (as a fraction) a step runs while another
+            worker on the same host is stepping: they share memory bandwidth, caches and,
+            on a small host, cores with the router. Measured with one neighbour; the
+            simulator adds it once per busy neighbour.
+        workers_per_host: workers of this type that fit one host of the profiled machine
+            (its cores over `torch_threads`); the simulator places workers on hosts in
+            this many.
         fit_error: held-out relative error of each model.
         samples: the raw samples, per model: `{"x": [...], "y": seconds}`.
         schema: the file format version.
@@ -162,6 +181,8 @@ class Profile:
     decode: LinearModel
     transfer: LinearModel
     prefill_role_factor: float = 1.0
+    neighbour_slowdown: float = 0.0
+    workers_per_host: int = 1
     fit_error: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     schema: str = SCHEMA

@@ -10,13 +10,17 @@ schedules:
 - decode: `batch` requests with `context` tokens each, several steps per point.
 
 The exposed KV transfer is measured with real prefill and decode workers in two processes
-over the chosen transport, as `bench.kv_exposed` does. Every sample is kept in the file;
+over the chosen transport, as `bench.kv_exposed` does. The neighbour slowdown is the ratio
+of a few steps timed beside a second engine process that keeps stepping a decode batch (a
+busy worker on the same host) to the same steps timed alone. Every sample is kept in the file;
 each model is scored on held-out samples before being refitted on all of them.
 """
 
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -197,6 +201,56 @@ def transfer_samples(settings: ProfileSettings, lengths: Sequence[int], repeats:
     return samples
 
 
+# Steps timed alone and beside a neighbour: decode (batch, context) and prefill new tokens.
+_NEIGHBOUR_DECODE = ((1, 128), (8, 128))
+_NEIGHBOUR_PREFILL = (64, 256)
+_NEIGHBOUR_BATCH = 8
+
+
+def neighbour_samples(s: _Sampler, settings: ProfileSettings, repeats: int,
+                      tick: Callable[[], None]) -> list[dict[str, Any]]:
+    """The same steps alone, then beside a neighbour process stepping a decode batch."""
+
+    def measure_points() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {}
+        for batch, context in _NEIGHBOUR_DECODE:
+            for sample in decode_samples(s, [(batch, context)], max(repeats, 3), lambda: None):
+                times.setdefault(f"decode b{batch} c{context}", []).append(sample["y"])
+        for new in _NEIGHBOUR_PREFILL:
+            for sample in prefill_samples(s, [(new, 0, 1)], repeats, lambda: None):
+                times.setdefault(f"prefill {new}", []).append(sample["y"])
+        return times
+
+    alone = measure_points()
+    tick()
+    command = [sys.executable, "-m", "planner.profiler", "neighbour", settings.model,
+               settings.dtype, str(settings.torch_threads), str(settings.kv_cache_gb)]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as neighbour:
+        try:
+            assert neighbour.stdout is not None
+            if neighbour.stdout.readline().strip() != "stepping":
+                raise RuntimeError("the neighbour engine process did not start")
+            beside = measure_points()
+        finally:
+            neighbour.kill()
+    tick()
+    return [{"point": point, "alone": alone[point], "beside": beside[point]} for point in alone]
+
+
+def _neighbour(model: str, dtype: str, threads: int, kv_cache_gb: float) -> None:
+    """A neighbour engine: steps a decode batch until killed (`neighbour_samples`)."""
+    engine = LLMEngine(model, dtype, cache=CacheConfig(kv_cache_memory_gb=kv_cache_gb),
+                       num_threads=threads)
+    s = _Sampler(engine, np.random.default_rng(1))
+    for _ in range(_NEIGHBOUR_BATCH):
+        s.add(s.prompt(128), 10**6)
+    engine.step()
+    print("stepping", flush=True)
+    while True:
+        engine.step()
+
+
 def _grids(engine: LLMEngine, quick: bool) -> dict[str, Any]:
     limit = engine.max_model_len
     news = [16, 64, 256, 512] if quick else [16, 64, 256, 512, 1024]
@@ -231,7 +285,7 @@ def measure(settings: ProfileSettings, progress: Any | None = None) -> Profile:
     grids = _grids(engine, settings.quick)
     repeats = settings.repeats
     total = (len(grids["prefill"]) + len(grids["mixed"])) * repeats + len(grids["decode"]) \
-        + len(grids["lengths"])
+        + len(grids["lengths"]) + 2
     task = progress.add_task("profiling", total=total) if progress is not None else None
 
     def tick() -> None:
@@ -247,13 +301,14 @@ def measure(settings: ProfileSettings, progress: Any | None = None) -> Profile:
     prefill = prefill_samples(s, grids["prefill"], repeats, tick)
     prefill += mixed_samples(s, grids["mixed"], repeats, tick)
     decode = decode_samples(s, grids["decode"], max(repeats, 3), tick)
+    neighbour = neighbour_samples(s, settings, repeats, tick)
     transfer = transfer_samples(settings, grids["lengths"], repeats, tick)
-    return build_profile(settings, engine, load_time, prefill, decode, transfer)
+    return build_profile(settings, engine, load_time, prefill, decode, transfer, neighbour)
 
 
 def build_profile(settings: ProfileSettings, engine: LLMEngine, load_time: float,
                   prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
-                  transfer: list[dict[str, Any]]) -> Profile:
+                  transfer: list[dict[str, Any]], neighbour: list[dict[str, Any]]) -> Profile:
     """Assemble the profile of `engine` from its samples (see `fit_profile`)."""
     cfg = engine.model_config
     measured = Profile(
@@ -264,7 +319,9 @@ def build_profile(settings: ProfileSettings, engine: LLMEngine, load_time: float
         block_bytes=engine.kv_cache.block_bytes * cfg.num_layers,
         max_model_len=engine.max_model_len, transport=settings.transport,
         load_time_s=load_time, prefill=_EMPTY, decode=_EMPTY, transfer=_EMPTY,
-        samples={"prefill": prefill, "decode": decode, "transfer": transfer})
+        workers_per_host=max(hardware()["cores"] // settings.torch_threads, 1),
+        samples={"prefill": prefill, "decode": decode, "transfer": transfer,
+                 "neighbour": neighbour})
     return fit_profile(measured)
 
 
@@ -273,7 +330,8 @@ def fit_profile(profile: Profile) -> Profile:
 
     The prefill role's factor is the median ratio of a real prefill worker's prefill time
     (the transfer samples: layer-wise KV streaming runs inside its steps) to the step
-    model's prediction for the same prompt.
+    model's prediction for the same prompt. The neighbour slowdown is the median over its
+    points of (median time beside a neighbour) / (median time alone) - 1, at least 0.
     """
     prefill, decode, transfer = (profile.samples[k] for k in ("prefill", "decode", "transfer"))
     px = [prefill_features([(a, n) for a, n, _ in s["items"]]) for s in prefill]
@@ -286,8 +344,11 @@ def fit_profile(profile: Profile) -> Profile:
     bs = profile.block_size
     ratios = [s["prefill_s"] / prefill_model.predict(
         prefill_features([(0, s.get("tokens", s["blocks"] * bs))])) for s in transfer]
+    slowdowns = [np.median(p["beside"]) / np.median(p["alone"]) - 1
+                 for p in profile.samples.get("neighbour", [])]
     return replace(profile, prefill=prefill_model, decode=decode_model, transfer=transfer_model,
                    prefill_role_factor=float(np.median(ratios)) if ratios else 1.0,
+                   neighbour_slowdown=max(float(np.median(slowdowns)), 0.0) if slowdowns else 0.0,
                    fit_error={"prefill": prefill_err, "decode": decode_err,
                               "transfer": transfer_err})
 
@@ -297,3 +358,11 @@ def model_id(engine: LLMEngine) -> str:
     c = engine.model_config
     return (f"{c.architecture}:L{c.num_layers}:H{c.hidden_size}:I{c.intermediate_size}:"
             f"A{c.num_heads}/{c.num_kv_heads}x{c.head_dim}:V{c.vocab_size}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["neighbour"] and len(sys.argv) == 6:
+        _neighbour(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+    else:
+        sys.exit("usage: python -m planner.profiler neighbour MODEL DTYPE THREADS KV_GB "
+                 "(started by `pdcluster profile`)")

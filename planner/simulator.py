@@ -205,6 +205,10 @@ class Simulation:
         self.decode_pool = [w for w in self.workers if w.role != "prefill"]
         self.prefill_pool = [w for w in self.workers if w.role == "prefill"]
         self._by_id = {w.worker_id: w for w in self.workers}
+        # Hosts of `workers_per_host` workers each, in order; each worker's host-mates.
+        per_host = max(decode_profile.workers_per_host, 1)
+        hosts = [self.workers[i:i + per_host] for i in range(0, len(self.workers), per_host)]
+        self._hosts = {w.worker_id: host for host in hosts for w in host}
         # As LLMEngine limits it: the model's context and one worker's whole KV pool.
         self._max_model_len = min(p.max_model_len for p in (prefill_profile, decode_profile))
         self._max_model_len = min(self._max_model_len, *(p.num_blocks * p.block_size for p in
@@ -340,6 +344,8 @@ class Simulation:
         seconds = worker.profile.step_time(items)
         if worker.role == "prefill":
             seconds *= worker.profile.prefill_role_factor
+        busy_neighbours = sum(w.busy for w in self._hosts[worker.worker_id]) - 1
+        seconds *= 1 + worker.profile.neighbour_slowdown * busy_neighbours
         self._at(self.now + seconds, lambda: self._step_done(worker, out))
 
     def _step_done(self, worker: _Worker, out: SchedulerOutput) -> None:

@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 from engine import CacheConfig, LLMEngine
+from engine.hardware import cpu_features
 from planner.profile import (
+    DECODE_FEATURES,
     PREFILL_FEATURES,
     Profile,
     check_same_model,
+    decode_features,
     fit,
     fit_held_out,
     prefill_features,
@@ -38,6 +41,21 @@ def test_fit_recovers_a_known_model_and_scores_held_out_samples() -> None:
     assert all(c >= 0 for c in model.coef)
     assert error["num_samples"] == 50  # a quarter held out
     assert 0.005 < error["median"] < 0.03
+
+
+def test_fit_leaves_out_steps_another_process_interrupted() -> None:
+    """One sample in ten runs 2-4x slow (the CPU taken away mid-step): the fit ignores
+    them and recovers the model the other samples follow."""
+    rng = np.random.default_rng(1)
+    xs = [decode_features(rng.integers(16, 1024, int(rng.integers(1, 32))).tolist())
+          for _ in range(200)]
+    truth = np.array([0.04, 0.005, 0.01])
+    ys = [float(np.dot(truth, x)) * (rng.uniform(2, 4) if i % 10 == 0 else 1.0)
+          for i, x in enumerate(xs)]
+
+    model = fit(DECODE_FEATURES, xs, ys)
+
+    np.testing.assert_allclose(model.coef, truth, rtol=1e-6)
 
 
 def test_fit_never_returns_a_negative_coefficient() -> None:
@@ -80,5 +98,10 @@ def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
     # Prompt steps of many tokens cost more than of a few (orders of magnitude apart).
     assert profile.step_time([(0, 512, True)]) > profile.step_time([(0, 16, True)])
     assert profile.prefill_role_factor > 0
+    # Steps timed alone and beside a stepping neighbour engine, at every neighbour point.
+    neighbour = profile.samples["neighbour"]
+    assert len(neighbour) == 4 and all(p["alone"] and p["beside"] for p in neighbour)
+    assert profile.neighbour_slowdown >= 0
+    assert profile.workers_per_host == max(cpu_features().cores // profile.torch_threads, 1)
     profile.save(tmp_path / "tiny.json")
     assert Profile.load(tmp_path / "tiny.json") == profile

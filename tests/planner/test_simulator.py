@@ -3,6 +3,8 @@ disaggregated path's exact timeline, prefix hits and KV preemption from the real
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -64,6 +66,30 @@ def test_a_fixed_decode_batch_takes_exactly_one_step_per_token() -> None:
     assert result.first_token == pytest.approx([prefill] * batch)
     assert result.finish == pytest.approx([prefill + sum(steps)] * batch)
     assert result.tpot == pytest.approx([sum(steps) / (output_len - 1)] * batch)
+
+
+def test_busy_neighbours_on_a_host_slow_each_step() -> None:
+    """Two colocated workers on one host, each given one request at 0: both steps run side
+    by side and take (1 + slowdown) times as long. On two hosts (one worker each), or once
+    the neighbour is idle, steps take their own time."""
+    slowdown, prefill, decode = 0.25, 0.1, 0.02
+    profile = replace(synthetic_profile(prefill=(prefill, 0.0, 0.0, 0.0),
+                                        decode=(decode, 0.0, 0.0)),
+                      neighbour_slowdown=slowdown, workers_per_host=2)
+    shape = ClusterShape("colocated", 0, 2)
+    requests = trace(np.zeros(2), random_prompts(2, 16, seed=5), 3)
+
+    shared = Simulation(shape, profile, profile).run(requests)
+    alone = Simulation(shape, replace(profile, workers_per_host=1),
+                       replace(profile, workers_per_host=1)).run(requests)
+
+    assert shared.first_token == pytest.approx([prefill * (1 + slowdown)] * 2)
+    assert shared.finish == pytest.approx([(prefill + 2 * decode) * (1 + slowdown)] * 2)
+    assert alone.finish == pytest.approx([prefill + 2 * decode] * 2)
+
+    # One request only: its neighbour never steps, so nothing slows it.
+    single = Simulation(shape, profile, profile).run(requests[:1])
+    assert single.finish == pytest.approx([prefill + 2 * decode])
 
 
 def test_max_num_seqs_splits_the_batch_into_waves() -> None:
