@@ -1,6 +1,6 @@
 """A peer that does not hold the cluster's key, for the internal-socket security tests.
 
-It connects to an internal socket, sends one message, and waits (on the socket's own
+It connects to an internal socket, sends a message, and waits (on the socket's own
 monitor events, not a sleep) until the ZMTP handshake has either succeeded or failed.
 A failed handshake means nothing it sent was or can be delivered.
 """
@@ -37,9 +37,12 @@ class Rogue:
             self.sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         self.sock.connect(endpoint)
 
-    def send(self, data: bytes, timeout_s: float = 30.0) -> int:
-        """Send `data` and return the handshake's outcome (a `zmq.EVENT_HANDSHAKE_*`)."""
+    def send(self, data: bytes) -> None:
+        """Queue one message (it leaves only if the handshake succeeds)."""
         self.sock.send(data)
+
+    def handshake(self, timeout_s: float = 30.0) -> int:
+        """Wait for the handshake's outcome: a `zmq.EVENT_HANDSHAKE_*` code."""
         while self._monitor.poll(timeout_s * 1000):
             event = recv_monitor_message(self._monitor)["event"]
             if event in HANDSHAKE_EVENTS:
