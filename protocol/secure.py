@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -67,7 +66,6 @@ class SocketGuard:
     def __init__(self, context: zmq.Context, key: ClusterKey | None) -> None:
         self.key = key
         self.decisions: Counter[str] = Counter()  # ZAP verdicts: "allowed" / "denied"
-        self._decided = threading.Condition()
         self._auth: ThreadAuthenticator | None = None
         if key is not None:
             self._auth = ThreadAuthenticator(context, log=log)
@@ -107,15 +105,8 @@ class SocketGuard:
         allowed = self.key is not None and hmac.compare_digest(client_key, self.key.public)
         if not allowed:
             log.warning("refused an internal connection: unknown CURVE key %s", client_key)
-        with self._decided:
-            self.decisions["allowed" if allowed else "denied"] += 1
-            self._decided.notify_all()
+        self.decisions["allowed" if allowed else "denied"] += 1
         return allowed
-
-    def wait_denied(self, count: int, timeout_s: float) -> bool:
-        """Block until ZAP has refused `count` clients in all; False on timeout."""
-        with self._decided:
-            return self._decided.wait_for(lambda: self.decisions["denied"] >= count, timeout_s)
 
     def close(self) -> None:
         """Stop the ZAP handler (before the context is destroyed); idempotent."""
