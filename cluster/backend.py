@@ -236,9 +236,9 @@ class ClusterBackend(Backend):
                                   if self.cluster_key else "plain TCP (unauthenticated)")
         log.info("internal sockets on %s: %s", host, self.internal_security)
         self._ctx = zmq.asyncio.Context()
-        self.guard = SocketGuard(self._ctx, self.cluster_key)
+        self.sockets = SocketGuard(self._ctx, self.cluster_key)
         self._pull = self._ctx.socket(zmq.PULL)
-        self.endpoint = self.guard.bind(self._pull, f"tcp://{host}:0")
+        self.endpoint = self.sockets.bind(self._pull, f"tcp://{host}:0")
         self._model_info: ModelInfo | None = None
         self._starting = 0  # workers being started (a request may wait for one)
         self._worker_ready = asyncio.Event()  # set (and replaced) whenever one is ready
@@ -259,7 +259,7 @@ class ClusterBackend(Backend):
             task.cancel()
         await asyncio.gather(*(self._stop_worker(h) for h in list(self.workers.values())),
                              return_exceptions=True)
-        self.guard.close()
+        self.sockets.close()
         self._ctx.destroy(linger=0)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
@@ -304,7 +304,7 @@ class ClusterBackend(Backend):
             raise
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
-        self.guard.connect(socket, info["endpoint"])
+        self.sockets.connect(socket, info["endpoint"])
         handle = _Handle(worker_id, role, actor, pg, info, socket)
         handle.idle.set()
         self.workers[worker_id] = handle

@@ -98,12 +98,12 @@ class Worker:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
-        self._guard = SocketGuard(self._ctx, spec.cluster_key)
+        self._sockets = SocketGuard(self._ctx, spec.cluster_key)
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 0)
-        self._guard.connect(self._out, spec.router_endpoint)
+        self._sockets.connect(self._out, spec.router_endpoint)
         self._cmd = self._ctx.socket(zmq.PULL)
-        self.endpoint = self._guard.bind(self._cmd, f"tcp://{spec.host}:0")
+        self.endpoint = self._sockets.bind(self._cmd, f"tcp://{spec.host}:0")
         self.engine = self._build_engine()
         self.peaks = measure_peaks(self.engine.device, self.engine.dtype, size=512, read_mb=64)
         self.utilization: dict[str, float] = {}
@@ -272,5 +272,5 @@ class Worker:
         self.loop.stop()
         if self.role.endpoint is not None:
             self.role.endpoint.close()
-        self._guard.close()
+        self._sockets.close()
         self._ctx.destroy(linger=0)

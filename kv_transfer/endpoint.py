@@ -50,7 +50,7 @@ class Endpoint(ABC):
         self.compat = compat
         self.config = config
         self._ctx = zmq.Context()
-        self._guard = SocketGuard(self._ctx, config.cluster_key)
+        self._sockets = SocketGuard(self._ctx, config.cluster_key)
         self._poller = zmq.Poller()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake, zmq.POLLIN)
@@ -187,7 +187,7 @@ class Endpoint(ABC):
             log.exception("kv_transfer: the IO thread crashed")
             self._abandon(f"the transfer thread crashed: {exc!r}")
         finally:
-            self._guard.close()
+            self._sockets.close()
             self._ctx.destroy(linger=0)
 
     def _step(self) -> None:

@@ -125,7 +125,7 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
             assert all(outcome in FAILED for outcome in outcomes), outcomes
             assert [tokens for tokens, _ in results] == expected
             assert [last.finish_reason for _, last in results] == ["length", "length"]
-            assert backend.guard.decisions["denied"] >= 1  # the rogue with its own keypair
+            assert backend.sockets.decisions["denied"] >= 1  # the rogue with its own keypair
         else:
             assert outcomes == [zmq.EVENT_HANDSHAKE_SUCCEEDED] * 3
             assert (results[0][1].finish_reason, results[0][1].error) == ("error", "rogue")

@@ -51,7 +51,7 @@ def test_keyed_peers_transfer_and_rogues_are_never_heard(transport: str) -> None
             peer_id = tx.connect(info, transport)
             sender_events = run_plan(tx, peer_id, plan)
         events = collect(rx, len(plan))
-        denied = rx._guard.decisions["denied"]
+        denied = rx._sockets.decisions["denied"]
 
     assert sorted(map(str, sender_events)) == sorted(str(TransferDone(r)) for r, _, _ in plan)
     assert sorted(map(str, events)) == sorted(
