@@ -2,10 +2,11 @@
 
     python -m bench.kv_bench [--sizes-mb 1 4 16 64 256] [--repeats 10]
 
-A receiver process offers shm, zmq and torch_dist on one shared-memory pool, plus a plain
-TCP socket that `recv_into`s the same pool. This process sends each size over each of them
-and copies the same bytes in-process with `torch.copy_` (one thread), in rounds that run
-every method once (`--repeats` rounds after a warm-up). Bandwidths are medians over rounds;
+A receiver process offers shm, zmq and torch_dist on one shared-memory pool, zmq once more
+with the cluster's CURVE key (`zmq_curve`: encrypted, what `--internal-auth curve` costs),
+plus a plain TCP socket that `recv_into`s the same pool. This process sends each size over
+each of them and copies the same bytes in-process with `torch.copy_` (one thread), in rounds
+that run every method once (`--repeats` rounds after a warm-up). Bandwidths are medians over rounds;
 a ratio is the median over rounds of the two methods' times in that round, so bursts of
 load on a shared machine hit both sides; the headline ratios are the worst over sizes of at
 least 16 MiB. A transfer is timed from `begin` to the acknowledged `TransferDone` and moves
@@ -43,6 +44,7 @@ from kv_transfer import (
     TransferDone,
 )
 from kv_transfer.blocks import as_bytes
+from protocol.secure import ClusterKey
 
 # A small model's geometry: 64 KiB per block and layer, 512 KiB per block.
 GEOMETRY = {"num_layers": 8, "block_size": 16, "num_kv_heads": 8, "head_dim": 64}
@@ -61,8 +63,10 @@ def compat(kv: KVCache) -> CompatRecord:
     return CompatRecord.from_kv_cache(kv, "kv-bench")
 
 
-def settings() -> TransferConfig:
-    return TransferConfig(transports=TRANSPORTS, request_timeout_s=120.0)
+def settings(key: ClusterKey | None = None) -> TransferConfig:
+    """Every transport unkeyed; with `key`, zmq alone under CURVE."""
+    return TransferConfig(transports=TRANSPORTS if key is None else ("zmq",),
+                          request_timeout_s=120.0, cluster_key=key)
 
 
 def layer_digests(kv: KVCache, num_blocks: int) -> list[int]:
@@ -83,17 +87,20 @@ def serve_raw(server: socket.socket, dst: memoryview) -> None:
             conn.sendall(b"k")
 
 
-def receiver_process(conn: Any, num_blocks: int) -> None:
+def receiver_process(conn: Any, num_blocks: int, key: ClusterKey) -> None:
     pool = SharedKVPool()
     kv = make_kv(num_blocks, allocator=pool)
     server = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=serve_raw, args=(server, as_bytes(kv.buffer)), daemon=True).start()
-    with KVReceiver(kv, compat(kv), settings(), shm_pool=pool) as rx:
-        conn.send({"peer_info": rx.peer_info(), "raw_port": server.getsockname()[1]})
+    with KVReceiver(kv, compat(kv), settings(), shm_pool=pool) as rx, \
+            KVReceiver(kv, compat(kv), settings(key)) as secure_rx:
+        conn.send({"peer_info": rx.peer_info(), "secure_peer_info": secure_rx.peer_info(),
+                   "raw_port": server.getsockname()[1]})
         while (cmd := conn.recv())[0] != "exit":
             rx.poll()
+            secure_rx.poll()
             if cmd[0] == "expect":
-                rx.expect(cmd[1], range(cmd[2]))
+                (secure_rx if cmd[3] == "zmq_curve" else rx).expect(cmd[1], range(cmd[2]))
                 conn.send("ok")
             elif cmd[0] == "clear":
                 kv.buffer.zero_()
@@ -105,15 +112,19 @@ def receiver_process(conn: Any, num_blocks: int) -> None:
 # ---- sender side ----
 
 class Bench:
-    """This process's ends: a KVSender connected over every transport and a raw socket."""
+    """This process's ends: a KVSender connected over every transport, one keyed sender
+    (zmq under CURVE), and a raw socket."""
 
-    def __init__(self, conn: Any, num_blocks: int) -> None:
+    def __init__(self, conn: Any, num_blocks: int, key: ClusterKey) -> None:
         self.conn = conn
         self.kv = make_kv(num_blocks)
         self.kv.buffer.copy_(torch.randn(self.kv.buffer.shape))
         hello = conn.recv()
         self.tx = KVSender(self.kv, compat(self.kv), settings())
-        self.peers = {t: self.tx.connect(hello["peer_info"], t) for t in TRANSPORTS}
+        self.secure_tx = KVSender(self.kv, compat(self.kv), settings(key))
+        self.peers = {t: (self.tx, self.tx.connect(hello["peer_info"], t)) for t in TRANSPORTS}
+        self.peers["zmq_curve"] = (self.secure_tx,
+                                   self.secure_tx.connect(hello["secure_peer_info"], "zmq"))
         self.raw = socket.create_connection(("127.0.0.1", hello["raw_port"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.copy_dst = torch.empty_like(self.kv.buffer.view(-1).view(torch.uint8))
@@ -127,13 +138,14 @@ class Bench:
         """Seconds from begin to the acknowledged TransferDone of `num_blocks` blocks."""
         self._ids += 1
         rid = f"bench-{self._ids}"
-        self.ask("expect", rid, num_blocks)
+        self.ask("expect", rid, num_blocks, transport)
+        tx, peer_id = self.peers[transport]
         start = time.perf_counter()
-        self.tx.begin(rid, self.peers[transport], range(num_blocks), range(num_blocks))
+        tx.begin(rid, peer_id, range(num_blocks), range(num_blocks))
         for layer in range(self.kv.num_layers):
-            self.tx.send_layer(rid, layer)
-        self.tx.finish(rid)
-        events = self.tx.wait_events(120.0)
+            tx.send_layer(rid, layer)
+        tx.finish(rid)
+        events = tx.wait_events(120.0)
         elapsed = time.perf_counter() - start
         if events != [TransferDone(rid)]:
             raise RuntimeError(f"{transport} transfer failed: {events}")
@@ -155,7 +167,7 @@ class Bench:
 
     def methods(self, num_blocks: int) -> dict[str, Callable[[], float]]:
         nbytes = num_blocks * self.block_bytes
-        timed = {t: (lambda t=t: self.transfer(t, num_blocks)) for t in TRANSPORTS}
+        timed = {t: (lambda t=t: self.transfer(t, num_blocks)) for t in self.peers}
         return {"memcpy": lambda: self.memcpy(nbytes),
                 "raw_socket": lambda: self.raw_socket(nbytes), **timed}
 
@@ -167,7 +179,7 @@ class Bench:
         """Whether each transport really delivered the bytes (largest size)."""
         want = layer_digests(self.kv, num_blocks)
         ok = {}
-        for transport in TRANSPORTS:
+        for transport in self.peers:
             self.ask("clear")
             self.transfer(transport, num_blocks)
             ok[transport] = self.ask("digests", num_blocks) == want
@@ -175,6 +187,7 @@ class Bench:
 
     def close(self) -> None:
         self.tx.close()
+        self.secure_tx.close()
         self.raw.close()
 
 
@@ -205,6 +218,12 @@ def paired_ratio(times: Times, num: str, den: str, size: str) -> float:
 
 def ratios(times: Times, num: str, den: str) -> dict[str, float]:
     return {size: paired_ratio(times, num, den, size) for size in times[num]}
+
+
+def ratio_spread(times: Times, num: str, den: str) -> dict[str, list[float]]:
+    """Per size, the lowest and highest per-round `den` time / `num` time."""
+    return {size: [min(r), max(r)] for size in times[num]
+            for r in [[d / n for n, d in zip(times[num][size], times[den][size], strict=True)]]}
 
 
 def latency_us(bench: Bench, repeats: int) -> dict[str, float]:
@@ -238,7 +257,9 @@ def measure(bench: Bench, args: argparse.Namespace, num_blocks: int) -> dict[str
         "ratios_by_size_mb": {"shm_over_memcpy": shm_over_copy,
                               "zmq_over_raw_socket": zmq_over_raw,
                               "torch_dist_over_raw_socket": ratios(times, "torch_dist",
-                                                                   "raw_socket")},
+                                                                   "raw_socket"),
+                              "zmq_curve_over_zmq": ratios(times, "zmq_curve", "zmq")},
+        "zmq_curve_over_zmq_round_range": ratio_spread(times, "zmq_curve", "zmq"),
         "same_host_over_memcpy": worst_at_least(shm_over_copy, 16),
         "zmq_tcp_over_raw_socket": worst_at_least(zmq_over_raw, 16),
         "targets": TARGETS,
@@ -268,9 +289,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_blocks = max(args.sizes_mb) * MIB // (GEOMETRY["num_layers"] * make_kv(1).block_bytes)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=receiver_process, args=(theirs, num_blocks), daemon=True)
+    key = ClusterKey.generate()
+    proc = ctx.Process(target=receiver_process, args=(theirs, num_blocks, key), daemon=True)
     proc.start()
-    bench = Bench(ours, num_blocks)
+    bench = Bench(ours, num_blocks, key)
     try:
         results = measure(bench, args, num_blocks)
     finally:
@@ -283,7 +305,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["exposed_transfer_share_2048"] = exposed["2048"]["share"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    keys = ("one_block_latency_us", "verified", *TARGETS, "exposed_transfer_share_2048")
+    keys = ("one_block_latency_us", "verified", *TARGETS, "exposed_transfer_share_2048",
+            "zmq_curve_over_zmq_round_range")
     print(json.dumps({k: results.get(k) for k in keys}, indent=2))
     return results
 

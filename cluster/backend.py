@@ -45,12 +45,15 @@ from protocol import (
     decode_reply,
     encode,
 )
+from protocol.secure import ClusterKey, SocketGuard
+from router.auth import is_loopback
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 from router.placement import Placement, PrefixIndex, WorkerLoad, place_request
 
 log = logging.getLogger(__name__)
 # Stats older than this many intervals mark a worker `slow` in status (never dead).
 SLOW_AFTER_INTERVALS = 4
+INTERNAL_AUTH = ("auto", "curve", "off")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ class ClusterConfig:
         drain_timeout_s: how long a drained worker's requests may take to finish before
             they are moved to other workers.
         migrate: place a dead or drained worker's requests again (else they end in error).
+        internal_auth: security of the internal ZMQ sockets (router <-> workers, KV
+            transfer): `curve` encrypts them and admits only holders of the cluster's key,
+            `off` is plain TCP, `auto` is `curve` unless the internal host is loopback on a
+            single-node Ray cluster.
         worker: engine settings shared by all workers (a WorkerSpec template).
     """
 
@@ -88,6 +95,7 @@ class ClusterConfig:
     reserve_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0
     migrate: bool = True
+    internal_auth: str = "auto"
     worker: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,11 +107,28 @@ class ClusterConfig:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.internal_auth not in INTERNAL_AUTH:
+            raise ValueError(f"internal_auth must be one of {INTERNAL_AUTH}, "
+                             f"got {self.internal_auth!r}")
 
 
 def resolve_host(host: str) -> str:
     """`auto` means this node's IP as Ray sees it (multi-node clusters)."""
     return ray.util.get_node_ip_address() if host == "auto" else host
+
+
+def uses_curve(internal_auth: str, host: str) -> bool:
+    """Whether the internal sockets run CURVE: always for `curve`; for `auto`, unless
+    every socket is on loopback of a single-node Ray cluster (nobody else can connect,
+    and encryption would only slow the zmq KV path).
+
+    Args:
+        internal_auth: `auto`, `curve` or `off`.
+        host: the resolved internal host.
+    """
+    if internal_auth != "auto":
+        return internal_auth == "curve"
+    return not is_loopback(host) or sum(node["Alive"] for node in ray.nodes()) > 1
 
 
 @ray.remote
@@ -204,10 +229,16 @@ class ClusterBackend(Backend):
         self._ids = itertools.count()
         self._prefix = PrefixIndex(config.worker.get("block_size", 16))
         self._tasks: set[asyncio.Task] = set()
+        host = resolve_host(config.host)
+        self.cluster_key = ClusterKey.generate() if uses_curve(config.internal_auth, host) \
+            else None
+        self.internal_security = ("CURVE (encrypted; only holders of the cluster key)"
+                                  if self.cluster_key else "plain TCP (unauthenticated)")
+        log.info("internal sockets on %s: %s", host, self.internal_security)
         self._ctx = zmq.asyncio.Context()
+        self.sockets = SocketGuard(self._ctx, self.cluster_key)
         self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(f"tcp://{resolve_host(config.host)}:0")
-        self.endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = self.sockets.bind(self._pull, f"tcp://{host}:0")
         self._model_info: ModelInfo | None = None
         self._starting = 0  # workers being started (a request may wait for one)
         self._worker_ready = asyncio.Event()  # set (and replaced) whenever one is ready
@@ -228,6 +259,7 @@ class ClusterBackend(Backend):
             task.cancel()
         await asyncio.gather(*(self._stop_worker(h) for h in list(self.workers.values())),
                              return_exceptions=True)
+        self.sockets.close()
         self._ctx.destroy(linger=0)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
@@ -240,6 +272,7 @@ class ClusterBackend(Backend):
         worker_id = f"{role}-{next(self._ids)}"
         spec = WorkerSpec(worker_id=worker_id, role=role, model=self.config.model,
                           router_endpoint=self.endpoint, host=self.config.host,
+                          cluster_key=self.cluster_key,
                           transports=self.config.transports,
                           torch_threads=self.config.torch_threads, **self.config.worker)
         bundle = {"CPU": self.config.num_cpus_per_worker}
@@ -271,7 +304,7 @@ class ClusterBackend(Backend):
             raise
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(info["endpoint"])
+        self.sockets.connect(socket, info["endpoint"])
         handle = _Handle(worker_id, role, actor, pg, info, socket)
         handle.idle.set()
         self.workers[worker_id] = handle

@@ -32,7 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
         num_cpus_per_worker=args.num_cpus_per_worker,
         num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
         local_prefill_threshold=args.local_prefill_threshold, worker=worker,
-        drain_timeout_s=args.drain_timeout, migrate=not args.no_migration)
+        drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
+        internal_auth=args.internal_auth)
     security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
                               tls_client_ca=args.tls_client_ca)
@@ -163,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-host", default=None,
                        help="address workers and the router bind for ZMQ and KV; 'auto' "
                             "(each node's IP) with --address, else 127.0.0.1")
+    serve.add_argument("--internal-auth", choices=["auto", "curve", "off"], default="auto",
+                       help="internal ZMQ sockets (router <-> workers, KV transfer): 'curve' "
+                            "encrypts them and admits only holders of the cluster's key; "
+                            "'auto' (default) is 'curve' unless they are all on loopback "
+                            "of one node")
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--http-port", "--port", type=int, default=8000,
                        help="OpenAI HTTP port (--port, as in vLLM)")

@@ -101,6 +101,7 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
     if options.autoscaler is not None:
         loop = AutoscalerLoop(options.autoscaler, front, AutoscalerMetrics(metrics.registry))
         autoscaling = asyncio.create_task(loop.run())
+    console.print(f"Internal sockets: {backend.internal_security}")
     _announce(options, servers)
     try:
         await stop.wait()

@@ -25,6 +25,7 @@ from engine.hardware import measure_peaks
 from kv_transfer import CompatRecord, KVReceiver, KVSender, SharedKVPool, TransferConfig
 from prefill_worker import PrefillRole
 from protocol import Abort, Command, Failed, Reply, Role, Stats, decode_command, encode
+from protocol.secure import ClusterKey, SocketGuard
 from protocol.worker_role import WorkerRole
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class WorkerSpec:
         kv_wait_timeout_s: how long reserved decode blocks wait for a remote prefill's KV
             (queueing on the prefill worker included; peer loss is detected sooner).
         max_model_len: longest prompt + output; None: the model's and the KV pool's limit.
+        cluster_key: the cluster's CURVE keypair (handed out by the router through Ray):
+            every socket of the worker and of its KV endpoint speaks CURVE and admits only
+            holders of it; None: plain TCP.
     """
 
     worker_id: str
@@ -73,6 +77,7 @@ class WorkerSpec:
     enable_prefix_caching: bool = True
     kv_wait_timeout_s: float = 600.0
     max_model_len: int | None = None
+    cluster_key: ClusterKey | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
@@ -93,12 +98,12 @@ class Worker:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
+        self._sockets = SocketGuard(self._ctx, spec.cluster_key)
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 0)
-        self._out.connect(spec.router_endpoint)
+        self._sockets.connect(self._out, spec.router_endpoint)
         self._cmd = self._ctx.socket(zmq.PULL)
-        self._cmd.bind(f"tcp://{spec.host}:0")
-        self.endpoint = self._cmd.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = self._sockets.bind(self._cmd, f"tcp://{spec.host}:0")
         self.engine = self._build_engine()
         self.peaks = measure_peaks(self.engine.device, self.engine.dtype, size=512, read_mb=64)
         self.utilization: dict[str, float] = {}
@@ -130,7 +135,8 @@ class Worker:
     def _build_role(self) -> WorkerRole:
         spec = self.spec
         compat = CompatRecord.from_kv_cache(self.engine.kv_cache, str(self.engine.model_dir))
-        config = TransferConfig(transports=spec.transports, host=spec.host)
+        config = TransferConfig(transports=spec.transports, host=spec.host,
+                                cluster_key=spec.cluster_key)
         if spec.role == Role.PREFILL:
             return PrefillRole(spec.worker_id, self.engine,
                                KVSender(self.engine.kv_cache, compat, config))
@@ -250,7 +256,8 @@ class Worker:
             "block_size": self.spec.block_size, "num_blocks": self.engine.block_pool.num_blocks,
             "block_bytes": self.engine.kv_cache.block_bytes * cfg.num_layers,
             "peer_info": receiver.peer_info() if receiver is not None else None,
-            "spec": asdict(self.spec), "torch_threads": torch.get_num_threads(),
+            "spec": {k: v for k, v in asdict(self.spec).items() if k != "cluster_key"},
+            "torch_threads": torch.get_num_threads(),
             "pid": os.getpid(), "host": self.spec.host,
         }
 
@@ -265,4 +272,5 @@ class Worker:
         self.loop.stop()
         if self.role.endpoint is not None:
             self.role.endpoint.close()
+        self._sockets.close()
         self._ctx.destroy(linger=0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.secure import ClusterKey
+
 TRANSPORTS = ("shm", "zmq", "torch_dist")
 
 
@@ -25,6 +27,9 @@ class TransferConfig:
             bounds one torch.distributed operation and the wait for a cancel to be
             acknowledged.
         connect_timeout_s: how long `connect` waits for the handshake.
+        cluster_key: the cluster's CURVE keypair: the control socket (and the zmq
+            transport's KV bytes on it) is encrypted and admits only holders of this key;
+            None: plain TCP. Both ends must agree.
     """
 
     transports: tuple[str, ...] = ("zmq",)
@@ -34,6 +39,7 @@ class TransferConfig:
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 5.0
     connect_timeout_s: float = 10.0
+    cluster_key: ClusterKey | None = None
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.transports if t not in TRANSPORTS]

@@ -18,6 +18,7 @@ from engine.kv_cache import KVCache
 from kv_transfer.compat import CompatRecord, KVCompatibilityError, check_compat
 from kv_transfer.config import TransferConfig
 from kv_transfer.events import TransferEvent, TransferFailed
+from protocol.secure import SocketGuard
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Endpoint(ABC):
         self.compat = compat
         self.config = config
         self._ctx = zmq.Context()
+        self._sockets = SocketGuard(self._ctx, config.cluster_key)
         self._poller = zmq.Poller()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake, zmq.POLLIN)
@@ -185,6 +187,7 @@ class Endpoint(ABC):
             log.exception("kv_transfer: the IO thread crashed")
             self._abandon(f"the transfer thread crashed: {exc!r}")
         finally:
+            self._sockets.close()
             self._ctx.destroy(linger=0)
 
     def _step(self) -> None:

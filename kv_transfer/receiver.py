@@ -84,8 +84,7 @@ class KVReceiver(Endpoint):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.bind(f"tcp://{config.host}:0")
-        self._endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._endpoint = self._sockets.bind(self._sock, f"tcp://{config.host}:0")
         self._locality = locality()
         self._poller.register(self._sock, zmq.POLLIN)
         self._store = self._store_addr = None

@@ -213,7 +213,7 @@ class KVSender(Endpoint):
         sock.setsockopt(zmq.IDENTITY, peer_id.encode())
         sock.setsockopt(zmq.SNDHWM, 0)  # a layer queued behind others must never block
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(peer_info["endpoint"])
+        self._sockets.connect(sock, peer_info["endpoint"])
         self._poller.register(sock, zmq.POLLIN)
         now = time.monotonic()
         peer = _Peer(peer_id, sock, bool(peer_info.get("verify_checksums")), now, now, welcome)

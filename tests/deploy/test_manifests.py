@@ -515,6 +515,8 @@ def test_rayjob_serves_on_the_raycluster():
         # Prefill and decode workers live in different pods, which share no /dev/shm: with
         # `shm` each decode pod would hold a shared-memory KV pool no transfer can use.
         assert flags.get("--transport") in ("zmq", "torch")
+    # Worker traffic crosses the pod network: only holders of the cluster's key are heard.
+    assert flags.get("--internal-auth", "auto") in ("auto", "curve")
 
 
 def test_rayjob_pools_fit_in_their_worker_groups():

@@ -24,8 +24,8 @@ CHATS = [
 
 
 class Served:
-    def __init__(self, proc: subprocess.Popen, grpc: str, http: str) -> None:
-        self.proc, self.grpc, self.http = proc, grpc, http
+    def __init__(self, proc: subprocess.Popen, grpc: str, http: str, lines: list[str]) -> None:
+        self.proc, self.grpc, self.http, self.lines = proc, grpc, http, lines
 
 
 def _serve(*flags: str) -> Iterator[Served]:
@@ -47,7 +47,7 @@ def _serve(*flags: str) -> Iterator[Served]:
         proc.kill()
         raise AssertionError("serve did not become ready:\n" + "".join(lines[-30:]))
     try:
-        yield Served(proc, match.group(1), match.group(2))
+        yield Served(proc, match.group(1), match.group(2), lines)
     finally:
         proc.send_signal(2)
         try:
@@ -58,8 +58,9 @@ def _serve(*flags: str) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def disaggregated():
+    # CURVE on the internal sockets (on loopback `auto` would leave them plain, as colocated).
     yield from _serve("--prefill", "1", "--decode", "1", "--local-prefill-threshold", "0",
-                      "--metrics-compat", "vllm")
+                      "--metrics-compat", "vllm", "--internal-auth", "curve")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,8 @@ def test_disaggregated_smollm2_matches_transformers_and_colocated(disaggregated,
     from engine import apply_chat_template, load_tokenizer
     from engine.model_loader import resolve_model_dir
 
+    assert any(line.startswith("Internal sockets: CURVE") for line in disaggregated.lines)
+    assert any(line.startswith("Internal sockets: plain TCP") for line in colocated.lines)
     tokenizer = load_tokenizer(resolve_model_dir("smollm2"))
     for content in CHATS:
         tokens, text = _chat_tokens(disaggregated.grpc, content)

@@ -1,0 +1,138 @@
+"""Internal sockets with the cluster's CURVE key (`internal_auth="curve"`, on loopback).
+
+The cluster serves exactly the engine's greedy tokens over the zmq KV transport and the
+default one; a peer without the key (none at all, or a keypair of its own) is never heard
+by the router's PULL socket, a worker's command socket or a KV receiver, and what it sent
+would have ended two streams: with `internal_auth="off"` the same messages get through (the
+control that shows the observables can fail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import zmq
+from zmq.auth.thread import AuthenticationThread
+
+from engine import LLM, CacheConfig, SamplingParams
+from kv_transfer.wire import pack
+from protocol import Abort, Failed, encode
+from router.backend import GenerateRequest
+from tests.integration.conftest import collect, start_cluster, wait_pools_free
+from tests.rogue import FAILED, Rogue
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 150))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM("tiny", cache=CacheConfig(num_blocks=512))
+
+
+def _expected(reference, prompts, params):
+    return [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+
+
+def _zap_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if isinstance(t, AuthenticationThread)]
+
+
+@pytest.mark.parametrize("transports", [("zmq",), ("shm", "zmq")])
+def test_curve_cluster_serves_the_engines_tokens(ray_local, loop_thread, reference, transports):
+    prompts = _prompts(4, seed=21)
+    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=transports,
+                            internal_auth="curve")
+    try:
+        assert backend.cluster_key is not None
+        assert "CURVE" in backend.internal_security
+
+        async def go():
+            return await asyncio.gather(*(collect(backend, f"c{i}", p, GREEDY)
+                                          for i, p in enumerate(prompts)))
+        got = loop_thread.run(go())
+        assert [tokens for tokens, _ in got] == _expected(reference, prompts, GREEDY)
+        assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
+        wait_pools_free(loop_thread, backend)
+    finally:
+        loop_thread.run(backend.close())
+    assert _zap_threads() == []  # the router's ZAP handler stopped with the cluster
+
+
+async def _stream(backend, rid, prompt, started: asyncio.Event):
+    tokens, last = [], None
+    async for delta in backend.generate(GenerateRequest(rid, prompt, LONG, time.monotonic())):
+        tokens.extend(delta.token_ids)
+        last = delta
+        if len(tokens) >= 4:
+            started.set()
+    started.set()
+    return tokens, last
+
+
+@pytest.mark.parametrize("internal_auth", ["curve", "off"])
+def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference,
+                                               internal_auth):
+    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=("zmq",),
+                            internal_auth=internal_auth)
+    try:
+        (decode,) = [h for h in backend.workers.values() if h.role.decodes]
+        prompts = _prompts(2, seed=22)
+        started = [asyncio.Event(), asyncio.Event()]
+        futures = [asyncio.run_coroutine_threadsafe(
+            _stream(backend, f"s{i}", p, started[i]), loop_thread.loop)
+            for i, p in enumerate(prompts)]
+        for event in started:
+            loop_thread.run(event.wait())
+        # s0: a forged failure sent to the router; s1: a forged abort sent to the worker;
+        # and a compatible KV handshake to the worker's receiver.
+        forged = [(backend.endpoint, zmq.PUSH,
+                   encode(Failed(worker_id=decode.worker_id, request_id="s0@1", error="rogue"))),
+                  (decode.info["endpoint"], zmq.PUSH, encode(Abort(request_id="s1@1"))),
+                  (decode.info["peer_info"]["endpoint"], zmq.DEALER,
+                   pack({"op": "hello", "transport": "zmq",
+                         "compat": decode.info["peer_info"]["compat"]}))]
+        server_keys = [None] if backend.cluster_key is None else [None, backend.cluster_key.public]
+        # The decode worker is stopped while the forgeries go out, so neither stream can
+        # end on its own before they would land.
+        os.kill(decode.info["pid"], signal.SIGSTOP)
+        try:
+            rogues = [Rogue(endpoint, kind, key) for key in server_keys
+                      for endpoint, kind, _ in forged]
+            for rogue, (_, _, data) in zip(rogues, forged * len(server_keys), strict=True):
+                rogue.send(data)
+        finally:
+            os.kill(decode.info["pid"], signal.SIGCONT)
+        try:
+            outcomes = [rogue.handshake() for rogue in rogues]
+            results = [f.result(300) for f in futures]
+        finally:
+            for rogue in rogues:
+                rogue.close()
+        expected = _expected(reference, prompts, LONG)
+        if internal_auth == "curve":
+            assert all(outcome in FAILED for outcome in outcomes), outcomes
+            assert [tokens for tokens, _ in results] == expected
+            assert [last.finish_reason for _, last in results] == ["length", "length"]
+            assert backend.sockets.decisions["denied"] >= 1  # the rogue with its own keypair
+        else:
+            assert outcomes == [zmq.EVENT_HANDSHAKE_SUCCEEDED] * 3
+            assert (results[0][1].finish_reason, results[0][1].error) == ("error", "rogue")
+            assert results[1][1].finish_reason == "abort"
+        tokens, _ = loop_thread.run(collect(backend, "after", prompts[0], GREEDY))
+        assert tokens == _expected(reference, prompts[:1], GREEDY)[0]
+        assert all(h.state == "ready" for h in backend.workers.values())
+        wait_pools_free(loop_thread, backend)
+    finally:
+        loop_thread.run(backend.close())
