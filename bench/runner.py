@@ -68,7 +68,8 @@ def utilization_between(before: dict[str, Any], after: dict[str, Any]
 
     Returns:
         `{worker_id: {"role", "busy", "transfer_wait", "idle", "flops_utilization",
-        "bandwidth_utilization"}}` for the workers in both snapshots whose stats advanced.
+        "bandwidth_utilization", "steps", "mean_step_ms"}}` for the workers in both
+        snapshots whose stats advanced.
     """
     first = {w["worker_id"]: w for w in _workers(before)}
     result = {}
@@ -82,6 +83,7 @@ def utilization_between(before: dict[str, Any], after: dict[str, Any]
             wait = (worker["transfer_wait_seconds"] - start["transfer_wait_seconds"]) / dt
             flops = (worker["flops"] - start["flops"]) / dt / worker["peak_flops"]
             nbytes = (worker["bytes"] - start["bytes"]) / dt / worker["peak_bandwidth"]
+            steps = worker["num_steps"] - start["num_steps"]
         except (KeyError, TypeError, ZeroDivisionError):
             continue  # no stats push in the window, or a worker without counters
         if dt <= 0:
@@ -89,7 +91,8 @@ def utilization_between(before: dict[str, Any], after: dict[str, Any]
         result[worker["worker_id"]] = {
             "role": worker.get("role"), "busy": busy, "transfer_wait": wait,
             "idle": max(1.0 - busy - wait, 0.0), "flops_utilization": flops,
-            "bandwidth_utilization": nbytes}
+            "bandwidth_utilization": nbytes,
+            "steps": steps, "mean_step_ms": 1e3 * busy * dt / steps if steps else None}
     return result
 
 

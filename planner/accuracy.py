@@ -138,16 +138,22 @@ def _cell(point: dict[str, Any], key: str) -> str:
     return f"{p:.0f} / {m:.0f} ({e:+.0%})"
 
 
+def _step(point: dict[str, Any]) -> str:
+    p, m = point["predicted"].get("mean_step_ms"), point["measured"].get("mean_step_ms")
+    return "-" if p is None or m is None else f"{p:.0f} / {m:.0f}"
+
+
 def table(docs: list[dict[str, Any]]) -> str:
     """Markdown: one row per point, predicted / measured (error), and the summary."""
     headers = ["config", "workload", "load", "req/s", "TTFT p50 ms", "TTFT p90 ms",
-               "TPOT p50 ms", "TPOT p90 ms", "attainment"]
+               "TPOT p50 ms", "TPOT p90 ms", "attainment", "step ms"]
     rows, latency_errors, attainment_errors = [], [], []
     for doc in docs:
         for point in doc["points"]:
             rows.append([doc["config"], point["workload"], f"{point['level']:.0%}",
                          f"{point['rate_rps']:.2f}",
-                         *(_cell(point, key) for key in (*_LATENCIES, "attainment"))])
+                         *(_cell(point, key) for key in (*_LATENCIES, "attainment")),
+                         _step(point)])
             latency_errors += [abs(point["error"][k]) for k in _LATENCIES
                                if point["error"][k] is not None]
             attainment_errors.append(abs(point["error"]["attainment"]))

@@ -245,6 +245,7 @@ def predict(request: PlanRequest, shape: ClusterShape) -> dict[str, Any]:
     served = np.isfinite(result.finish)
     tokens_per_s = float(result.output_len[served].sum()) / result.duration
     predicted["cost_per_mtok"] = cost_per_hour(request, shape) / (tokens_per_s * 3600) * 1e6
+    predicted["mean_step_ms"] = 1e3 * result.busy_s / max(result.num_steps, 1)
     predicted["num_preemptions"] = result.num_preemptions
     predicted["num_failed"] = result.num_failed
     return predicted

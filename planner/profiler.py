@@ -245,7 +245,8 @@ def _neighbour(model: str, dtype: str, threads: int, kv_cache_gb: float) -> None
     s = _Sampler(engine, np.random.default_rng(1))
     for _ in range(_NEIGHBOUR_BATCH):
         s.add(s.prompt(128), 10**6)
-    engine.step()
+    for _ in range(4):  # the prefill, then decode steps (the first may build a kernel)
+        engine.step()
     print("stepping", flush=True)
     while True:
         engine.step()

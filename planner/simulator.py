@@ -109,6 +109,7 @@ class SimResult:
         finish: last-token times.
         output_len: output tokens.
         num_steps: engine steps simulated, over all workers.
+        busy_s: seconds of those steps, over all workers.
         num_preemptions: preemptions over all workers.
         num_local_prefills: requests prefilled on their decode worker.
         num_failed: requests that found no decode KV within the router's reserve timeout.
@@ -119,6 +120,7 @@ class SimResult:
     finish: np.ndarray
     output_len: np.ndarray
     num_steps: int = 0
+    busy_s: float = 0.0
     num_preemptions: int = 0
     num_local_prefills: int = 0
     num_failed: int = 0
@@ -153,6 +155,7 @@ class _Worker:
     in_flight: int = 0
     stats: WorkerLoad | None = None
     num_steps: int = 0
+    busy_s: float = 0.0
 
     def load(self) -> WorkerLoad:
         """The last pushed stats with the router's live in-flight count (as `_Handle.load`)."""
@@ -255,7 +258,8 @@ class Simulation:
                                "(a prompt larger than a worker's KV pool?)")
         return SimResult(np.array([r.arrival for r in requests]), self._first, self._finish,
                          np.array([r.output_len for r in requests]),
-                         sum(w.num_steps for w in self.workers), self._num_preemptions,
+                         sum(w.num_steps for w in self.workers),
+                         sum(w.busy_s for w in self.workers), self._num_preemptions,
                          self._local, self._num_failed)
 
     def _check(self, index: int, r: SimRequest) -> None:
@@ -346,6 +350,7 @@ class Simulation:
             seconds *= worker.profile.prefill_role_factor
         busy_neighbours = sum(w.busy for w in self._hosts[worker.worker_id]) - 1
         seconds *= 1 + worker.profile.neighbour_slowdown * busy_neighbours
+        worker.busy_s += seconds
         self._at(self.now + seconds, lambda: self._step_done(worker, out))
 
     def _step_done(self, worker: _Worker, out: SchedulerOutput) -> None:

@@ -65,7 +65,15 @@ def measured_figures(report: dict[str, Any]) -> dict[str, float | None]:
     return {"ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
             "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p90_ms": s["tpot_ms"]["p90"],
             "attainment": s["slo_attainment"], "goodput_rps": s["goodput"],
-            "failed": s["failed"]}
+            "failed": s["failed"], "mean_step_ms": mean_step_ms(report)}
+
+
+def mean_step_ms(report: dict[str, Any]) -> float | None:
+    """Milliseconds per engine step over every worker in the run (None without counters)."""
+    workers = ((report.get("utilization") or {}).get("workers") or {}).values()
+    timed = [w for w in workers if w.get("mean_step_ms") is not None]
+    steps = sum(w["steps"] for w in timed)
+    return sum(w["mean_step_ms"] * w["steps"] for w in timed) / steps if steps else None
 
 
 def errors(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:

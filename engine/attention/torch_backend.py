@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import time
@@ -133,20 +134,44 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
 
 @functools.cache
 def _cpu_kernels() -> ModuleType | None:
-    """Build (once per machine, cached under ~/.cache/torch_extensions) and load the kernel;
-    None, with a warning, where it cannot be built (no C++ compiler): decode attention then
-    gathers pages and runs SDPA, slower but the same result."""
-    from torch.utils.cpp_extension import load
+    """Build (once per source, flags and CPU; cached under ~/.cache/torch_extensions) and
+    load the kernel; None, with a warning, where it cannot be built (no C++ compiler):
+    decode attention then gathers pages and runs SDPA, slower but the same result.
+
+    The build is named by a hash of the source, the flags and the CPU and compiled from a
+    copy of the source in its build folder: checkouts of the same code share one build
+    (the checkout's path never enters the build), and a `-march=native` build is never
+    loaded on another CPU.
+    """
+    from torch.utils.cpp_extension import _get_build_directory, load_inline
+
+    from engine.hardware import cpu_features
 
     start = time.perf_counter()
+    source = (Path(__file__).parent / "csrc" / "paged_decode.cpp").read_text()
+    # -march=native: built where it runs; -ffast-math lets exp and the sums use SIMD.
+    flags = ["-O3", "-march=native", "-ffast-math"]
+    cpu = cpu_features()
+    key = hashlib.sha256("\0".join([source, *flags, cpu.model, cpu.isa]).encode()).hexdigest()
+    name = f"pdcluster_paged_decode_{key[:16]}"
+    _clear_stale_build_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
     try:
-        # -march=native: built where it runs; -ffast-math lets exp and the sums use SIMD.
-        module = load("pdcluster_paged_decode", [str(Path(__file__).parent / "csrc" /
-                                                     "paged_decode.cpp")],
-                      extra_cflags=["-O3", "-march=native", "-ffast-math"])
+        module = load_inline(name, [source], extra_cflags=flags)
     except Exception as e:  # a missing compiler or headers: the reference path still works
         log.warning("CPU paged-decode kernel unavailable, decode attention falls back to "
                     "gather + SDPA: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
     log.info("CPU paged-decode kernel ready in %.1f s", time.perf_counter() - start)
     return module
+
+
+def _clear_stale_build_lock(lock: Path, max_age_s: float = 600.0) -> None:
+    """Remove a build lock left by a process killed mid-build (torch would wait on it
+    forever); a live build takes well under `max_age_s`."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > max_age_s:
+        log.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)

@@ -103,21 +103,24 @@ def test_ladder_mix_shares_prefixes_and_probe_is_round_robin() -> None:
 
 
 def worker(worker_id: str, role: str, uptime: float, busy: float, wait: float, flops: float,
-           nbytes: float) -> dict[str, Any]:
+           nbytes: float, steps: int = 0) -> dict[str, Any]:
     return {"worker_id": worker_id, "role": role, "uptime_s": uptime, "busy_seconds": busy,
             "transfer_wait_seconds": wait, "flops": flops, "bytes": nbytes,
-            "peak_flops": 1e11, "peak_bandwidth": 1e10}
+            "peak_flops": 1e11, "peak_bandwidth": 1e10, "num_steps": steps}
 
 
 def test_utilization_between_uses_the_counters_over_the_window() -> None:
     before = {"pools": {"prefill": [worker("p0", "prefill", 100.0, 10.0, 0.0, 0.0, 0.0)],
                         "decode": [worker("d0", "decode", 100.0, 5.0, 1.0, 0.0, 0.0)]}}
-    after = {"pools": {"prefill": [worker("p0", "prefill", 110.0, 18.0, 0.0, 5e11, 1e10)],
+    after = {"pools": {"prefill": [worker("p0", "prefill", 110.0, 18.0, 0.0, 5e11, 1e10, 16)],
                        "decode": [worker("d0", "decode", 110.0, 7.0, 3.0, 1e11, 5e10),
                                   worker("d1", "decode", 3.0, 1.0, 0.0, 0.0, 0.0)]}}
     util = runner.utilization_summary(before, after)
 
     assert set(util["workers"]) == {"p0", "d0"}  # d1 started inside the window: no baseline
+    assert util["workers"]["p0"]["steps"] == 16
+    assert util["workers"]["p0"]["mean_step_ms"] == pytest.approx(500.0)  # 8 s busy / 16
+    assert util["workers"]["d0"]["mean_step_ms"] is None  # no step in the window
     assert util["by_role"]["prefill"] == pytest.approx(
         {"busy": 0.8, "transfer_wait": 0.0, "idle": 0.2, "flops_utilization": 0.5,
          "bandwidth_utilization": 0.1})

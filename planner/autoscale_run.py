@@ -1,0 +1,286 @@
+"""The autoscaling experiment: a mix that shifts from prefill-heavy to decode-heavy while its
+rate steps up, served by the SLO autoscaler and by every fixed split of its largest size.
+
+    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 150]
+
+Phase A sends prefill-heavy requests (prompts above the local-prefill threshold, so a
+prefill worker computes them; few output tokens), phase B decode-heavy ones (short prompts
+prefilled on the decode worker, long answers) at a higher rate. The SLO and both rates come
+from the profile before anything runs: the SLO is a multiple of the predicted unloaded
+TTFT and TPOT, phase A's rate is one at which 2P+1D is predicted to meet it and 1P+2D to
+miss it, phase B's one (higher) at which the reverse holds. The same trace (same prompts,
+arrivals and lengths) is then served three times on local Ray:
+
+- `autoscale`: `pdcluster serve --autoscale` starting at 1P+1D, between 2 and 3 workers;
+- `2P+1D` and `1P+2D`: fixed splits of the autoscaler's largest size.
+
+Every worker of every arm runs on this machine, so the profile given to the planner says
+so (`workers_per_host` = 3): steps slow down by the measured neighbour slowdown per busy
+host-mate. While a run goes, the ready workers and the autoscaler's targets are polled
+every second. The result: attainment per arm and phase, a timeline plot (the split over
+time, attainment in 15 s windows by arrival), `summary.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.experiments import report_records
+from bench.runner import RunSettings, Target, bench_run, markdown_table, pdcluster_serve
+from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
+from planner.plan import PlanRequest, SloSpec, meets, predict
+from planner.profile import Profile
+from planner.simulator import ClusterShape, SimRequest
+from planner.validate import bench_slo
+
+# name: (prompt tokens, output tokens), inclusive ranges.
+PHASES = {"prefill-heavy": ((160, 320), (4, 8)), "decode-heavy": ((16, 48), (48, 96))}
+LOCAL_PREFILL_THRESHOLD = 64
+SPLITS = {"2P+1D": (2, 1), "1P+2D": (1, 2)}
+AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "3", "--autoscale-interval", "5",
+                    "--autoscale-window", "30", "--autoscale-cooldown", "20"]
+_BIN_S = 15.0
+_CANDIDATE_RATES = np.round(np.geomspace(0.1, 8.0, 40), 3)
+
+
+def phase_requests(name: str, num: int, rate: float, start: float, seed: int
+                   ) -> list[SimRequest]:
+    """`num` requests of a phase, Poisson at `rate` from `start`."""
+    (p_lo, p_hi), (o_lo, o_hi) = PHASES[name]
+    rng = np.random.default_rng((seed, 3))
+    times = start + arrival_times(num, rate, "poisson", 1.0, seed)
+    return [SimRequest(float(t), rng.integers(*DEFAULT_VOCAB_RANGE,
+                                              int(rng.integers(p_lo, p_hi + 1))).tolist(),
+                       int(rng.integers(o_lo, o_hi + 1))) for t in times]
+
+
+def shape(split: tuple[int, int]) -> ClusterShape:
+    return ClusterShape("disaggregated", *split, local_prefill_threshold=LOCAL_PREFILL_THRESHOLD)
+
+
+def experiment_slo(profile: Profile) -> SloSpec:
+    """3x the predicted unloaded p50 TTFT of phase A, 2.5x the p50 TPOT of phase B (one
+    request at a time on 1P+1D)."""
+    base = SloSpec({"ttft_p90_ms": 1e9})
+
+    def unloaded(name: str) -> tuple[float, float]:
+        probe = phase_requests(name, 20, 1e-3, 0.0, 99)
+        p = predict(PlanRequest(profile, profile, probe, base, 3, find_max_rate=False),
+                    shape((1, 1)))
+        return p["ttft_p50_ms"], p["tpot_p50_ms"]
+
+    ttft, _ = unloaded("prefill-heavy")
+    _, tpot = unloaded("decode-heavy")
+    return SloSpec({"ttft_p90_ms": round(3 * ttft, 1), "tpot_p90_ms": round(2.5 * tpot, 1)})
+
+
+def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int],
+                bad: tuple[int, int], num: int, above: float = 0.0) -> float:
+    """The geometric middle of the rates (above `above`) at which `good` is predicted to
+    meet the SLO and `bad` to miss it.
+
+    Raises:
+        ValueError: no such rate.
+    """
+    window = []
+    for rate in _CANDIDATE_RATES[above < _CANDIDATE_RATES]:
+        requests = phase_requests(name, num, float(rate), 0.0, 5)
+        request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
+        if meets(predict(request, shape(good)), slo) and not meets(predict(request, shape(bad)),
+                                                                   slo):
+            window.append(float(rate))
+    if not window:
+        raise ValueError(f"{name}: no rate above {above:g} req/s where {good} meets the SLO "
+                         f"and {bad} misses it")
+    return round(float(np.sqrt(window[0] * window[-1])), 3)
+
+
+def build_trace(profile: Profile, phase_s: float) -> dict[str, Any]:
+    """The SLO, both phases' rates and the whole trace."""
+    slo = experiment_slo(profile)
+    rate_a = choose_rate(profile, slo, "prefill-heavy", (2, 1), (1, 2), 60)
+    rate_b = choose_rate(profile, slo, "decode-heavy", (1, 2), (2, 1), 60, above=rate_a)
+    first = phase_requests("prefill-heavy", max(int(rate_a * phase_s), 1), rate_a, 0.0, 21)
+    first = [r for r in first if r.arrival < phase_s]
+    second = phase_requests("decode-heavy", max(int(rate_b * phase_s), 1), rate_b, phase_s, 22)
+    second = [r for r in second if r.arrival < 2 * phase_s]
+    return {"slo": slo, "rates": {"prefill-heavy": rate_a, "decode-heavy": rate_b},
+            "requests": first + second, "phases": ["prefill-heavy"] * len(first)
+            + ["decode-heavy"] * len(second)}
+
+
+class Poller:
+    """Every second: ready workers per role and the autoscaler's targets (from /metrics)."""
+
+    def __init__(self, grpc: str, http: str) -> None:
+        self.grpc, self.metrics_url = grpc, http.removesuffix("/v1") + "/metrics"
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="poller")
+        self.start = time.monotonic()
+
+    def __enter__(self) -> Poller:
+        self.start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from router.client import PdClusterClient
+
+        with PdClusterClient(self.grpc, timeout=10) as client:
+            while not self._stop.wait(1.0):
+                sample: dict[str, Any] = {"t": time.monotonic() - self.start}
+                try:
+                    pools = client.status()["pools"]
+                    for role in ("prefill", "decode"):
+                        sample[role] = sum(w.get("state") == "ready" for w in pools.get(role, []))
+                    sample.update(self._targets())
+                except Exception as e:  # a missed sample is a gap in the plot, not a failure
+                    sample["error"] = str(e)
+                self.samples.append(sample)
+
+    def _targets(self) -> dict[str, float]:
+        text = httpx.get(self.metrics_url, timeout=5).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "pdcluster:autoscaler_target_workers":
+                    out[f"target_{s.labels['role']}"] = s.value
+        return out
+
+
+def run_arm(name: str, flags: list[str], trace: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Serve one arm, replay the trace, return its report and timeline."""
+    slo, requests = trace["slo"], trace["requests"]
+    sent = [TraceRequest(r.arrival, r.output_len, list(r.prompt_token_ids)) for r in requests]
+    settings = RunSettings(config={"experiment": "autoscale", "arm": name})
+    with pdcluster_serve("smollm2", flags, out / name / "serve.log") as endpoints:
+        target = Target("grpc", endpoints.grpc, endpoints.grpc)
+        rng = np.random.default_rng(7)
+        warm = [TraceRequest(0.0, 2, rng.integers(100, 400, 32).tolist()) for _ in range(4)]
+        bench_run(target, warm, ["warm-up"] * 4, label="warm-up", out=None, settings=settings,
+                  max_concurrency=2)
+        with Poller(endpoints.grpc, endpoints.http) as poller:
+            report = bench_run(target, sent, trace["phases"], label=name, out=out / name,
+                               settings=settings, slo=bench_slo(slo))
+    return {"report": report, "timeline": poller.samples}
+
+
+def attainment(report: dict[str, Any], slo: SloSpec, phases: list[str]) -> dict[str, float]:
+    """The fraction of requests meeting the SLO, overall and per phase."""
+    check = bench_slo(slo)
+    met = np.array([check.met(r) for r in report_records(report)])
+    labels = np.array(phases[:len(met)])
+    out = {"all": float(met.mean())}
+    for phase in PHASES:
+        out[phase] = float(met[labels == phase].mean())
+    return out
+
+
+def binned_attainment(report: dict[str, Any], slo: SloSpec) -> list[tuple[float, float]]:
+    """(bin start, attainment) of requests by arrival in `_BIN_S` windows."""
+    check = bench_slo(slo)
+    records = report_records(report)
+    bins: dict[int, list[bool]] = {}
+    for r in records:
+        bins.setdefault(int(r.arrival // _BIN_S), []).append(check.met(r))
+    return [(k * _BIN_S, float(np.mean(v))) for k, v in sorted(bins.items())]
+
+
+def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, phase_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    timeline = results["autoscale"]["timeline"]
+    t = [s["t"] for s in timeline if "prefill" in s]
+    for role, color in (("prefill", "tab:orange"), ("decode", "tab:blue")):
+        top.step(t, [s[role] for s in timeline if "prefill" in s], where="post", color=color,
+                 label=f"{role} workers ready")
+        targets = [(s["t"], s[f"target_{role}"]) for s in timeline if f"target_{role}" in s]
+        if targets:
+            top.step(*zip(*targets, strict=True), where="post", color=color, linestyle="--",
+                     alpha=0.6, label=f"{role} target")
+    top.set_ylabel("workers (autoscale arm)")
+    top.set_ylim(0, 3.5)
+    top.legend(loc="upper left", fontsize=8)
+    for name, result in results.items():
+        bins = binned_attainment(result["report"], slo)
+        bottom.step([b + _BIN_S / 2 for b, _ in bins], [a for _, a in bins], where="mid",
+                    label=f"{name} ({result['attainment']['all']:.0%})")
+    bottom.axhline(slo.attainment, color="grey", linestyle=":", label="target")
+    bottom.set_ylabel(f"SLO attainment ({_BIN_S:g} s bins)")
+    bottom.set_xlabel("seconds (arrival)")
+    bottom.legend(loc="lower left", fontsize=8)
+    for ax in (top, bottom):
+        ax.axvline(phase_s, color="black", linewidth=0.8)
+    top.set_title("prefill-heavy  |  decode-heavy (higher rate)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--phase-s", type=float, default=150.0, help="seconds per phase")
+    parser.add_argument("--arms", default="autoscale,2P+1D,1P+2D")
+    args = parser.parse_args(argv)
+
+    profile = replace(Profile.load(args.profile), workers_per_host=3)  # all on this machine
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile_path = args.out / "profile-one-host.json"
+    profile.save(profile_path)
+    trace = build_trace(profile, args.phase_s)
+    slo = trace["slo"]
+    print(f"SLO {slo.bounds} (attainment {slo.attainment}); rates {trace['rates']}; "
+          f"{len(trace['requests'])} requests", flush=True)
+    common = ["--mode", "disaggregated", "--torch-threads", str(profile.torch_threads),
+              "--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD),
+              "--kv-cache-gb", f"{profile.kv_cache_gb:g}", "--transport", profile.transport]
+    slo_flag = ",".join(f"{k}={v}" for k, v in slo.bounds.items())
+    arms = {"autoscale": [*common, "--prefill", "1", "--decode", "1", "--autoscale",
+                          "--profile", str(profile_path), "--slo", slo_flag,
+                          "--attainment", str(slo.attainment), *AUTOSCALER_FLAGS]}
+    arms |= {name: [*common, "--prefill", str(p), "--decode", str(d)]
+             for name, (p, d) in SPLITS.items()}
+    results = {}
+    for name in args.arms.split(","):
+        result = run_arm(name, arms[name], trace, args.out)
+        result["attainment"] = attainment(result["report"], slo, trace["phases"])
+        results[name] = result
+        print(f"{name}: attainment {result['attainment']}", flush=True)
+    rows = [[name, *(f"{r['attainment'][k]:.0%}" for k in ("all", *PHASES))]
+            for name, r in results.items()]
+    table = markdown_table(["arm", "all", *PHASES], rows)
+    print(table)
+    summary = {"slo": asdict(slo), "rates": trace["rates"], "phase_s": args.phase_s,
+               "num_requests": len(trace["requests"]),
+               "arms": {name: {"attainment": r["attainment"], "timeline": r["timeline"],
+                               "summary": r["report"]["summary"]}
+                        for name, r in results.items()}}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if "autoscale" in results:
+        plot(args.out / "timeline.png", results, slo, args.phase_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
