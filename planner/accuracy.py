@@ -24,6 +24,7 @@ import argparse
 import json
 import re
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import numpy as np
 from bench.runner import markdown_table
 from bench.traces import DEFAULT_VOCAB_RANGE, arrival_times
 from planner.plan import PlanRequest, SloSpec, config_entry, max_rate, predict, simulate
-from planner.profile import Profile
+from planner.profile import LinearModel, Profile
 from planner.simulator import ClusterShape, SimRequest
 from planner.validate import errors, run_config, trace_requests
 
@@ -104,8 +105,54 @@ def predict_points(profile: Profile, shape: ClusterShape, num: int, seed: int
     return points
 
 
+# Reference steps of `calibrate`: decode (batch, context) and prefill new tokens.
+_PROBE_DECODE, _PROBE_PREFILL = (4, 128), 128
+
+
+def calibrate(profile: Profile) -> tuple[Profile, dict[str, float]]:
+    """The profile scaled to the machine's speed right now.
+
+    A shared VM's speed drifts (measured here: a batch-8 decode step 40 % slower than 30
+    minutes before, with nothing else running), so a run times a few reference steps on an
+    engine built as the profile's was, just before its server starts, and scales the
+    decode and prefill models by measured / modelled. The models' shapes (how time grows
+    with batch, context and tokens) stay the profile's.
+
+    Returns:
+        The scaled profile and the two factors.
+    """
+    from engine import CacheConfig, LLMEngine, SchedulerConfig
+    from planner.profiler import _Sampler, decode_samples, prefill_samples
+
+    engine = LLMEngine(profile.model, profile.dtype,
+                       cache=CacheConfig(block_size=profile.block_size,
+                                         kv_cache_memory_gb=profile.kv_cache_gb),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=8192),
+                       num_threads=profile.torch_threads)
+    sampler = _Sampler(engine, np.random.default_rng(17))
+    batch, context = _PROBE_DECODE
+    decode = [s["y"] for s in decode_samples(sampler, [_PROBE_DECODE], 8, lambda: None)]
+    prefill = [s["y"] for s in prefill_samples(sampler, [(_PROBE_PREFILL, 0, 1)], 5,
+                                               lambda: None)]
+    factors = {
+        "decode": float(np.median(decode)) / profile.step_time([(context, 1, False)] * batch),
+        "prefill": float(np.median(prefill)) / profile.step_time([(0, _PROBE_PREFILL, True)])}
+    del engine, sampler
+    scaled = replace(profile, decode=_scaled(profile.decode, factors["decode"]),
+                     prefill=_scaled(profile.prefill, factors["prefill"]))
+    return scaled, factors
+
+
+def _scaled(model: LinearModel, factor: float) -> LinearModel:
+    return LinearModel(model.features, tuple(c * factor for c in model.coef))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = Profile.load(args.profile)
+    factors = None
+    if args.calibrate:
+        profile, factors = calibrate(profile)
+        print(f"calibrated to this machine now: step models x {factors}", flush=True)
     shape = parse_config(args.config)
     points = predict_points(profile, shape, args.num_requests, args.seed)
     base = PlanRequest(profile, profile, points[0]["requests"], SloSpec({"ttft_p90_ms": 1}))
@@ -120,7 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         point["measured"] = measured[key]
         point["error"] = errors(point["predicted"], measured[key])
         del point["requests"]
-    doc = {"config": name, "profile": str(args.profile), "model": profile.model,
+    doc = {"config": name, "profile": str(args.profile), "calibration": factors,
+           "model": profile.model,
            "threads": profile.torch_threads, "num_requests": args.num_requests,
            "points": points}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--config", required=True, help="1P+1D or 2C")
     r.add_argument("--num-requests", type=int, default=100)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--calibrate", action="store_true",
+                   help="scale the profile to the machine's speed now (see `calibrate`)")
     r.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table", help="the markdown table of every run in --out")
     t.add_argument("--out", type=Path, required=True)
