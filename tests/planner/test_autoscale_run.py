@@ -1,0 +1,34 @@
+"""The autoscaling experiment's trace: its rates separate the two fixed splits as claimed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from planner.autoscale_run import build_trace, phase_requests, shape
+from planner.plan import PlanRequest, meets, predict
+from planner.profile import Profile
+
+PROFILE = Path(__file__).parents[2] / "bench" / "results" / "planner" / "smollm2-t1.json"
+
+
+def test_the_phases_rates_favour_opposite_splits() -> None:
+    """Phase A's rate: 2P+1D is predicted to meet the SLO and 1P+2D to miss it; phase B's
+    (higher) rate: the reverse. The trace holds phase A's requests, then phase B's."""
+    profile = replace(Profile.load(PROFILE), workers_per_host=3)
+
+    trace = build_trace(profile, phase_s=60)
+
+    slo, rates = trace["slo"], trace["rates"]
+    assert rates["decode-heavy"] > rates["prefill-heavy"]
+    for name, good, bad in (("prefill-heavy", (2, 1), (1, 2)), ("decode-heavy", (1, 2), (2, 1))):
+        requests = phase_requests(name, 60, rates[name], 0.0, 5)
+        request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
+        assert meets(predict(request, shape(good)), slo)
+        assert not meets(predict(request, shape(bad)), slo)
+    arrivals = [r.arrival for r in trace["requests"]]
+    assert arrivals == sorted(arrivals) and arrivals[-1] < 120
+    phases = trace["phases"]
+    assert phases == sorted(phases, key=lambda p: p != "prefill-heavy")
+    assert all((r.arrival < 60) == (p == "prefill-heavy")
+               for r, p in zip(trace["requests"], phases, strict=True))
