@@ -123,11 +123,12 @@ class AutoscalerLoop:
         self.metrics = metrics
 
     async def current(self) -> tuple[int, int]:
-        """(prefill, decode) workers that are ready (draining ones are leaving)."""
+        """(prefill, decode) workers serving: ready, or `slow` (a busy worker whose stats
+        are late is still there); draining ones are leaving."""
         pools = (await self.backend.status())["pools"]
 
         def ready(role: str) -> int:
-            return sum(1 for w in pools.get(role, []) if w.get("state") == "ready")
+            return sum(1 for w in pools.get(role, []) if w.get("state") in ("ready", "slow"))
 
         return ready("prefill"), ready("decode") + ready("mixed")
 

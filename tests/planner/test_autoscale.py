@@ -151,3 +151,17 @@ def test_serve_autoscale_refuses_a_profile_of_another_model(
     assert main(["serve", "--model", "tiny", "--autoscale", "--grpc-port", "0",
                  "--http-port", "0"]) == 2
     assert "--autoscale needs --profile and --slo" in capsys.readouterr().err
+
+
+def test_a_slow_worker_still_counts_in_the_current_split() -> None:
+    """A busy worker whose stats are late shows as `slow`: it is still serving, so the
+    split the policy starts from counts it (seen live: counting only `ready` flapped the
+    prefill pool between 0 and 1 and made the autoscaler rebalance for nothing); draining
+    and dead workers do not count."""
+    cluster = FakeCluster(output=1)
+    cluster.pools = {"prefill": [{"state": "slow"}, {"state": "draining"}],
+                     "decode": [{"state": "ready"}, {"state": "dead"}]}
+    loop = AutoscalerLoop(autoscaler(), RecordingBackend(cluster),
+                          AutoscalerMetrics(CollectorRegistry()))
+
+    assert asyncio.run(loop.current()) == (1, 1)
