@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections.abc import Coroutine
@@ -12,7 +13,7 @@ import pytest
 import ray
 
 from cluster.backend import ClusterBackend, ClusterConfig
-from engine import SamplingParams
+from engine import LLM, CacheConfig, SamplingParams
 from router.backend import GenerateRequest, TokenDelta
 
 
@@ -82,3 +83,22 @@ def wait_pools_free(loop_thread: LoopThread, backend: ClusterBackend, timeout: f
         if time.monotonic() > deadline:
             raise AssertionError(f"pools not free: {busy}")
         time.sleep(0.1)
+
+
+def random_prompts(n: int, seed: int, low: int = 20, high: int = 200) -> list[list[int]]:
+    """`n` seeded random prompts of `low` to `high` tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randint(low, high))]
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    """The tiny model run offline: the exact tokens a cluster must stream."""
+    return LLM("tiny", cache=CacheConfig(num_blocks=512))
+
+
+def expected_tokens(reference: LLM, prompts: list[list[int]],
+                    params: SamplingParams) -> list[list[int]]:
+    """The reference's greedy tokens for each prompt."""
+    return [o.outputs[0].token_ids for o in reference.generate(prompts, params)]

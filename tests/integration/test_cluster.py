@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
-from engine import LLM, CacheConfig, SamplingParams
-from tests.integration.conftest import collect, start_cluster, wait_pools_free
+from engine import SamplingParams
+from tests.integration.conftest import collect, random_prompts, start_cluster, wait_pools_free
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def _prompts(n: int, seed: int, low: int = 20, high: int = 200) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 49000) for _ in range(rng.randint(low, high))]
-            for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return LLM("tiny", cache=CacheConfig(num_blocks=256))
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +35,7 @@ def _run_all(loop_thread, backend, prompts, params=GREEDY, prefix="r"):
 
 def test_disaggregated_greedy_equals_engine_and_colocated(disagg, colocated, loop_thread,
                                                           reference):
-    prompts = _prompts(6, seed=1)
+    prompts = random_prompts(6, seed=1, low=20, high=200)
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
     got = _run_all(loop_thread, disagg, prompts, prefix="d")
     assert [tokens for tokens, _ in got] == expected
@@ -68,7 +56,7 @@ def test_short_prompt_is_prefilled_on_the_decode_worker(disagg, loop_thread, ref
 
 
 def test_32_concurrent_streams_complete(disagg, loop_thread, reference):
-    prompts = _prompts(32, seed=2, low=5, high=120)
+    prompts = random_prompts(32, seed=2, low=5, high=120)
     got = _run_all(loop_thread, disagg, prompts, prefix="c32-")
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
     assert [tokens for tokens, _ in got] == expected
@@ -81,7 +69,7 @@ def test_abort_mid_stream_frees_blocks_on_both_workers(disagg, loop_thread):
 
     async def go():
         tokens, finish = [], None
-        async for delta in disagg.generate(_request("abort-me", _prompts(1, 3)[0], params)):
+        async for delta in disagg.generate(_request("abort-me", random_prompts(1, 3)[0], params)):
             tokens.extend(delta.token_ids)
             if len(tokens) >= 5 and finish is None:
                 assert await disagg.abort("abort-me")
@@ -95,7 +83,7 @@ def test_abort_mid_stream_frees_blocks_on_both_workers(disagg, loop_thread):
 
 
 def test_scale_up_and_down_under_load_loses_nothing(disagg, loop_thread, reference):
-    prompts = _prompts(16, seed=4)
+    prompts = random_prompts(16, seed=4, low=20, high=200)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
     async def go():
@@ -152,7 +140,7 @@ def test_worker_metrics_are_exported(disagg, loop_thread):
 
     from cluster.metrics import WorkerCollector
 
-    _run_all(loop_thread, disagg, _prompts(4, seed=7), prefix="m")
+    _run_all(loop_thread, disagg, random_prompts(4, seed=7, low=20, high=200), prefix="m")
     done = time.monotonic()
 
     async def utilization_reported():  # stats pushed after the run, with an interval's figures

@@ -9,28 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 from dataclasses import dataclass, field
 
 import pytest
 
-from engine import LLM, CacheConfig, SamplingParams
+from engine import SamplingParams
 from router.backend import GenerateRequest
-from tests.integration.conftest import start_cluster, wait_pools_free
+from tests.integration.conftest import (
+    expected_tokens,
+    random_prompts,
+    start_cluster,
+    wait_pools_free,
+)
 
 LONG = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 120))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return LLM("tiny", cache=CacheConfig(num_blocks=512))
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +87,9 @@ def _count(backend, name: str) -> float:
     return backend.transfer_registry.get_sample_value(f"pdcluster:{name}_total")
 
 
-def _expected(reference, prompts, params):
-    return [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
-
-
 def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
         cluster, loop_thread, reference):
-    prompts = _prompts(6, seed=11)
+    prompts = random_prompts(6, seed=11, low=40, high=120)
     migrated_before = _count(cluster, "migrations")
 
     async def go():
@@ -112,7 +102,7 @@ def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
         await _pool_restored(cluster, "decode", 2)
         return clients, victim
     clients, victim = loop_thread.run(go())
-    assert [c.tokens for c in clients] == _expected(reference, prompts, LONG)
+    assert [c.tokens for c in clients] == expected_tokens(reference, prompts, LONG)
     assert all(c.last.finish_reason == "length" for c in clients)
     assert _count(cluster, "migrations") - migrated_before >= 1
     assert victim["worker_id"] not in cluster.workers
@@ -120,7 +110,7 @@ def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
 
 
 def test_prefill_sigkill_places_its_requests_again(cluster, loop_thread, reference):
-    prompts = _prompts(4, seed=12)
+    prompts = random_prompts(4, seed=12, low=40, high=120)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     before = _count(cluster, "migrations") + _count(cluster, "transfer_retries")
 
@@ -145,13 +135,13 @@ def test_prefill_sigkill_places_its_requests_again(cluster, loop_thread, referen
         return clients, victim
     clients, victim = loop_thread.run(go())
     assert victim["in_flight"] >= 2
-    assert [c.tokens for c in clients] == _expected(reference, prompts, params)
+    assert [c.tokens for c in clients] == expected_tokens(reference, prompts, params)
     assert _count(cluster, "migrations") + _count(cluster, "transfer_retries") > before
     wait_pools_free(loop_thread, cluster)
 
 
 def test_transfer_timeout_is_retried_elsewhere(cluster, loop_thread, reference):
-    prompts = _prompts(3, seed=13)
+    prompts = random_prompts(3, seed=13, low=40, high=120)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     retried_before = _count(cluster, "transfer_retries")
 
@@ -177,13 +167,13 @@ def test_transfer_timeout_is_retried_elsewhere(cluster, loop_thread, reference):
             os.kill(stalled["pid"], signal.SIGCONT)
         return clients
     clients = loop_thread.run(go())
-    assert [c.tokens for c in clients] == _expected(reference, prompts, params)
+    assert [c.tokens for c in clients] == expected_tokens(reference, prompts, params)
     assert _count(cluster, "transfer_retries") - retried_before == 3
     wait_pools_free(loop_thread, cluster)
 
 
 def test_stalled_worker_is_slow_not_dead(cluster, loop_thread, reference):
-    prompt = _prompts(1, seed=14)[0]
+    prompt = random_prompts(1, seed=14, low=40, high=120)[0]
     migrated_before = _count(cluster, "migrations")
 
     async def go():
@@ -202,7 +192,7 @@ def test_stalled_worker_is_slow_not_dead(cluster, loop_thread, reference):
         await _until(lambda: state_is("ready"), "the worker ready again")
         return client, worker
     client, worker = loop_thread.run(go())
-    assert client.tokens == _expected(reference, [prompt], LONG)[0]
+    assert client.tokens == expected_tokens(reference, [prompt], LONG)[0]
     assert worker["worker_id"] in cluster.workers
     assert _count(cluster, "migrations") == migrated_before
     wait_pools_free(loop_thread, cluster)
@@ -223,7 +213,7 @@ def test_undecodable_messages_are_dropped(cluster, loop_thread, reference):
             sock.close()
     finally:
         ctx.term()  # returns once the junk was handed over (linger)
-    prompt = _prompts(1, seed=15)[0]
+    prompt = random_prompts(1, seed=15, low=40, high=120)[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def go():
@@ -231,6 +221,6 @@ def test_undecodable_messages_are_dropped(cluster, loop_thread, reference):
         await task
         return client
     client = loop_thread.run(go())
-    assert client.tokens == _expected(reference, [prompt], params)[0]
+    assert client.tokens == expected_tokens(reference, [prompt], params)[0]
     assert all(h.state == "ready" for h in cluster.workers.values())
     wait_pools_free(loop_thread, cluster)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import threading
 import time
@@ -20,29 +19,21 @@ import pytest
 import zmq
 from zmq.auth.thread import AuthenticationThread
 
-from engine import LLM, CacheConfig, SamplingParams
+from engine import SamplingParams
 from kv_transfer.wire import pack
 from protocol import Abort, Failed, encode
 from router.backend import GenerateRequest
-from tests.integration.conftest import collect, start_cluster, wait_pools_free
+from tests.integration.conftest import (
+    collect,
+    expected_tokens,
+    random_prompts,
+    start_cluster,
+    wait_pools_free,
+)
 from tests.rogue import FAILED, Rogue
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 150))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return LLM("tiny", cache=CacheConfig(num_blocks=512))
-
-
-def _expected(reference, prompts, params):
-    return [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
 
 
 def _zap_threads() -> list[threading.Thread]:
@@ -51,7 +42,7 @@ def _zap_threads() -> list[threading.Thread]:
 
 @pytest.mark.parametrize("transports", [("zmq",), ("shm", "zmq")])
 def test_curve_cluster_serves_the_engines_tokens(ray_local, loop_thread, reference, transports):
-    prompts = _prompts(4, seed=21)
+    prompts = random_prompts(4, seed=21, low=40, high=150)
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=transports,
                             internal_auth="curve")
     try:
@@ -62,7 +53,7 @@ def test_curve_cluster_serves_the_engines_tokens(ray_local, loop_thread, referen
             return await asyncio.gather(*(collect(backend, f"c{i}", p, GREEDY)
                                           for i, p in enumerate(prompts)))
         got = loop_thread.run(go())
-        assert [tokens for tokens, _ in got] == _expected(reference, prompts, GREEDY)
+        assert [tokens for tokens, _ in got] == expected_tokens(reference, prompts, GREEDY)
         assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
         wait_pools_free(loop_thread, backend)
     finally:
@@ -88,7 +79,7 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
                             internal_auth=internal_auth)
     try:
         (decode,) = [h for h in backend.workers.values() if h.role.decodes]
-        prompts = _prompts(2, seed=22)
+        prompts = random_prompts(2, seed=22, low=40, high=150)
         started = [asyncio.Event(), asyncio.Event()]
         futures = [asyncio.run_coroutine_threadsafe(
             _stream(backend, f"s{i}", p, started[i]), loop_thread.loop)
@@ -120,7 +111,7 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
         finally:
             for rogue in rogues:
                 rogue.close()
-        expected = _expected(reference, prompts, LONG)
+        expected = expected_tokens(reference, prompts, LONG)
         if internal_auth == "curve":
             assert all(outcome in FAILED for outcome in outcomes), outcomes
             assert [tokens for tokens, _ in results] == expected
@@ -131,7 +122,7 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
             assert (results[0][1].finish_reason, results[0][1].error) == ("error", "rogue")
             assert results[1][1].finish_reason == "abort"
         tokens, _ = loop_thread.run(collect(backend, "after", prompts[0], GREEDY))
-        assert tokens == _expected(reference, prompts[:1], GREEDY)[0]
+        assert tokens == expected_tokens(reference, prompts[:1], GREEDY)[0]
         assert all(h.state == "ready" for h in backend.workers.values())
         wait_pools_free(loop_thread, backend)
     finally:
