@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import time
 from pathlib import Path
@@ -38,7 +39,11 @@ def cpu_kernels() -> ModuleType | None:
     cpu = cpu_features()
     key = hashlib.sha256("\0".join([source, *flags, cpu.model, cpu.isa]).encode()).hexdigest()
     name = f"pdcluster_kernels_{key[:16]}"
-    _clear_stale_build_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    module = _load_built(name, build_dir)
+    if module is not None:
+        return module
+    _clear_stale_build_lock(build_dir / "lock")
     try:
         module = load_inline(name, [source], extra_cflags=flags)
     except Exception as e:  # a missing compiler or headers: the torch paths still work
@@ -46,6 +51,26 @@ def cpu_kernels() -> ModuleType | None:
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
     log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
+    return module
+
+
+def _load_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The finished build, imported without torch's build lock (its name is a hash of
+    everything that goes into it); None when there is none yet or it is unreadable.
+
+    Taking the lock only to find nothing to build would let a process killed in that
+    moment (a worker SIGKILLed while it starts) leave a lock every later start waits on.
+    """
+    library = build_dir / f"{name}.so"
+    if not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:  # a build cut short: build again
+        log.warning("rebuilding the CPU kernels: %s", e)
+        return None
     return module
 
 
