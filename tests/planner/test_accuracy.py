@@ -93,7 +93,7 @@ def test_fixed_and_per_sequence_drift_are_fitted_apart() -> None:
     assert scaled.step_time(batch4) == pytest.approx(true.step_time(batch4))
 
 
-def test_probes_no_non_negative_factors_can_match_get_the_closest_non_negative_fit() -> None:
+def test_probes_that_need_a_negative_fixed_cost_get_the_closest_non_negative_fit() -> None:
     """Batch 8 more than the model's per-sequence growth allows: matching both would need
     a negative fixed cost, so the fixed part is dropped and the per-sequence factor lands
     between what each probe alone implies."""
