@@ -1,6 +1,6 @@
 """How close the planner's predictions land: predicted vs measured per config, workload, load.
 
-    python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR
+    python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR [--calibrate]
     python -m planner.accuracy table --out DIR
 
 `run` serves one configuration (`1P+1D`: disaggregated; `2C`: colocated) once and replays
@@ -13,9 +13,11 @@ fresh random prompts (no prefix hits across points).
 
 The SLO of each workload is DistServe-style: `SLO_FACTORS` times the configuration's
 predicted unloaded p50 TTFT and TPOT (TTFT p90 and TPOT p90 bounds, attainment 0.9). The
-load levels are 50 % and 80 % of the configuration's predicted maximum rate under that SLO. The
-predictions are made (and written) before the server starts; nothing measured feeds back.
-`table` prints the markdown table of every `run` in DIR with the error summary.
+load levels are 50 % and 80 % of the configuration's predicted maximum rate under that SLO.
+Each point is predicted, and written, just before its trace is replayed (with
+`--calibrate`, from the profile scaled to probe steps timed right then: `Calibrator`);
+nothing measured while serving feeds a prediction. `table` prints the markdown table of
+every `run` in DIR with the error summary.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import re
 import statistics
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,9 +34,11 @@ from typing import Any
 import numpy as np
 
 from bench.runner import markdown_table
-from bench.traces import DEFAULT_VOCAB_RANGE, arrival_times
-from planner.plan import PlanRequest, SloSpec, config_entry, max_rate, predict, simulate
-from planner.profile import LinearModel, Profile
+from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
+from engine import CacheConfig, LLMEngine, SchedulerConfig
+from planner.plan import PlanRequest, SloSpec, max_rate, predict, shape_entry, simulate
+from planner.profile import LinearModel, Profile, decode_features, fit
+from planner.profiler import _Sampler, decode_samples, prefill_samples
 from planner.simulator import ClusterShape, SimRequest
 from planner.validate import errors, run_config, trace_requests
 
@@ -87,92 +92,191 @@ def workload_slo(profile: Profile, shape: ClusterShape, name: str, seed: int) ->
                     "tpot_p90_ms": round(1e3 * tpot_factor * tpot, 1)})
 
 
-def predict_points(profile: Profile, shape: ClusterShape, num: int, seed: int
-                   ) -> list[dict[str, Any]]:
-    """Every (workload, level) point with its trace and predicted figures."""
-    points = []
-    for w_index, name in enumerate(WORKLOADS):
-        slo = workload_slo(profile, shape, name, seed + 100 * w_index)
-        shaped = workload(name, num, 1.0, seed + 100 * w_index + 1)
-        top = max_rate(PlanRequest(profile, profile, shaped, slo), shape)
-        for l_index, level in enumerate(LEVELS):
-            rate = level * top
-            requests = workload(name, num, rate, seed + 100 * w_index + 10 + l_index)
-            request = PlanRequest(profile, profile, requests, slo)
-            points.append({"workload": name, "level": level, "rate_rps": rate,
-                           "max_rate_rps": top, "slo": slo.bounds,
-                           "predicted": predict(request, shape), "requests": requests})
-    return points
+def predict_point(profile: Profile, shape: ClusterShape, name: str, level: float, num: int,
+                  seed: int) -> tuple[dict[str, Any], list[SimRequest]]:
+    """One (workload, level) point: its SLO, the configuration's maximum rate under it,
+    the point's trace at `level` of that rate, and the predicted figures.
 
-
-# Reference steps of `calibrate`: decode (batch, context) and prefill new tokens.
-_PROBE_DECODE, _PROBE_PREFILL = (4, 128), 128
-
-
-def calibrate(profile: Profile) -> tuple[Profile, dict[str, float]]:
-    """The profile scaled to the machine's speed right now.
-
-    A shared VM's speed drifts (measured here: a batch-8 decode step 40 % slower than 30
-    minutes before, with nothing else running), so a run times a few reference steps on an
-    engine built as the profile's was, just before its server starts, and scales the
-    decode and prefill models by measured / modelled. The models' shapes (how time grows
-    with batch, context and tokens) stay the profile's.
+    Args:
+        seed: the workload's; the point's trace is seeded by it and the level's index.
 
     Returns:
-        The scaled profile and the two factors.
+        The point (JSON-ready) and its trace.
     """
-    from engine import CacheConfig, LLMEngine, SchedulerConfig
-    from planner.profiler import _Sampler, decode_samples, prefill_samples
-
-    engine = LLMEngine(profile.model, profile.dtype,
-                       cache=CacheConfig(block_size=profile.block_size,
-                                         kv_cache_memory_gb=profile.kv_cache_gb),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=8192),
-                       num_threads=profile.torch_threads)
-    sampler = _Sampler(engine, np.random.default_rng(17))
-    batch, context = _PROBE_DECODE
-    decode = [s["y"] for s in decode_samples(sampler, [_PROBE_DECODE], 8, lambda: None)]
-    prefill = [s["y"] for s in prefill_samples(sampler, [(_PROBE_PREFILL, 0, 1)], 5,
-                                               lambda: None)]
-    factors = {
-        "decode": float(np.median(decode)) / profile.step_time([(context, 1, False)] * batch),
-        "prefill": float(np.median(prefill)) / profile.step_time([(0, _PROBE_PREFILL, True)])}
-    del engine, sampler
-    scaled = replace(profile, decode=_scaled(profile.decode, factors["decode"]),
-                     prefill=_scaled(profile.prefill, factors["prefill"]))
-    return scaled, factors
+    slo = workload_slo(profile, shape, name, seed)
+    shaped = workload(name, num, 1.0, seed + 1)
+    top = max_rate(PlanRequest(profile, profile, shaped, slo), shape)
+    rate = level * top
+    requests = workload(name, num, rate, seed + 10 + LEVELS.index(level))
+    predicted = predict(PlanRequest(profile, profile, requests, slo), shape)
+    return {"workload": name, "level": level, "rate_rps": rate, "max_rate_rps": top,
+            "slo": slo.bounds, "predicted": predicted}, requests
 
 
-def _scaled(model: LinearModel, factor: float) -> LinearModel:
-    return LinearModel(model.features, tuple(c * factor for c in model.coef))
+Calibrate = Callable[[], tuple[Profile, dict[str, Any]]]
+
+
+def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
+                     calibrate: Calibrate | None = None
+                     ) -> Iterator[tuple[dict[str, Any], list[SimRequest]]]:
+    """Every (workload, level) point with its trace, each predicted only when it is taken
+    from the iterator, that is just before it is replayed.
+
+    With `calibrate` (a `Calibrator`), each point is predicted from the profile as
+    calibrated at that moment, so its SLO, its maximum rate and hence its offered rate
+    (a fraction of that maximum) follow the machine's speed then: the two levels of a
+    workload can get rates that are not exactly 50:80. Its calibration record is the
+    point's `calibration`. Nothing measured while serving feeds a prediction.
+    """
+    for w_index, name in enumerate(WORKLOADS):
+        for level in LEVELS:
+            scaled, calibration = calibrate() if calibrate else (profile, None)
+            point, requests = predict_point(scaled, shape, name, level, num, seed + 100 * w_index)
+            yield {**point, "calibration": calibration}, requests
+
+
+# Probe steps: decode-only steps of each batch size at this context per sequence, and a
+# prefill of this many new tokens.
+PROBE_BATCHES, PROBE_CONTEXT, PROBE_PREFILL = (1, 8), 128, 128
+_PROBE_DECODE_STEPS, _PROBE_PREFILL_REPEATS = 8, 5
+
+
+class Calibrator:
+    """Scales a profile to the machine's speed now, as often as asked, on one engine.
+
+    A shared VM's speed drifts (measured here: a batch-8 decode step 40 % slower than 30
+    minutes before, with nothing else running), so before each point the run times the
+    probe steps (`PROBE_BATCHES`, `PROBE_PREFILL`) on an engine built as the profile's
+    was and scales the profile's step models to them (`scale_to_probes`). The engine is
+    built once and stays loaded between points (beside the idle server).
+
+    Args:
+        profile: the profile as measured; each call scales this one, not the last result.
+    """
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        engine = LLMEngine(profile.model, profile.dtype,
+                           cache=CacheConfig(block_size=profile.block_size,
+                                             kv_cache_memory_gb=profile.kv_cache_gb),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=8192),
+                           num_threads=profile.torch_threads)
+        self._sampler = _Sampler(engine, np.random.default_rng(17))
+
+    def probe(self) -> dict[str, list[dict[str, Any]]]:
+        """Timed probe steps, as `planner.profiler` records samples: `{"decode": [...],
+        "prefill": [...]}`."""
+        decode = [(batch, PROBE_CONTEXT) for batch in PROBE_BATCHES]
+        return {"decode": decode_samples(self._sampler, decode, _PROBE_DECODE_STEPS,
+                                         _no_progress),
+                "prefill": prefill_samples(self._sampler, [(PROBE_PREFILL, 0, 1)],
+                                           _PROBE_PREFILL_REPEATS, _no_progress)}
+
+    def __call__(self) -> tuple[Profile, dict[str, Any]]:
+        """The profile scaled to probes timed now, and the calibration record."""
+        return scale_to_probes(self.profile, self.probe())
+
+
+def _no_progress() -> None:
+    pass
+
+
+def scale_to_probes(profile: Profile, probes: dict[str, list[dict[str, Any]]]
+                    ) -> tuple[Profile, dict[str, Any]]:
+    """The profile with its step models scaled to reproduce timed probe steps.
+
+    Decode: the model splits into a fixed part (`const`) and a per-sequence part (`seqs`
+    and `context`), and each gets its own factor, fitted (non-negative, `profile.fit`) to
+    the median step of each probe batch size, so a batch-1 and a batch-8 probe are both
+    reproduced (exactly, unless that needs a negative factor). One factor could not: the
+    drift does not slow both parts alike (measured: a batch-4 step 1.9x the profile's
+    while a batch-1 step was 0.95x). The probes share one context length, so context
+    scales with `seqs`. Prefill: one factor, median measured / modelled. The transfer
+    model, role factor and neighbour slowdown stay the profile's.
+
+    Args:
+        profile: the profile as measured.
+        probes: `Calibrator.probe`'s timed steps.
+
+    Returns:
+        The scaled profile and the record: `factors` (`decode_fixed`, `decode_per_seq`,
+        `prefill`), and per probe the median `measured_ms` and the profile's `profile_ms`.
+    """
+    by_batch: dict[int, list[dict[str, Any]]] = {}
+    for sample in probes["decode"]:
+        by_batch.setdefault(len(sample["items"]), []).append(sample)
+    parts, times, measured, modelled = [], [], {}, {}
+    for batch, samples in sorted(by_batch.items()):
+        split = np.median([_decode_parts(profile.decode, s["items"]) for s in samples], axis=0)
+        parts.append(split)
+        times.append(float(np.median([s["y"] for s in samples])))
+        measured[f"decode_b{batch}"], modelled[f"decode_b{batch}"] = times[-1], float(sum(split))
+    decode = _fit_parts(np.array(parts), times)
+    prefill_y = float(np.median([s["y"] for s in probes["prefill"]]))
+    prefill_model = float(np.median([profile.step_time(s["items"]) for s in probes["prefill"]]))
+    measured["prefill"], modelled["prefill"] = prefill_y, prefill_model
+    factors = {"decode_fixed": decode[0], "decode_per_seq": decode[1],
+               "prefill": prefill_y / prefill_model}
+    fixed = [f == "const" for f in profile.decode.features]
+    scaled = replace(
+        profile,
+        decode=LinearModel(profile.decode.features, tuple(
+            c * factors["decode_fixed" if is_fixed else "decode_per_seq"]
+            for c, is_fixed in zip(profile.decode.coef, fixed, strict=True))),
+        prefill=LinearModel(profile.prefill.features,
+                            tuple(c * factors["prefill"] for c in profile.prefill.coef)))
+    record = {"factors": factors,
+              "measured_ms": {k: round(1e3 * v, 2) for k, v in measured.items()},
+              "profile_ms": {k: round(1e3 * v, 2) for k, v in modelled.items()}}
+    return scaled, record
+
+
+def _decode_parts(model: LinearModel, items: Sequence[Sequence[Any]]) -> tuple[float, float]:
+    """A decode step's modelled seconds: (the `const` term, the rest)."""
+    x = decode_features([start + new for start, new, _ in items])
+    fixed = sum(c * v for f, c, v in zip(model.features, model.coef, x, strict=True)
+                if f == "const")
+    return fixed, model.predict(x) - fixed
+
+
+def _fit_parts(parts: np.ndarray, times: Sequence[float]) -> tuple[float, float]:
+    """Factors of the fixed and the per-sequence part; a part the model lacks keeps 1."""
+    present = parts.any(axis=0)
+    names = [n for n, has in zip(("fixed", "per_seq"), present, strict=True) if has]
+    fitted = iter(fit(names, parts[:, present], times).coef)
+    fixed, per_seq = (next(fitted) if has else 1.0 for has in present)
+    return fixed, per_seq
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Predict and measure every point of one configuration; writes DIR/CONFIG.json."""
     profile = Profile.load(args.profile)
-    factors = None
-    if args.calibrate:
-        profile, factors = calibrate(profile)
-        print(f"calibrated to this machine now: step models x {factors}", flush=True)
     shape = parse_config(args.config)
-    points = predict_points(profile, shape, args.num_requests, args.seed)
-    base = PlanRequest(profile, profile, points[0]["requests"], SloSpec({"ttft_p90_ms": 1}))
-    config = config_entry(base, shape, points[0]["predicted"])
+    calibrate = Calibrator(profile) if args.calibrate else None
     name = f"{args.config}-t{profile.torch_threads}"
-    total_s = sum(p["requests"][-1].arrival for p in points)
-    print(f"{name}: {len(points)} points, about {total_s:.0f} s of arrivals", flush=True)
-    runs = {f"{p['workload']}-{p['level']:g}": (trace_requests(p["requests"]),
-                                               SloSpec(p["slo"])) for p in points}
-    measured = run_config(config, profile, runs, args.out / name)
-    for point, key in zip(points, runs, strict=True):
-        point["measured"] = measured[key]
-        point["error"] = errors(point["predicted"], measured[key])
-        del point["requests"]
-    doc = {"config": name, "profile": str(args.profile), "calibration": factors,
-           "model": profile.model,
-           "threads": profile.torch_threads, "num_requests": args.num_requests,
-           "points": points}
+    doc: dict[str, Any] = {"config": name, "profile": str(args.profile),
+                           "calibrated": args.calibrate, "model": profile.model,
+                           "threads": profile.torch_threads,
+                           "num_requests": args.num_requests, "points": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    path = args.out / f"{name}.json"
+
+    def due() -> Iterator[tuple[str, list[TraceRequest], SloSpec]]:
+        for point, requests in predicted_points(profile, shape, args.num_requests, args.seed,
+                                                calibrate):
+            doc["points"].append(point)
+            path.write_text(json.dumps(doc, indent=1))  # the prediction, before the replay
+            key = f"{point['workload']}-{point['level']:g}"
+            print(f"{key}: {point['rate_rps']:.2f} req/s for {requests[-1].arrival:.0f} s; "
+                  f"calibration {point['calibration']}", flush=True)
+            yield key, trace_requests(requests), SloSpec(point["slo"])
+
+    measured = run_config(shape_entry(shape, profile.torch_threads), profile, due(),
+                          args.out / name)
+    for point in doc["points"]:
+        point["measured"] = measured[f"{point['workload']}-{point['level']:g}"]
+        point["error"] = errors(point["predicted"], point["measured"])
+    path.write_text(json.dumps(doc, indent=1))
     print(table([doc]))
     return doc
 
@@ -192,12 +296,13 @@ def _step(point: dict[str, Any]) -> str:
 
 
 def table(docs: list[dict[str, Any]]) -> str:
-    """Markdown: one row per point, predicted / measured (error), and the summary."""
+    """Markdown: one row per measured point, predicted / measured (error), and the summary
+    (a run that stopped early has points predicted but not measured: left out)."""
     headers = ["config", "workload", "load", "req/s", "TTFT p50 ms", "TTFT p90 ms",
                "TPOT p50 ms", "TPOT p90 ms", "attainment", "step ms"]
     rows, latency_errors, attainment_errors = [], [], []
     for doc in docs:
-        for point in doc["points"]:
+        for point in (p for p in doc["points"] if "measured" in p):
             rows.append([doc["config"], point["workload"], f"{point['level']:.0%}",
                          f"{point['rate_rps']:.2f}",
                          *(_cell(point, key) for key in (*_LATENCIES, "attainment")),
@@ -223,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--num-requests", type=int, default=100)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--calibrate", action="store_true",
-                   help="scale the profile to the machine's speed now (see `calibrate`)")
+                   help="before each point, scale the profile to the machine's speed then "
+                        "(see `Calibrator`)")
     r.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table", help="the markdown table of every run in --out")
     t.add_argument("--out", type=Path, required=True)

@@ -308,13 +308,19 @@ def plan(request: PlanRequest) -> dict[str, Any]:
             "recommended": recommended, "configs": configs}
 
 
+def shape_entry(shape: ClusterShape, threads_per_worker: int) -> dict[str, Any]:
+    """What a plan file's configuration entry says of the servers (`validate.serve_flags`
+    builds them from it)."""
+    return {"mode": shape.mode, "prefill": shape.num_prefill, "decode": shape.num_decode,
+            "threads_per_worker": threads_per_worker,
+            "max_num_batched_tokens": shape.max_num_batched_tokens,
+            "local_prefill_threshold": shape.local_prefill_threshold}
+
+
 def config_entry(request: PlanRequest, shape: ClusterShape, predicted: dict[str, Any]
                  ) -> dict[str, Any]:
     """One configuration as the plan file lists it."""
-    return {"mode": shape.mode, "prefill": shape.num_prefill, "decode": shape.num_decode,
-            "threads_per_worker": request.decode_profile.torch_threads,
-            "max_num_batched_tokens": shape.max_num_batched_tokens,
-            "local_prefill_threshold": shape.local_prefill_threshold,
+    return {**shape_entry(shape, request.decode_profile.torch_threads),
             "cost_per_hour": cost_per_hour(request, shape),
             "meets_slo": meets(predicted, request.slo), "predicted": predicted}
 

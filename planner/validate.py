@@ -12,7 +12,7 @@ beside the predicted ones with the error of each:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from planner.simulator import SimRequest
 
 FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "attainment",
            "goodput_rps")
-_WARMUP_REQUESTS = 4
+_WARMUP_OUTPUT = 2
 _WARMUP_SEED = 987_654
 _WARMUP_VOCAB = (100, 400)
 
@@ -91,14 +91,16 @@ def errors(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, flo
 
 
 def run_config(config: dict[str, Any], profile: Profile,
-               runs: dict[str, tuple[list[TraceRequest], SloSpec]], out: Path,
+               runs: Iterable[tuple[str, list[TraceRequest], SloSpec]], out: Path,
                max_num_seqs: int = 64, address: str | None = None) -> dict[str, dict[str, Any]]:
     """Serve one configuration and replay each trace on it, one after another.
 
     Args:
-        config: a plan file's configuration entry.
+        config: a plan file's configuration entry (`plan.shape_entry`'s keys suffice).
         profile: the profile it was planned with (model, dtype, KV budget, transport).
-        runs: per run name, the trace and the SLO to score it with.
+        runs: (run name, trace, the SLO to score it with), taken one at a time just before
+            each replay, once the server is up and warm: a generator can make each run when
+            it is due (`planner.accuracy` predicts each point right before it is replayed).
         out: where each run's report and the server log go.
         max_num_seqs: `serve --max-num-seqs`.
         address: an existing Ray cluster, or None for a local one.
@@ -112,20 +114,26 @@ def run_config(config: dict[str, Any], profile: Profile,
     with pdcluster_serve(profile.model, serve_flags(config, profile, max_num_seqs, address),
                          out / name / "serve.log") as endpoints:
         target = Target("grpc", endpoints.grpc, endpoints.grpc)
-        # Own random prompts, so the warm-up leaves nothing in the prefix cache the runs hit.
-        rng = np.random.default_rng(_WARMUP_SEED)
-        first = next(iter(runs.values()))[0][:_WARMUP_REQUESTS]
-        warm = [TraceRequest(0.0, 2, rng.integers(*_WARMUP_VOCAB, len(r.prompt_token_ids or
-                                                                      [0] * 16)).tolist())
-                for r in first]
+        warm = warmup_requests(config, profile)
         bench_run(target, warm, ["warm-up"] * len(warm), label="warm-up", out=None,
                   settings=settings, max_concurrency=1)
-        for run_name, (requests, slo) in runs.items():
+        for run_name, requests, slo in runs:
             report = bench_run(target, requests, [run_name] * len(requests),
                                label=f"{name}-{run_name}", out=out / name / run_name,
                                settings=settings, slo=bench_slo(slo))
             results[run_name] = measured_figures(report)
     return results
+
+
+def warmup_requests(config: dict[str, Any], profile: Profile) -> list[TraceRequest]:
+    """A few short requests to warm a fresh server: two prompts below the local-prefill
+    threshold and two above it, so a decode worker's own prefill and the prefill workers
+    have both run. Their own random prompts: nothing they leave in the prefix cache is hit
+    by the runs."""
+    rng = np.random.default_rng(_WARMUP_SEED)
+    long = min(config["local_prefill_threshold"] + 16, profile.max_model_len - _WARMUP_OUTPUT)
+    return [TraceRequest(0.0, _WARMUP_OUTPUT, rng.integers(*_WARMUP_VOCAB, n).tolist())
+            for n in (16, 16, long, long)]
 
 
 def neighbours(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
@@ -146,7 +154,7 @@ def neighbours(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
 def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str | None,
              out: Path) -> dict[str, Any]:
     """Measure `count` configurations of the plan; adds `measured` and `error` to each."""
-    runs = {"trace": (trace_requests(request.requests), request.slo)}
+    runs = [("trace", trace_requests(request.requests), request.slo)]
     for config in neighbours(doc, count):
         measured = run_config(config, request.decode_profile, runs, out, request.max_num_seqs,
                               address)["trace"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from planner.accuracy import calibrate
 from planner.validate import errors, neighbours, serve_flags
 from tests.planner.synthetic import synthetic_profile
 
@@ -44,18 +43,3 @@ def test_errors_are_relative_and_attainment_in_points() -> None:
         "ttft_p50_ms": pytest.approx(0.1), "ttft_p90_ms": pytest.approx(-0.1),
         "tpot_p50_ms": None, "tpot_p90_ms": None, "attainment": pytest.approx(-0.05),
         "goodput_rps": pytest.approx(-0.2)}
-
-
-def test_calibrate_scales_each_step_model_by_the_probe_it_timed() -> None:
-    """A profile claiming 1 s per tiny-model step: the real probe steps take milliseconds,
-    so both factors come out far below 1, and every coefficient is scaled by its model's
-    factor (the models' shapes stay)."""
-    profile = synthetic_profile(prefill=(1.0, 0.0, 0.0, 0.0), decode=(1.0, 0.0, 0.0),
-                                model="tiny")
-
-    scaled, factors = calibrate(profile)
-
-    assert 0 < factors["decode"] < 0.5 and 0 < factors["prefill"] < 0.5
-    assert scaled.decode.coef == (factors["decode"], 0.0, 0.0)
-    assert scaled.prefill.coef == (factors["prefill"], 0.0, 0.0, 0.0)
-    assert scaled.transfer == profile.transfer
