@@ -82,8 +82,9 @@ class LLMEngine:
         max_model_len: longest prompt + output; defaults to the model's and the pool's limit.
         attention_backend: `auto`, `torch` or `flashinfer`.
         kv_allocator: places the KV pool (for example in shared memory).
-        num_threads: torch and BLAS compute threads; None: on CPU all cores but one
-            (`CpuFeatures.compute_threads`), elsewhere torch's default.
+        num_threads: torch and BLAS compute threads; None: on CPU torch gets all cores but
+            one (`CpuFeatures.compute_threads`) and BLAS all of them,
+            elsewhere torch's default.
     """
 
     def __init__(self, model: str = "tiny", dtype: str | torch.dtype = "float32", *,
@@ -95,11 +96,12 @@ class LLMEngine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.device = _pick_device(device)
         self.dtype = parse_dtype(dtype, self.device)
+        blas_threads = num_threads
         if num_threads is None and self.device.type == "cpu":
-            num_threads = cpu_features().compute_threads
+            num_threads, blas_threads = cpu_features().compute_threads, cpu_features().cores
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-            threadpool_limits(num_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
+            threadpool_limits(blas_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
         self.model_dir = resolve_model_dir(model)
         self.model_config, hf_config = read_model_config(self.model_dir, max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
