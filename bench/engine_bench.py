@@ -317,18 +317,17 @@ def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: i
     workload = make_workload(workload_name, num_requests, vocab_size)
     runs: dict[str, EngineRun] = {}
     results: dict[str, dict[str, Any]] = {}
-    roofline: dict[str, Any] = {"status": "skipped: pdcluster not selected"}
+    parts: dict[str, Any] = {"status": "skipped: pdcluster not selected"}
     for name in engines:
         try:
             if name == "pdcluster":
-                runs[name], roofline = run_pdcluster(model_dir, workload, vocab_size,
-                                                     roofline)
+                runs[name], parts = run_pdcluster(model_dir, workload, vocab_size, roofline)
             else:
                 runs[name] = run_peer(name, model_dir, workload)
         except Exception as e:  # one engine's failure must not hide the others' numbers
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             if name == "pdcluster":
-                roofline = {"status": f"pending: pdcluster failed ({results[name]['error']})"}
+                parts = {"status": f"pending: pdcluster failed ({results[name]['error']})"}
     for name, r in runs.items():
         try:
             results[name] = summarize(r, workload, runs.get("hf") if name != "hf" else None)
@@ -347,7 +346,7 @@ def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: i
                     "torch": torch.__version__, "python": platform.python_version(),
                     "load_average_at_start": load_at_start},
         "engines": {name: results[name] for name in engines},
-        "ratios": ratios(results), "decode_roofline": roofline,
+        "ratios": ratios(results), "decode_roofline": parts,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
