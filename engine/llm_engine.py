@@ -98,7 +98,8 @@ class LLMEngine:
         self.dtype = parse_dtype(dtype, self.device)
         blas_threads = num_threads
         if num_threads is None and self.device.type == "cpu":
-            num_threads, blas_threads = cpu_features().compute_threads, cpu_features().cores
+            cpu = cpu_features()
+            num_threads, blas_threads = cpu.compute_threads, cpu.cores
         if num_threads is not None:
             torch.set_num_threads(num_threads)
             threadpool_limits(blas_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
