@@ -66,7 +66,8 @@ def _autoscaler(args: argparse.Namespace) -> Any:
     config = AutoscalerConfig(
         SloSpec.parse(args.slo, args.attainment), args.mode,
         min_workers=args.min_workers or (2 if args.mode == "disaggregated" else 1),
-        max_workers=args.max_workers or max(low, 2), interval_s=args.autoscale_interval,
+        max_workers=args.max_workers or max(low, 2), min_prefill=args.min_prefill,
+        interval_s=args.autoscale_interval,
         window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown,
         local_prefill_threshold=args.local_prefill_threshold,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
@@ -206,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--attainment", type=float, default=0.9)
     auto.add_argument("--min-workers", type=int, default=None)
     auto.add_argument("--max-workers", type=int, default=None)
+    auto.add_argument("--min-prefill", type=int, default=1,
+                      help="fewest prefill workers (disaggregated); 0 lets the autoscaler "
+                           "leave prefill to the decode workers")
     auto.add_argument("--autoscale-interval", type=float, default=10.0, help="seconds")
     auto.add_argument("--autoscale-window", type=float, default=60.0, help="seconds")
     auto.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds")

@@ -39,6 +39,9 @@ class AutoscalerConfig:
         mode: the cluster's mode.
         min_workers: fewest workers in total.
         max_workers: most workers in total.
+        min_prefill: fewest prefill workers (disaggregated). 0 lets the autoscaler drop
+            the prefill pool when the load is better served by decode workers that
+            prefill every prompt themselves (a decode-heavy mix).
         interval_s: seconds between decisions.
         window_s: seconds of history each decision looks at.
         cooldown_s: seconds after a change during which nothing changes.
@@ -56,6 +59,7 @@ class AutoscalerConfig:
     mode: str = "disaggregated"
     min_workers: int = 2
     max_workers: int = 4
+    min_prefill: int = 1
     interval_s: float = 10.0
     window_s: float = 60.0
     cooldown_s: float = 60.0
@@ -73,6 +77,8 @@ class AutoscalerConfig:
         if not low <= self.min_workers <= self.max_workers:
             raise ValueError(f"need {low} <= min_workers <= max_workers ({self.mode}), got "
                              f"{self.min_workers} and {self.max_workers}")
+        if self.min_prefill < 0:
+            raise ValueError(f"min_prefill must be >= 0, got {self.min_prefill}")
         if self.interval_s <= 0 or self.window_s <= 0 or self.cooldown_s < 0:
             raise ValueError("interval_s and window_s must be > 0, cooldown_s >= 0")
         if self.headroom < 0:
@@ -149,7 +155,8 @@ class Autoscaler:
         c = self.config
         if c.mode == "colocated":
             return [(0, n) for n in range(c.min_workers, c.max_workers + 1)]
-        out = [(p, t - p) for t in range(c.min_workers, c.max_workers + 1) for p in range(1, t)]
+        out = [(p, t - p) for t in range(c.min_workers, c.max_workers + 1)
+               for p in range(c.min_prefill, t)]
         return sorted(out, key=lambda pd: (self._cost(*pd), pd))
 
     def _cost(self, prefill: int, decode: int) -> float:
@@ -257,4 +264,4 @@ class Autoscaler:
 
 
 def _name(split: tuple[int, int]) -> str:
-    return f"{split[1]} colocated" if split[0] == 0 else f"{split[0]}P+{split[1]}D"
+    return f"{split[0]}P+{split[1]}D"

@@ -1,24 +1,29 @@
 """The autoscaling experiment: a mix that shifts from prefill-heavy to decode-heavy while its
-rate steps up, served by the SLO autoscaler and by every fixed split of its largest size.
+rate steps up, served by the SLO autoscaler and by every fixed split of its size.
 
-    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 150]
+    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 120]
 
 Phase A sends prefill-heavy requests (prompts above the local-prefill threshold, so a
-prefill worker computes them; few output tokens), phase B decode-heavy ones (short prompts
-prefilled on the decode worker, long answers) at a higher rate. The SLO and both rates come
-from the profile before anything runs: the SLO is a multiple of the predicted unloaded
-TTFT and TPOT, phase A's rate is one at which 2P+1D is predicted to meet it and 1P+2D to
-miss it, phase B's one (higher) at which the reverse holds. The same trace (same prompts,
-arrivals and lengths) is then served three times on local Ray:
+prefill worker computes them when there is one; few output tokens), phase B decode-heavy
+ones (short prompts prefilled on the decode worker, long answers) at a higher rate. Two
+workers, one per core of this machine: the splits are 1P+1D and 0P+2D (no prefill pool:
+the decode workers prefill every prompt). In phase A 1P+1D keeps the long prefills away
+from the decoding worker; in phase B its prefill worker idles while one decode worker
+carries everything, and 0P+2D has two.
 
-- `autoscale`: `pdcluster serve --autoscale` starting at 1P+1D, between 2 and 3 workers;
-- `2P+1D` and `1P+2D`: fixed splits of the autoscaler's largest size.
+The profile is first scaled to the machine's speed now (`Calibrator`, as the accuracy
+runs do; the VM drifts) and saved; the SLO and both rates come from it before anything
+runs: the SLO is a multiple of the predicted unloaded TTFT and TPOT, phase A's rate one at
+which 1P+1D is predicted to meet it and 0P+2D to miss it, phase B's one (higher) at which
+the reverse holds. The same trace (same prompts, arrivals and lengths) is then served
+three times on local Ray:
 
-Every worker of every arm runs on this machine, so the profile given to the planner says
-so (`workers_per_host` = 3): steps slow down by the measured neighbour slowdown per busy
-host-mate. While a run goes, the ready workers and the autoscaler's targets are polled
-every second. The result: attainment per arm and phase, a timeline plot (the split over
-time, attainment in 15 s windows by arrival), `summary.json`.
+- `autoscale`: `pdcluster serve --autoscale --min-prefill 0` starting at 1P+1D, 2 workers;
+- `1P+1D` and `0P+2D`: the fixed splits of the same size.
+
+While a run goes, the ready workers and the autoscaler's targets are polled every second.
+The result: attainment per arm and phase, a timeline plot (the split over time,
+attainment in 15 s windows by arrival), `summary.json`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import argparse
 import json
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.experiments import report_records
 from bench.runner import RunSettings, Target, bench_run, markdown_table, pdcluster_serve
 from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
+from planner.accuracy import Calibrator
 from planner.plan import PlanRequest, SloSpec, meets, predict
 from planner.profile import Profile
 from planner.simulator import ClusterShape, SimRequest
@@ -46,9 +52,10 @@ from planner.validate import bench_slo
 # name: (prompt tokens, output tokens), inclusive ranges.
 PHASES = {"prefill-heavy": ((160, 320), (4, 8)), "decode-heavy": ((16, 48), (48, 96))}
 LOCAL_PREFILL_THRESHOLD = 64
-SPLITS = {"2P+1D": (2, 1), "1P+2D": (1, 2)}
-AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "3", "--autoscale-interval", "5",
-                    "--autoscale-window", "30", "--autoscale-cooldown", "20"]
+SPLITS = {"1P+1D": (1, 1), "0P+2D": (0, 2)}
+AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill", "0",
+                    "--autoscale-interval", "5", "--autoscale-window", "30",
+                    "--autoscale-cooldown", "20"]
 _BIN_S = 15.0
 _CANDIDATE_RATES = np.round(np.geomspace(0.1, 8.0, 40), 3)
 
@@ -108,8 +115,9 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
 def build_trace(profile: Profile, phase_s: float) -> dict[str, Any]:
     """The SLO, both phases' rates and the whole trace."""
     slo = experiment_slo(profile)
-    rate_a = choose_rate(profile, slo, "prefill-heavy", (2, 1), (1, 2), 60)
-    rate_b = choose_rate(profile, slo, "decode-heavy", (1, 2), (2, 1), 60, above=rate_a)
+    rate_a = choose_rate(profile, slo, "prefill-heavy", SPLITS["1P+1D"], SPLITS["0P+2D"], 60)
+    rate_b = choose_rate(profile, slo, "decode-heavy", SPLITS["0P+2D"], SPLITS["1P+1D"], 60,
+                         above=rate_a)
     first = phase_requests("prefill-heavy", max(int(rate_a * phase_s), 1), rate_a, 0.0, 21)
     first = [r for r in first if r.arrival < phase_s]
     second = phase_requests("decode-heavy", max(int(rate_b * phase_s), 1), rate_b, phase_s, 22)
@@ -218,7 +226,7 @@ def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, phase_s: 
             top.step(*zip(*targets, strict=True), where="post", color=color, linestyle="--",
                      alpha=0.6, label=f"{role} target")
     top.set_ylabel("workers (autoscale arm)")
-    top.set_ylim(0, 3.5)
+    top.set_ylim(0, 2.5)
     top.legend(loc="upper left", fontsize=8)
     for name, result in results.items():
         bins = binned_attainment(result["report"], slo)
@@ -240,14 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phase-s", type=float, default=150.0, help="seconds per phase")
-    parser.add_argument("--arms", default="autoscale,2P+1D,1P+2D")
+    parser.add_argument("--phase-s", type=float, default=120.0, help="seconds per phase")
+    parser.add_argument("--arms", default="autoscale,1P+1D,0P+2D")
     args = parser.parse_args(argv)
 
-    profile = replace(Profile.load(args.profile), workers_per_host=3)  # all on this machine
+    profile, calibration = Calibrator(Profile.load(args.profile))()  # the machine's speed now
     args.out.mkdir(parents=True, exist_ok=True)
-    profile_path = args.out / "profile-one-host.json"
+    profile_path = args.out / "profile-calibrated.json"
     profile.save(profile_path)
+    print(f"calibration {calibration}", flush=True)
     trace = build_trace(profile, args.phase_s)
     slo = trace["slo"]
     print(f"SLO {slo.bounds} (attainment {slo.attainment}); rates {trace['rates']}; "
@@ -272,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(["arm", "all", *PHASES], rows)
     print(table)
     summary = {"slo": asdict(slo), "rates": trace["rates"], "phase_s": args.phase_s,
+               "calibration": calibration,
                "num_requests": len(trace["requests"]),
                "arms": {name: {"attainment": r["attainment"], "timeline": r["timeline"],
                                "summary": r["report"]["summary"]}

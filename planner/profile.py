@@ -9,8 +9,12 @@ and checked on held-out ones:
   `const + tokens + attention + seqs`, where `tokens` is every token computed (the linear
   layers), `attention` the query x key pairs in thousands (sum over requests of
   new tokens x (context before + (new + 1) / 2)), and `seqs` the requests in the step;
-- a decode-only step: `const + seqs + context`, `context` being the tokens attended to
-  in thousands (the KV read).
+- a decode-only step: one term per profiled batch size (`b1`, `b2`, ... interpolated
+  linearly between them) plus `context`, the tokens attended to in thousands (the KV
+  read). A table, not a line in the batch size: on CPU BLAS the linears' cost is not
+  monotonic in the rows (measured on OpenBLAS 0.3.31's Haswell kernels: a 2-row sgemm
+  costs more than a 4-row one), and the small batches are the common ones. Profiles
+  written before have `const + seqs + context`; both forms are read.
 
 The exposed KV transfer (end of prefill to the request joining the decode batch, the part
 layer-wise streaming does not hide) is `const + blocks` in the shipped blocks.
@@ -28,7 +32,9 @@ import numpy as np
 
 SCHEMA = "pdcluster.profile/1"
 PREFILL_FEATURES = ("const", "tokens", "attention", "seqs")
-DECODE_FEATURES = ("const", "seqs", "context")
+# Batch sizes a full profile times decode steps at (the decode model's table).
+DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+LINEAR_DECODE_FEATURES = ("const", "seqs", "context")  # the older, linear decode model
 TRANSFER_FEATURES = ("const", "blocks")
 # A sample this much slower (as a fraction) than the first fit predicts is an outlier.
 OUTLIER = 0.5
@@ -125,9 +131,36 @@ def prefill_features(items: Sequence[tuple[int, int]]) -> tuple[float, ...]:
     return (1.0, float(tokens), attention, float(len(items)))
 
 
-def decode_features(contexts: Sequence[int]) -> tuple[float, ...]:
-    """Features of a decode-only step; `contexts` are each request's tokens attended to."""
-    return (1.0, float(len(contexts)), sum(contexts) / 1e3)
+def decode_feature_names(batches: Sequence[int]) -> tuple[str, ...]:
+    """The decode model's features for a table of these batch sizes."""
+    return (*(f"b{b}" for b in sorted(set(batches))), "context")
+
+
+def decode_features(contexts: Sequence[int], features: Sequence[str]) -> tuple[float, ...]:
+    """Features of a decode-only step, in the order of `features`.
+
+    Args:
+        contexts: each request's tokens attended to.
+        features: the model's names: `bN` (the batch-size table: the step's batch as
+            linear-interpolation weights over the table's sizes, extrapolated from the two
+            largest beyond them), `const`, `seqs`, `context` (thousands of tokens).
+    """
+    sizes = [int(f[1:]) for f in features if f[0] == "b"]
+    weights = _batch_weights(len(contexts), sizes) if sizes else {}
+    values = {"const": 1.0, "seqs": float(len(contexts)), "context": sum(contexts) / 1e3}
+    return tuple(weights.get(int(f[1:]), 0.0) if f[0] == "b" else values[f] for f in features)
+
+
+def _batch_weights(batch: int, sizes: Sequence[int]) -> dict[int, float]:
+    """`batch` as a linear combination of the table's sizes (ascending)."""
+    if batch in sizes:
+        return {batch: 1.0}
+    if len(sizes) == 1 or batch < sizes[0]:
+        return {sizes[0]: batch / sizes[0]}
+    hi = next((i for i, s in enumerate(sizes) if s > batch), len(sizes) - 1)
+    lo, hi = sizes[hi - 1], sizes[hi]
+    t = (batch - lo) / (hi - lo)
+    return {lo: 1.0 - t, hi: t}
 
 
 @dataclass(frozen=True)
@@ -196,7 +229,8 @@ class Profile:
         """
         if any(is_prompt for _, _, is_prompt in items):
             return self.prefill.predict(prefill_features([(s, n) for s, n, _ in items]))
-        return self.decode.predict(decode_features([s + n for s, n, _ in items]))
+        return self.decode.predict(decode_features([s + n for s, n, _ in items],
+                                                   self.decode.features))
 
     def transfer_time(self, num_blocks: int) -> float:
         """Exposed seconds to ship `num_blocks` blocks of KV to a decode worker."""

@@ -7,7 +7,8 @@ schedules:
 - prefill: prompts of `new` tokens after `cached` tokens already in the prefix cache
   (a first request puts them there), one to four prompts per step, and mixed steps (a
   prompt joining running decodes, as a colocated worker runs them);
-- decode: `batch` requests with `context` tokens each, several steps per point.
+- decode: `batch` requests with `context` tokens each, several steps per point, at every
+  batch size of the decode model's table (`planner.profile.DECODE_BATCHES`).
 
 The exposed KV transfer is measured with real prefill and decode workers in two processes
 over the chosen transport, as `bench.kv_exposed` does. The neighbour slowdown is the ratio
@@ -31,11 +32,12 @@ import numpy as np
 from engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from engine.request import Request
 from planner.profile import (
-    DECODE_FEATURES,
+    DECODE_BATCHES,
     PREFILL_FEATURES,
     TRANSFER_FEATURES,
     LinearModel,
     Profile,
+    decode_feature_names,
     decode_features,
     fit_held_out,
     prefill_features,
@@ -258,7 +260,7 @@ def _grids(engine: LLMEngine, quick: bool) -> dict[str, Any]:
     cached = [0, 256] if quick else [0, 512]
     prefill = [(n, c, k) for n in news for c in cached for k in (1, 2) if c + n < limit]
     prefill += [(n, 0, 4) for n in news[:3]]
-    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+    batches = [1, 2, 4, 16] if quick else list(DECODE_BATCHES)
     contexts = [32, 256] if quick else [32, 256, 1024]
     room = engine.block_pool.num_blocks * engine.cache_config.block_size * 0.8
     decode = [(b, c) for b in batches for c in contexts if c + 8 < limit and b * (c + 8) < room]
@@ -336,10 +338,11 @@ def fit_profile(profile: Profile) -> Profile:
     """
     prefill, decode, transfer = (profile.samples[k] for k in ("prefill", "decode", "transfer"))
     px = [prefill_features([(a, n) for a, n, _ in s["items"]]) for s in prefill]
-    dx = [decode_features([a + n for a, n, _ in s["items"]]) for s in decode]
+    decode_names = decode_feature_names([len(s["items"]) for s in decode])
+    dx = [decode_features([a + n for a, n, _ in s["items"]], decode_names) for s in decode]
     tx = [(1.0, float(s["blocks"])) for s in transfer]
     prefill_model, prefill_err = fit_held_out(PREFILL_FEATURES, px, [s["y"] for s in prefill])
-    decode_model, decode_err = fit_held_out(DECODE_FEATURES, dx, [s["y"] for s in decode])
+    decode_model, decode_err = fit_held_out(decode_names, dx, [s["y"] for s in decode])
     transfer_model, transfer_err = fit_held_out(TRANSFER_FEATURES, tx,
                                                 [s["y"] for s in transfer])
     bs = profile.block_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.profile import (
-    DECODE_FEATURES,
+    LINEAR_DECODE_FEATURES,
     PREFILL_FEATURES,
     TRANSFER_FEATURES,
     LinearModel,
@@ -23,7 +23,7 @@ def synthetic_profile(prefill: tuple[float, float, float, float] = (0.1, 0.0, 0.
                    hardware={}, block_size=block_size, num_blocks=num_blocks, kv_cache_gb=1.0,
                    block_bytes=1024, max_model_len=8192, transport="shm", load_time_s=1.0,
                    prefill=LinearModel(PREFILL_FEATURES, prefill),
-                   decode=LinearModel(DECODE_FEATURES, decode),
+                   decode=LinearModel(LINEAR_DECODE_FEATURES, decode),
                    transfer=LinearModel(TRANSFER_FEATURES, transfer))
 
 

@@ -24,18 +24,30 @@ from planner.profile import LinearModel, Profile
 from tests.planner.synthetic import synthetic_profile
 
 PREFILL = (0.01, 0.002, 0.001, 0.0005)
-DECODE = (0.004, 0.002, 0.01)
+# A decode table as CPU BLAS makes it: batch 2 dearer than batch 4.
+TABLE = ("b1", "b2", "b4", "b8", "b16", "context")
+DECODE = (0.004, 0.009, 0.007, 0.01, 0.016, 0.01)
 
 
-def machine(profile: Profile, fixed: float, per_seq: float, prefill: float) -> Profile:
-    """A machine whose decode fixed cost, per-sequence cost and prefill are these multiples
-    of the profile's."""
-    c, s, x = profile.decode.coef
-    return replace(profile,
-                   decode=LinearModel(profile.decode.features, (c * fixed, s * per_seq,
-                                                                x * per_seq)),
+def table_profile(decode: tuple[float, ...] = DECODE, model: str = "synthetic") -> Profile:
+    return replace(synthetic_profile(prefill=PREFILL, model=model),
+                   decode=LinearModel(TABLE, decode))
+
+
+def machine(profile: Profile, table: dict[int, float], context: float, prefill: float
+            ) -> Profile:
+    """A machine whose decode table entries (per batch size), context term and prefill
+    are these multiples of the profile's."""
+    coef = tuple(c * (table[int(f[1:])] if f[0] == "b" else context)
+                 for f, c in zip(profile.decode.features, profile.decode.coef, strict=True))
+    return replace(profile, decode=LinearModel(profile.decode.features, coef),
                    prefill=LinearModel(profile.prefill.features,
                                        tuple(v * prefill for v in profile.prefill.coef)))
+
+
+def uniform(profile: Profile, factor: float, prefill: float | None = None) -> Profile:
+    return machine(profile, dict.fromkeys((1, 2, 4, 8, 16), factor), factor,
+                   factor if prefill is None else prefill)
 
 
 def probes(true: Profile, decode_steps: int = 8, prefills: int = 5
@@ -52,18 +64,19 @@ def probes(true: Profile, decode_steps: int = 8, prefills: int = 5
 
 def reproduces(profile: Profile, samples: dict[str, list[dict[str, Any]]]) -> None:
     for sample in samples["decode"] + samples["prefill"]:
-        assert profile.step_time(sample["items"]) == pytest.approx(sample["y"], rel=1e-9)
+        assert profile.step_time(sample["items"]) == pytest.approx(sample["y"], rel=1e-6)
 
 
 def test_a_uniformly_slower_machine_scales_each_model_by_its_slowdown() -> None:
-    profile = synthetic_profile(prefill=PREFILL, decode=DECODE)
-    true = machine(profile, 1.5, 1.5, 1.2)
+    profile = table_profile()
+    true = uniform(profile, 1.5, prefill=1.2)
     samples = probes(true)
 
     scaled, record = scale_to_probes(profile, samples)
 
-    assert record["factors"] == {"decode_fixed": pytest.approx(1.5),
-                                 "decode_per_seq": pytest.approx(1.5),
+    assert record["factors"] == {"decode_b1": pytest.approx(1.5), "decode_b2": pytest.approx(1.5),
+                                 "decode_b4": pytest.approx(1.5), "decode_b8": pytest.approx(1.5),
+                                 "decode_context": pytest.approx(1.5),
                                  "prefill": pytest.approx(1.2)}
     assert scaled.decode.coef == pytest.approx(true.decode.coef)
     assert scaled.prefill.coef == pytest.approx(true.prefill.coef)
@@ -76,62 +89,49 @@ def test_a_uniformly_slower_machine_scales_each_model_by_its_slowdown() -> None:
         1e3 * profile.step_time([(0, PROBE_PREFILL, True)]), abs=0.01)
 
 
-def test_fixed_and_per_sequence_drift_are_fitted_apart() -> None:
-    """Memory-bound drift: the per-sequence cost doubles, the fixed cost does not. One
-    factor cannot match batch 1 and batch 8 both; the two parts' factors can, and then
-    an unprobed batch is right too."""
-    profile = synthetic_profile(prefill=PREFILL, decode=DECODE)
-    true = machine(profile, 1.0, 2.0, 1.0)
+def test_each_probed_batch_gets_its_own_factor_and_the_rest_are_interpolated() -> None:
+    """Drift that slows batch 2 by 1.8x but batch 1 not at all and batch 8 by 1.2x: every
+    probe is reproduced exactly; the unprobed batch 16 takes the largest probe's factor,
+    and batch 3 (between the table's 2 and 4) lands between their factors."""
+    profile = table_profile()
+    true = machine(profile, {1: 1.0, 2: 1.8, 4: 1.4, 8: 1.2, 16: 1.2}, 1.2, 1.0)
     samples = probes(true)
 
     scaled, record = scale_to_probes(profile, samples)
 
-    assert record["factors"]["decode_fixed"] == pytest.approx(1.0)
-    assert record["factors"]["decode_per_seq"] == pytest.approx(2.0)
+    assert record["factors"]["decode_context"] == pytest.approx(1.2)
     reproduces(scaled, samples)
-    batch4 = [(PROBE_CONTEXT, 1, False)] * 4
-    assert scaled.step_time(batch4) == pytest.approx(true.step_time(batch4))
+    batch16 = [(PROBE_CONTEXT, 1, False)] * 16
+    assert scaled.step_time(batch16) == pytest.approx(true.step_time(batch16))
+    batch3 = [(PROBE_CONTEXT, 1, False)] * 3
+    assert profile.step_time(batch3) * 1.4 < scaled.step_time(batch3) \
+        < profile.step_time(batch3) * 1.8
+    assert scaled.step_time(batch3) == pytest.approx(true.step_time(batch3))
 
 
-def test_probes_that_need_a_negative_fixed_cost_get_the_closest_non_negative_fit() -> None:
-    """Batch 8 more than the model's per-sequence growth allows: matching both would need
-    a negative fixed cost, so the fixed part is dropped and the per-sequence factor lands
-    between what each probe alone implies."""
-    profile = synthetic_profile(decode=(0.01, 0.001, 0.0))
-    samples = probes(profile)
-    for sample in samples["decode"]:
-        sample["y"] = 0.011 if len(sample["items"]) == 1 else 0.2
-
-    scaled, record = scale_to_probes(profile, samples)
-
-    assert record["factors"]["decode_fixed"] == 0.0
-    assert scaled.decode.coef[0] == 0.0
-    assert 0.011 / 0.001 < record["factors"]["decode_per_seq"] < 0.2 / 0.008
-
-
-def test_a_decode_model_without_a_fixed_part_keeps_factor_one_for_it() -> None:
-    profile = synthetic_profile(prefill=PREFILL, decode=(0.0, 0.002, 0.01))
-    samples = probes(machine(profile, 1.0, 1.7, 0.8))
-
-    scaled, record = scale_to_probes(profile, samples)
-
-    assert record["factors"] == {"decode_fixed": 1.0, "decode_per_seq": pytest.approx(1.7),
-                                 "prefill": pytest.approx(0.8)}
-    reproduces(scaled, samples)
+def test_a_profile_without_the_probed_table_entries_is_refused() -> None:
+    """A profile of the older linear decode model (or a table lacking a probed batch)
+    cannot be scaled per batch: a clear error, not a silent guess."""
+    linear = synthetic_profile(prefill=PREFILL, decode=(0.004, 0.002, 0.01))
+    with pytest.raises(ValueError, match=r"no entry for batch \[1, 2, 4, 8\].*profile again"):
+        scale_to_probes(linear, probes(linear))
+    partial = replace(linear, decode=LinearModel(("b1", "b4", "context"), (0.01, 0.02, 0.01)))
+    with pytest.raises(ValueError, match=r"no entry for batch \[2, 8\]"):
+        scale_to_probes(partial, probes(partial))
 
 
 def test_each_point_is_predicted_from_the_calibration_taken_just_before_it() -> None:
     """A machine that gets slower before each point: each point's SLO, maximum rate and
     prediction come from the calibration taken when the point is due, and calibration
     happens only then (not all up front)."""
-    profile = synthetic_profile(prefill=PREFILL, decode=DECODE)
+    profile = table_profile()
     shape = parse_config("1P+1D")
     slowdowns = iter([1.0, 1.5, 2.0, 1.2])
     machines: list[Profile] = []
 
     def calibrate() -> tuple[Profile, dict[str, Any]]:
         slowdown = next(slowdowns)
-        machines.append(machine(profile, slowdown, slowdown, slowdown))
+        machines.append(uniform(profile, slowdown))
         return machines[-1], {"slowdown": slowdown}
 
     points = predicted_points(profile, shape, 20, 3, calibrate)
@@ -157,8 +157,9 @@ def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> No
     """The real probe steps on the tiny model, twice on one engine: a profile claiming 1 s
     per step is scaled far down, each model by its own factor, and the probes leave the
     KV pool as they found it."""
-    profile = synthetic_profile(prefill=(1.0, 0.0, 0.0, 0.0), decode=(1.0, 0.0, 0.0),
-                                model="tiny")
+    profile = replace(synthetic_profile(prefill=(1.0, 0.0, 0.0, 0.0), model="tiny"),
+                      decode=LinearModel(("b1", "b2", "b4", "b8", "context"),
+                                         (1.0, 1.0, 1.0, 1.0, 0.0)))
     calibrator = Calibrator(profile)
     pool = calibrator._sampler.engine.block_pool
     free = pool.num_free_blocks
@@ -166,10 +167,11 @@ def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> No
     for _ in range(2):
         scaled, record = calibrator()
         factors = record["factors"]
-        assert 0 < factors["decode_fixed"] < 0.5 and 0 < factors["prefill"] < 0.5
-        assert factors["decode_per_seq"] == 1.0  # the model has no per-sequence cost
-        assert scaled.decode.coef == (factors["decode_fixed"], 0.0, 0.0)
+        table = [factors[f"decode_b{b}"] for b in PROBE_BATCHES]
+        assert all(0 < f < 0.5 for f in table) and 0 < factors["prefill"] < 0.5
+        assert scaled.decode.coef == pytest.approx((*table, 0.0))  # no context cost
         assert scaled.prefill.coef == (factors["prefill"], 0.0, 0.0, 0.0)
-        assert set(record["measured_ms"]) == {"decode_b1", "decode_b8", "prefill"}
+        assert set(record["measured_ms"]) == {"decode_b1", "decode_b2", "decode_b4",
+                                              "decode_b8", "prefill"}
         assert pool.num_free_blocks == free
         assert not calibrator._sampler.engine.has_unfinished_requests()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,29 @@ def test_bounds_are_never_crossed() -> None:
     assert (floor.action, floor.prefill, floor.decode) == ("hold", 1, 1)
     with pytest.raises(ValueError, match="min_workers <= max_workers"):
         AutoscalerConfig(SLO, "disaggregated", 1, 4)
+
+
+def test_with_min_prefill_zero_a_decode_heavy_load_moves_prefill_to_the_decode_workers(
+        ) -> None:
+    """Short prompts (prefilled on the decode worker anyway) at a rate one decode worker
+    cannot carry: with the prefill pool allowed to go, 1P+1D rebalances to 0P+2D (same
+    cost, twice the decode workers); without, 1P+1D is the only 2-worker split."""
+    n, duration = 180, 60.0
+    short = Window(0.0, duration, [i * duration / n for i in range(n)], [200] * n, [20] * n)
+    config = AutoscalerConfig(SloSpec.parse("ttft_p90_ms=600"), "disaggregated", 2, 2,
+                              min_prefill=0, trace_requests=200)
+    scaler = Autoscaler(config, PROFILE, PROFILE)
+    assert scaler.splits() == [(0, 2), (1, 1)]
+
+    decision = scaler.decide(0.0, short, (1, 1))
+
+    assert (decision.action, decision.prefill, decision.decode) == ("rebalance", 0, 2)
+    assert "1P+1D is predicted at" in decision.reason and "0P+2D is the cheapest" in decision.reason
+    fixed = Autoscaler(replace(config, min_prefill=1), PROFILE, PROFILE)
+    assert fixed.splits() == [(1, 1)]
+    assert fixed.decide(0.0, short, (1, 1)).action == "hold"
+    with pytest.raises(ValueError, match="min_prefill must be >= 0"):
+        replace(config, min_prefill=-1)
 
 
 def test_a_window_with_too_few_requests_holds() -> None:

@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
-from planner.autoscale_run import build_trace, phase_requests, shape
+from planner.autoscale_run import SPLITS, build_trace, phase_requests, shape
 from planner.plan import PlanRequest, meets, predict
 from planner.profile import Profile
 
-PROFILE = Path(__file__).parents[2] / "bench" / "results" / "planner" / "smollm2-t1.json"
+PROFILE = Path(__file__).parents[2] / "bench" / "results" / "planner" / "smollm2-t1-table.json"
 
 
 def test_the_phases_rates_favour_opposite_splits() -> None:
-    """Phase A's rate: 2P+1D is predicted to meet the SLO and 1P+2D to miss it; phase B's
+    """Phase A's rate: 1P+1D is predicted to meet the SLO and 0P+2D to miss it; phase B's
     (higher) rate: the reverse. The trace holds phase A's requests, then phase B's."""
-    profile = replace(Profile.load(PROFILE), workers_per_host=3)
+    profile = Profile.load(PROFILE)
+    one, none = SPLITS["1P+1D"], SPLITS["0P+2D"]
 
     trace = build_trace(profile, phase_s=60)
 
     slo, rates = trace["slo"], trace["rates"]
     assert rates["decode-heavy"] > rates["prefill-heavy"]
-    for name, good, bad in (("prefill-heavy", (2, 1), (1, 2)), ("decode-heavy", (1, 2), (2, 1))):
+    for name, good, bad in (("prefill-heavy", one, none), ("decode-heavy", none, one)):
         requests = phase_requests(name, 60, rates[name], 0.0, 5)
         request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
         assert meets(predict(request, shape(good)), slo)

@@ -11,10 +11,11 @@ import pytest
 from engine import CacheConfig, LLMEngine
 from engine.hardware import cpu_features
 from planner.profile import (
-    DECODE_FEATURES,
+    LINEAR_DECODE_FEATURES,
     PREFILL_FEATURES,
     Profile,
     check_same_model,
+    decode_feature_names,
     decode_features,
     fit,
     fit_held_out,
@@ -47,13 +48,35 @@ def test_fit_leaves_out_steps_another_process_interrupted() -> None:
     """One sample in ten runs 2-4x slow (the CPU taken away mid-step): the fit ignores
     them and recovers the model the other samples follow."""
     rng = np.random.default_rng(1)
-    xs = [decode_features(rng.integers(16, 1024, int(rng.integers(1, 32))).tolist())
-          for _ in range(200)]
+    xs = [decode_features(rng.integers(16, 1024, int(rng.integers(1, 32))).tolist(),
+                          LINEAR_DECODE_FEATURES) for _ in range(200)]
     truth = np.array([0.04, 0.005, 0.01])
     ys = [float(np.dot(truth, x)) * (rng.uniform(2, 4) if i % 10 == 0 else 1.0)
           for i, x in enumerate(xs)]
 
-    model = fit(DECODE_FEATURES, xs, ys)
+    model = fit(LINEAR_DECODE_FEATURES, xs, ys)
+
+    np.testing.assert_allclose(model.coef, truth, rtol=1e-6)
+
+
+def test_the_decode_table_interpolates_between_batch_sizes_and_fits_a_non_monotonic_cost(
+        ) -> None:
+    """Batch 3 is halfway between the table's 2 and 4, batch 6 a third of the way from 4
+    to 10, batch 12 extrapolates the line through 4 and 10; and a cost where batch 2 is
+    dearer than batch 4 (as OpenBLAS makes it) is recovered exactly, which no line in the
+    batch size can do."""
+    names = decode_feature_names([4, 1, 2, 10, 2])
+    assert names == ("b1", "b2", "b4", "b10", "context")
+    assert decode_features([100, 200, 300], names) == (0.0, 0.5, 0.5, 0.0, 0.6)
+    assert decode_features([0] * 6, names) == pytest.approx((0, 0, 2 / 3, 1 / 3, 0))
+    assert decode_features([0] * 12, names) == pytest.approx((0, 0, -1 / 3, 4 / 3, 0))
+    assert decode_features([0] * 4, names) == (0.0, 0.0, 1.0, 0.0, 0.0)
+    truth = np.array([0.04, 0.1, 0.08, 0.12, 0.01])
+    rng = np.random.default_rng(2)
+    xs = [decode_features(rng.integers(16, 1024, b).tolist(), names)
+          for b in (1, 2, 4, 10) for _ in range(6)]
+
+    model = fit(names, xs, [float(np.dot(truth, x)) for x in xs])
 
     np.testing.assert_allclose(model.coef, truth, rtol=1e-6)
 
@@ -95,6 +118,7 @@ def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
         assert samples and all(s["y"] > 0 for s in samples)
         assert profile.fit_error[key]["num_samples"] == max(len(samples) // 4, 1)
         assert all(c >= 0 for c in getattr(profile, key).coef)
+    assert profile.decode.features == ("b1", "b2", "b4", "b16", "context")  # the quick table
     # Prompt steps of many tokens cost more than of a few (orders of magnitude apart).
     assert profile.step_time([(0, 512, True)]) > profile.step_time([(0, 16, True)])
     assert profile.prefill_role_factor > 0
