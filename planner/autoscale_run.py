@@ -1,7 +1,7 @@
 """The autoscaling experiment: a mix that shifts from prefill-heavy to decode-heavy while its
 rate steps up, served by the SLO autoscaler and by every fixed split of its size.
 
-    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 120]
+    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 150]
 
 Phase A sends prefill-heavy requests (prompts above the local-prefill threshold, so a
 prefill worker computes them when there is one; few output tokens), phase B decode-heavy
@@ -76,8 +76,11 @@ def shape(split: tuple[int, int]) -> ClusterShape:
 
 
 def experiment_slo(profile: Profile) -> SloSpec:
-    """3x the predicted unloaded p50 TTFT of phase A, 2.5x the p50 TPOT of phase B (one
-    request at a time on 1P+1D)."""
+    """3x the predicted unloaded p50 TTFT of phase A, 4x the p50 TPOT of phase B (one
+    request at a time on 1P+1D). 4x, not less: a batch-2 decode step costs ~1.8x a batch-1
+    step and a batch-3 one ~2.3x on this machine's BLAS (the profile's decode table), so a
+    tighter bound forbids the batching a decode worker exists for and no rate separates
+    the splits in phase B."""
     base = SloSpec({"ttft_p90_ms": 1e9})
 
     def unloaded(name: str) -> tuple[float, float]:
@@ -88,7 +91,7 @@ def experiment_slo(profile: Profile) -> SloSpec:
 
     ttft, _ = unloaded("prefill-heavy")
     _, tpot = unloaded("decode-heavy")
-    return SloSpec({"ttft_p90_ms": round(3 * ttft, 1), "tpot_p90_ms": round(2.5 * tpot, 1)})
+    return SloSpec({"ttft_p90_ms": round(3 * ttft, 1), "tpot_p90_ms": round(4 * tpot, 1)})
 
 
 def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int],
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phase-s", type=float, default=120.0, help="seconds per phase")
+    parser.add_argument("--phase-s", type=float, default=150.0, help="seconds per phase")
     parser.add_argument("--arms", default="autoscale,1P+1D,0P+2D")
     args = parser.parse_args(argv)
 
