@@ -15,6 +15,8 @@ HOST_ENV = "PDCLUSTER_HOST"
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     from cluster.backend import ClusterConfig
     from cluster.serve import TRANSPORTS, ServeOptions, run
     from router.auth import SecurityConfig
@@ -46,6 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
                            drain_timeout_s=args.drain_timeout,
                            metrics_compat=args.metrics_compat,
                            autoscaler=_autoscaler(args))
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
     asyncio.run(run(options))
     return 0
 

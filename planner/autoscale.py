@@ -213,14 +213,16 @@ class Autoscaler:
         now_predicted = self.predict(trace, current)
         if meets(now_predicted, c.slo) and c.min_workers <= sum(current) <= c.max_workers:
             return self._maybe_down(now, window, current, now_predicted["attainment"])
-        return self._up(now, rate, trace, current, now_predicted["attainment"])
+        return self._up(now, window, trace, current, now_predicted["attainment"])
 
-    def _up(self, now: float, rate: float, trace: list[SimRequest], current: tuple[int, int],
+    def _up(self, now: float, window: Window, trace: list[SimRequest], current: tuple[int, int],
             attainment: float) -> Decision:
+        rate = window.rate
         scored = []
         for split in self.splits():
             predicted = self.predict(trace, split)
-            if meets(predicted, self.config.slo):
+            if meets(predicted, self.config.slo) and (
+                    sum(split) != sum(current) or self._holds_with_headroom(window, split)):
                 return self._change(now, rate, current, split, predicted["attainment"],
                                     f"{_name(current)} is predicted at {attainment:.0%} "
                                     f"attainment at {rate:.2f} req/s; {_name(split)} is the "
@@ -232,10 +234,20 @@ class Autoscaler:
             return Decision(now, "hold", *current, f"no split within {self.config.max_workers} "
                             f"workers meets the SLO at {rate:.2f} req/s; {_name(current)} is "
                             "already the best", rate, best_attainment)
+        if sum(best) == sum(current) and best_attainment < attainment + REBALANCE_MARGIN:
+            return Decision(now, "hold", *current, f"{_name(current)} is predicted at "
+                            f"{attainment:.0%} at {rate:.2f} req/s; rebalancing to "
+                            f"{_name(best)} ({best_attainment:.0%}) would not gain "
+                            f"{REBALANCE_MARGIN:.0%} with headroom", rate, attainment)
         return self._change(now, rate, current, best, best_attainment,
                             f"no split within {self.config.max_workers} workers meets the SLO "
                             f"at {rate:.2f} req/s; {_name(best)} comes closest "
                             f"({best_attainment:.0%})")
+
+    def _holds_with_headroom(self, window: Window, split: tuple[int, int]) -> bool:
+        """Whether `split` meets the SLO at the observed rate x (1 + headroom)."""
+        trace = self.trace(window, window.rate * (1 + self.config.headroom))
+        return meets(self.predict(trace, split), self.config.slo)
 
     def _maybe_down(self, now: float, window: Window, current: tuple[int, int],
                     attainment: float) -> Decision:
@@ -261,6 +273,12 @@ class Autoscaler:
         bigger, smaller = sum(split) > sum(current), sum(split) < sum(current)
         action = "scale_up" if bigger else "scale_down" if smaller else "rebalance"
         return Decision(now, action, *split, reason, rate, attainment)
+
+
+# A move between splits of the same size (a rebalance) when none meets the SLO needs the
+# new split predicted this much better in attainment: it restarts workers, and two splits
+# near the boundary would otherwise swap on every noisy rate estimate.
+REBALANCE_MARGIN = 0.1
 
 
 def _name(split: tuple[int, int]) -> str:

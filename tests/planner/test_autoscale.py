@@ -103,6 +103,49 @@ def test_with_min_prefill_zero_a_decode_heavy_load_moves_prefill_to_the_decode_w
         replace(config, min_prefill=-1)
 
 
+class Predicted(Autoscaler):
+    """The policy over given predicted attainments per split (at the observed rate, and at
+    the rate plus headroom): the decision logic alone, on known numbers."""
+
+    def __init__(self, config: AutoscalerConfig, at_rate: dict, with_headroom: dict) -> None:
+        super().__init__(config, PROFILE, PROFILE)
+        self.tables = {False: at_rate, True: with_headroom}
+
+    def predict(self, trace: list, split: tuple[int, int]) -> dict[str, Any]:
+        headroom = len(trace) and trace[-1].arrival < self.base_span * 0.9
+        return {"attainment": self.tables[bool(headroom)][split]}
+
+    def trace(self, window: Window, rate: float) -> list:
+        trace = super().trace(window, rate)
+        if not hasattr(self, "base_span"):
+            self.base_span = trace[-1].arrival  # the first trace is at the observed rate
+        return trace
+
+
+def test_a_rebalance_between_splits_near_the_boundary_needs_a_clear_gain() -> None:
+    """Two splits of one size near the SLO's boundary: the measured experiment swapped
+    them every 20-30 s on noisy rate estimates, restarting workers each time. Now a
+    same-size move needs the new split to meet the SLO with headroom, or (when none
+    meets) a predicted gain of REBALANCE_MARGIN; a bigger split needs neither."""
+    config = AutoscalerConfig(SLO, "disaggregated", 2, 2, min_prefill=0, trace_requests=50)
+    busy = window(1.0)
+
+    def decide(at_rate: dict, with_headroom: dict) -> Any:
+        return Predicted(config, at_rate, with_headroom).decide(0.0, busy, (1, 1))
+
+    # 0P+2D meets at the observed rate only: not a clear enough reason to move.
+    held = decide({(1, 1): 0.85, (0, 2): 0.92}, {(1, 1): 0.8, (0, 2): 0.88})
+    assert (held.action, held.prefill, held.decode) == ("hold", 1, 1)
+    assert "would not gain 10%" in held.reason
+    # It meets with headroom: move.
+    moved = decide({(1, 1): 0.85, (0, 2): 0.95}, {(1, 1): 0.8, (0, 2): 0.93})
+    assert (moved.action, moved.prefill, moved.decode) == ("rebalance", 0, 2)
+    # Neither meets; 0P+2D is predicted far better: move to the one that comes closest.
+    closer = decide({(1, 1): 0.4, (0, 2): 0.8}, {(1, 1): 0.3, (0, 2): 0.7})
+    assert (closer.action, closer.prefill, closer.decode) == ("rebalance", 0, 2)
+    assert "comes closest" in closer.reason
+
+
 def test_a_window_with_too_few_requests_holds() -> None:
     decision = autoscaler().decide(0.0, window(5 / 60), (1, 1))
     assert decision.action == "hold" and "5 requests in the window" in decision.reason
