@@ -7,7 +7,9 @@ bounds, and decides:
 
 - **scale up or rebalance** at once when the current split is predicted to miss the SLO
   at the observed rate: to the cheapest split that meets it (or, if none does, the one
-  with the best predicted attainment);
+  with the best predicted attainment); a split of the same size (a rebalance restarts
+  workers) only if it meets the SLO with `headroom` too, or, when none meets, is predicted
+  `REBALANCE_MARGIN` better, so two splits near the boundary do not swap back and forth;
 - **scale down** only when a cheaper split meets the SLO at the observed rate times
   `1 + headroom` (hysteresis: a rate hovering at a boundary does not flap);
 - **hold** otherwise, during the cool-down after a change, or when the window holds too
