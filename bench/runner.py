@@ -381,11 +381,11 @@ def bench_run(target: Target, requests: Sequence[TraceRequest], labels: Sequence
     """
     options = LoadOptions(max_concurrency, None, settings.request_timeout,
                           progress=sys.stdout.isatty())
-    before = _status(target.status_address)
+    before = status_snapshot(target.status_address)
     result, model = asyncio.run(_load(target, requests, options))
     if target.status_address:
         time.sleep(STATS_SETTLE_S)
-    after = _status(target.status_address)
+    after = status_snapshot(target.status_address)
     summary = summarize(result.records, result.duration, slo)
     config = {**settings.config, **(extra_config or {}), "label": label,
               "backend": target.backend, "address": target.address, "served_model": model,
@@ -411,7 +411,8 @@ async def _load(target: Target, requests: Sequence[TraceRequest], options: LoadO
         return await run_load(openai_backend, requests, options), model
 
 
-def _status(address: str | None) -> dict[str, Any] | None:
+def status_snapshot(address: str | None) -> dict[str, Any] | None:
+    """`client.status()` of a pdcluster gRPC address (None without one, or on failure)."""
     if address is None:
         return None
     from router.client import PdClusterClient

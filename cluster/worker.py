@@ -211,6 +211,7 @@ class Worker:
         stats.update(worker_id=self.spec.worker_id, role=str(self.spec.role),
                      busy_seconds=self.loop.busy_seconds, uptime_s=uptime,
                      num_steps=self.loop.num_steps,
+                     step_totals={k: list(v) for k, v in self.loop.step_totals.items()},
                      pid=os.getpid(), transfer_wait_seconds=self.loop.transfer_wait_seconds,
                      peak_flops=self.peaks["flops"], peak_bandwidth=self.peaks["bandwidth"],
                      utilization=self.utilization, **self.role.load(engine))

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.llm_engine import EngineOutput, EngineStepError, LLMEngine, StepLayerHook
+from engine.scheduler import step_work
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class EngineLoop:
         # Idle time while requests waited for remote KV (decode role): the transfer's cost.
         self.transfer_wait_seconds = 0.0
         self.num_steps = 0
+        # Cumulative step time by the shape of the step (`record_step`): what the planner
+        # calibrates its step models on, from the steps a serving worker really ran.
+        self.step_totals: dict[str, list[float]] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -81,8 +85,10 @@ class EngineLoop:
             except EngineStepError as e:
                 log.exception("engine step failed; its requests end with error")
                 outputs = e.outputs
-            self.busy_seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.busy_seconds += elapsed
             self.num_steps += 1
+            record_step(self.step_totals, self.engine.last_step, elapsed)
             if outputs:
                 self._on_outputs(outputs)
 
@@ -109,3 +115,23 @@ class EngineLoop:
             return
         if result is not None:
             result.set_result(value)
+
+
+def record_step(totals: dict[str, list[float]], items: list[tuple[int, int, bool]],
+                seconds: float) -> None:
+    """Add one step to cumulative totals keyed by its shape.
+
+    A step with prompt tokens adds to `prompt`: [steps, seconds, tokens, query x key
+    pairs, requests] (`step_work`); a decode-only step of batch `b` adds to `decode_<b>`:
+    [steps, seconds, tokens attended to]. Differences of two snapshots give the mean step
+    of each shape over the window between them.
+    """
+    if not items:
+        return
+    if any(is_prompt for _, _, is_prompt in items):
+        key, work = "prompt", step_work(items)
+    else:
+        key, work = f"decode_{len(items)}", (sum(start + n for start, n, _ in items),)
+    total = totals.setdefault(key, [0.0] * (2 + len(work)))
+    for i, value in enumerate((1, seconds, *work)):
+        total[i] += value

@@ -123,6 +123,8 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len,
                                      self.scheduler_config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
+        # What the last step computed (`SchedulerOutput.items`), for step-time accounting.
+        self.last_step: list[tuple[int, int, bool]] = []
         self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
 
     def _blocks_for_memory(self) -> int:
@@ -186,6 +188,7 @@ class LLMEngine:
     def step(self, layer_hook: StepLayerHook | None = None) -> list[EngineOutput]:
         """Schedule, run the model once, and report what changed."""
         schedule = self.scheduler.schedule()
+        self.last_step = schedule.items()
         if not schedule.scheduled:
             return []
         hook = None if layer_hook is None else (lambda i: layer_hook(i, schedule))

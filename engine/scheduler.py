@@ -37,6 +37,20 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    def items(self) -> list[tuple[int, int, bool]]:
+        """Per scheduled request: (context before the step, new tokens, whether they are
+        prompt tokens): what a step computes, as the planner's step-time models read it.
+        Call before `postprocess`, which advances the contexts."""
+        return [(s.start, s.num_new_tokens, s.start < s.request.num_prompt_tokens)
+                for s in self.scheduled]
+
+
+def step_work(items: list[tuple[int, int, bool]]) -> tuple[int, float, int]:
+    """A step's work from its `SchedulerOutput.items`: tokens computed (the linear layers),
+    query x key pairs attended (sum of new x (context before + (new + 1) / 2)), requests."""
+    return (sum(n for _, n, _ in items), sum(n * (start + (n + 1) / 2) for start, n, _ in items),
+            len(items))
+
 
 class Scheduler:
     """Picks, each step, which requests compute how many tokens.

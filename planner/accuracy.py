@@ -1,6 +1,7 @@
 """How close the planner's predictions land: predicted vs measured per config, workload, load.
 
-    python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR [--calibrate]
+    python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR \
+        [--calibrate engine|serving]
     python -m planner.accuracy table --out DIR
 
 `run` serves one configuration (`1P+1D`: disaggregated; `2C`: colocated) once and replays
@@ -15,8 +16,9 @@ The SLO of each workload is DistServe-style: `SLO_FACTORS` times the configurati
 predicted unloaded p50 TTFT and TPOT (TTFT p90 and TPOT p90 bounds, attainment 0.9). The
 load levels are 50 % and 80 % of the configuration's predicted maximum rate under that SLO.
 Each point is predicted, and written, just before its trace is replayed (with
-`--calibrate`, from the profile scaled to probe steps timed right then: `Calibrator`);
-nothing measured while serving feeds a prediction. `table` prints the markdown table of
+`--calibrate`, from the profile scaled to probe steps timed right then: `Calibrator` on a
+bare engine, `ServingCalibrator` on the serving workers);
+nothing measured from a point's own trace feeds its prediction. `table` prints the markdown table of
 every `run` in DIR with the error summary.
 """
 
@@ -33,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.runner import markdown_table
+from bench.runner import RunSettings, Target, bench_run, markdown_table, status_snapshot
 from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
 from engine import CacheConfig, LLMEngine, SchedulerConfig
 from planner.plan import PlanRequest, SloSpec, max_rate, predict, shape_entry, simulate
-from planner.profile import LinearModel, Profile, decode_features
+from planner.profile import LinearModel, Profile, decode_features, work_features
 from planner.profiler import _Sampler, decode_samples, prefill_samples
 from planner.simulator import ClusterShape, SimRequest
 from planner.validate import errors, run_config, trace_requests
@@ -183,77 +185,218 @@ class Calibrator:
         return scale_to_probes(self.profile, self.probe())
 
 
+# The serving probe: per decode batch, short prompts (prefilled where they decode) with
+# this many output tokens; then prefills of this many tokens, one at a time.
+_SERVING_PROMPT, _SERVING_OUTPUT = 16, 17
+_SERVING_PREFILL_REPEATS = 4
+_MIN_STEPS = 4  # a batch size measured fewer times than this is left out
+
+
+class ServingCalibrator:
+    """Scales a profile to the steps the serving workers run now.
+
+    A bare engine beside the server (`Calibrator`) misses what serving adds to a step:
+    measured here, the serving workers' mean step ran 1.18-1.3x the bare-calibrated
+    prediction on the decode-heavy mix (their other threads, the router, the load
+    generator and Ray share the cores; workers run at Ray's lower priority). So before
+    each point this sends a probe stream through the router (fresh random prompts, no
+    prefix hits): for each batch size in `PROBE_BATCHES`, that many requests per decoding
+    worker at once, then `PROBE_PREFILL`-token prompts one at a time; and it reads the
+    workers' own step totals (`EngineLoop.step_totals`, in `Status`) before and after each
+    group: the mean measured step of every batch size and the prompt steps' measured and
+    modelled time (a prefill worker's with the profile's role factor) feed
+    `scale_profile`. Steps taken while host-mates were stepping too (every decoding
+    worker is busy in a decode group) are divided by the profile's neighbour slowdown
+    for them, which the simulator applies again where it happens.
+
+    Args:
+        profile: the profile as measured; each call scales this one.
+        shape: the configuration being served.
+        target: the server (its `status_address` must be set).
+    """
+
+    def __init__(self, profile: Profile, shape: ClusterShape, target: Target) -> None:
+        if target.status_address is None:
+            raise ValueError("serving calibration reads the workers' step totals: the "
+                             "target needs a status address")
+        self.profile, self.target = profile, target
+        self.decoding = shape.num_decode  # decode workers, or colocated ones
+        self._rng = np.random.default_rng(23)
+        self._settings = RunSettings(config={"model": profile.model, "run": "calibration"})
+
+    def __call__(self) -> tuple[Profile, dict[str, Any]]:
+        """The profile scaled to the probe stream's steps, and the calibration record."""
+        busy_mates = min(self.decoding, self.profile.workers_per_host) - 1
+        groups = [(self._requests(batch * self.decoding, _SERVING_PROMPT, _SERVING_OUTPUT),
+                   None, busy_mates) for batch in PROBE_BATCHES]
+        groups.append((self._requests(_SERVING_PREFILL_REPEATS, PROBE_PREFILL, 2), 1, 0))
+        windows = []
+        for requests, concurrency, mates in groups:
+            before = status_snapshot(self.target.status_address)
+            bench_run(self.target, requests, ["calibration"] * len(requests),
+                      label="calibration", out=None, settings=self._settings,
+                      max_concurrency=concurrency)
+            after = status_snapshot(self.target.status_address)
+            windows.append((before, after, 1 + mates * self.profile.neighbour_slowdown))
+        return scale_to_steps(self.profile, windows)
+
+    def _requests(self, count: int, prompt: int, output: int) -> list[TraceRequest]:
+        return [TraceRequest(0.0, output, self._rng.integers(*DEFAULT_VOCAB_RANGE,
+                                                             prompt).tolist())
+                for _ in range(count)]
+
+
+def scale_to_steps(profile: Profile,
+                   windows: Sequence[tuple[dict[str, Any] | None, dict[str, Any] | None, float]]
+                   ) -> tuple[Profile, dict[str, Any]]:
+    """The profile scaled to the steps serving workers ran (`scale_profile`).
+
+    Args:
+        windows: (`Status` before, `Status` after, the neighbour slowdown its steps ran
+            under): each worker's step totals (`EngineLoop.step_totals`) grew between the
+            two snapshots by the steps it ran in the window. Decode steps give each batch
+            size's mean step (sizes with fewer than `_MIN_STEPS` steps or no table entry
+            are left out); prompt steps give measured over modelled time, a prefill
+            worker's modelled with the profile's role factor. Measured seconds are divided
+            by the window's slowdown.
+
+    Returns:
+        As `scale_profile`, the record with the decode `steps` counted per batch size.
+
+    Raises:
+        ValueError: a snapshot is missing, or no decode or prompt step was measured.
+    """
+    decode: dict[int, list[float]] = {}
+    prefill = [0.0, 0.0, 0.0]  # steps, measured seconds, modelled seconds
+    for before, after, slowdown in windows:
+        for role, totals in _step_deltas(before, after):
+            for key, values in totals.items():
+                if key.startswith("decode_"):
+                    steps, seconds, tokens = values
+                    acc = decode.setdefault(int(key.removeprefix("decode_")), [0.0, 0.0, 0.0])
+                    for i, value in enumerate((steps, seconds / slowdown, tokens)):
+                        acc[i] += value
+                elif key == "prompt":
+                    steps, seconds, tokens, pairs, seqs = values
+                    mean = profile.prefill.predict(work_features(tokens / steps, pairs / steps,
+                                                                 seqs / steps))
+                    role_factor = profile.prefill_role_factor if role == "prefill" else 1.0
+                    for i, value in enumerate((steps, seconds / slowdown,
+                                               steps * mean * role_factor)):
+                        prefill[i] += value
+    if not prefill[0]:
+        raise ValueError("serving calibration: no prompt step was measured")
+    measured = {b: (seconds / steps, tokens / steps)
+                for b, (steps, seconds, tokens) in decode.items()
+                if steps >= _MIN_STEPS and f"b{b}" in profile.decode.features}
+    scaled, record = scale_profile(profile, measured, (prefill[1] / prefill[0],
+                                                       prefill[2] / prefill[0]))
+    record["steps"] = {**{f"decode_b{b}": int(v[0]) for b, v in sorted(decode.items())},
+                       "prompt": int(prefill[0])}
+    return scaled, record
+
+
+def _step_deltas(before: dict[str, Any] | None, after: dict[str, Any] | None
+                 ) -> list[tuple[str, dict[str, list[float]]]]:
+    """Per worker in both snapshots: its role and the growth of each step total it ran."""
+    if before is None or after is None:
+        raise ValueError("serving calibration: no status from the server")
+    first = {w["worker_id"]: w.get("step_totals", {}) for pool in before["pools"].values()
+             for w in pool}
+    out = []
+    for pool in after["pools"].values():
+        for worker in pool:
+            start = first.get(worker["worker_id"])
+            if start is None:
+                continue
+            grown = {key: [a - b for a, b in zip(total, start.get(key, [0.0] * len(total)),
+                                                 strict=True)]
+                     for key, total in worker.get("step_totals", {}).items()}
+            out.append((worker["role"], {k: v for k, v in grown.items() if v[0] > 0}))
+    return out
+
+
 def _no_progress() -> None:
     pass
 
 
 def scale_to_probes(profile: Profile, probes: dict[str, list[dict[str, Any]]]
                     ) -> tuple[Profile, dict[str, Any]]:
-    """The profile with its step models scaled to reproduce timed probe steps.
-
-    Decode: the drift need not slow every batch size alike (measured here: a batch-4 step
-    1.9x the profile's while a batch-1 step was 0.95x), so each probed batch size gets its
-    own factor. The context term (the KV read) takes the largest probe's factor, measured
-    over modelled; each probed batch's table entry then takes the factor that makes its
-    probe exact, and the other entries the factor interpolated linearly between the probed
-    sizes (the nearest probe's beyond them). Prefill: one factor, median measured over
-    modelled. The transfer model, role factor and neighbour slowdown stay the profile's.
-
-    Args:
-        profile: the profile as measured, with a decode table (`bN` features) holding
-            every probed batch size.
-        probes: `Calibrator.probe`'s timed steps.
-
-    Returns:
-        The scaled profile and the record: `factors` (`decode_bN` per probed batch,
-        `decode_context`, `prefill`), and per probe the median `measured_ms` and the
-        profile's `profile_ms`.
-
-    Raises:
-        ValueError: the profile's decode model has no table entry for a probed batch.
-    """
-    features = profile.decode.features
+    """The profile scaled to reproduce `Calibrator.probe`'s timed steps (`scale_profile`:
+    each probed batch's median step and its context, the median prefill probe)."""
     by_batch: dict[int, list[dict[str, Any]]] = {}
     for sample in probes["decode"]:
         by_batch.setdefault(len(sample["items"]), []).append(sample)
-    missing = [b for b in by_batch if f"b{b}" not in features]
-    if missing:
+    decode = {batch: (float(np.median([s["y"] for s in samples])),
+                      float(np.median([sum(a + n for a, n, _ in s["items"]) for s in samples])))
+              for batch, samples in by_batch.items()}
+    prefill = (float(np.median([s["y"] for s in probes["prefill"]])),
+               float(np.median([profile.step_time(s["items"]) for s in probes["prefill"]])))
+    return scale_profile(profile, decode, prefill)
+
+
+def scale_profile(profile: Profile, decode: dict[int, tuple[float, float]],
+                  prefill: tuple[float, float]) -> tuple[Profile, dict[str, Any]]:
+    """The profile with its step models scaled to reproduce measured steps.
+
+    Decode: the drift need not slow every batch size alike (measured here: a batch-4 step
+    1.9x the profile's while a batch-1 step was 0.95x), so each measured batch size gets its
+    own factor. The context term (the KV read) takes the largest batch's factor, measured
+    over modelled; each measured batch's table entry then takes the factor that makes its
+    step exact, and the other entries the factor interpolated linearly between the measured
+    sizes (the nearest one's beyond them). Prefill: one factor, measured over modelled.
+    The transfer model, role factor and neighbour slowdown stay the profile's.
+
+    Args:
+        profile: the profile as measured, with a decode table (`bN` features) holding
+            every measured batch size.
+        decode: per batch size, (the measured step in seconds, its tokens attended to).
+        prefill: (measured seconds, the profile's modelled seconds) of prompt steps.
+
+    Returns:
+        The scaled profile and the record: `factors` (`decode_bN` per measured batch,
+        `decode_context`, `prefill`), and per batch and for prefill the `measured_ms` and
+        the profile's `profile_ms`.
+
+    Raises:
+        ValueError: no decode step, or the profile's decode model has no table entry for a
+            measured batch.
+    """
+    features = profile.decode.features
+    missing = [b for b in decode if f"b{b}" not in features]
+    if missing or not decode:
         raise ValueError(f"the profile's decode model ({', '.join(features)}) has no entry "
-                         f"for batch {missing}: profile again with this version")
-    measured, modelled, context = {}, {}, {}
-    for batch, samples in sorted(by_batch.items()):
-        parts = np.median([_decode_parts(profile.decode, s["items"]) for s in samples], axis=0)
-        measured[batch] = float(np.median([s["y"] for s in samples]))
-        modelled[batch], context[batch] = float(sum(parts)), float(parts[1])
-    largest = max(by_batch)
-    factors = {"decode_context": measured[largest] / modelled[largest]}
-    for batch in sorted(by_batch):
-        table = modelled[batch] - context[batch]
-        rest = measured[batch] - factors["decode_context"] * context[batch]
+                         f"for batch {missing or 'none measured'}: profile again with this "
+                         "version")
+    modelled = {b: _decode_parts(profile.decode, b, tokens) for b, (_, tokens) in decode.items()}
+    largest = max(decode)
+    factors = {"decode_context": decode[largest][0] / sum(modelled[largest])}
+    for batch in sorted(decode):
+        table, context = modelled[batch]
+        rest = decode[batch][0] - factors["decode_context"] * context
         factors[f"decode_b{batch}"] = rest / table if table > 0 and rest > 0 \
             else factors["decode_context"]
-    probed = sorted(by_batch)
+    probed = sorted(decode)
     table_factor = [factors[f"decode_b{b}"] for b in probed]
-    decode = LinearModel(features, tuple(
+    scaled_decode = LinearModel(features, tuple(
         c * (float(np.interp(int(f[1:]), probed, table_factor)) if f[0] == "b"
              else factors["decode_context"]) for f, c in zip(features, profile.decode.coef,
                                                                strict=True)))
-    prefill_y = float(np.median([s["y"] for s in probes["prefill"]]))
-    prefill_model = float(np.median([profile.step_time(s["items"]) for s in probes["prefill"]]))
-    factors["prefill"] = prefill_y / prefill_model
-    scaled = replace(profile, decode=decode, prefill=LinearModel(
+    factors["prefill"] = prefill[0] / prefill[1]
+    scaled = replace(profile, decode=scaled_decode, prefill=LinearModel(
         profile.prefill.features, tuple(c * factors["prefill"] for c in profile.prefill.coef)))
     record = {"factors": factors,
-              "measured_ms": {**{f"decode_b{b}": round(1e3 * v, 2) for b, v in measured.items()},
-                              "prefill": round(1e3 * prefill_y, 2)},
-              "profile_ms": {**{f"decode_b{b}": round(1e3 * v, 2) for b, v in modelled.items()},
-                             "prefill": round(1e3 * prefill_model, 2)}}
+              "measured_ms": {**{f"decode_b{b}": round(1e3 * decode[b][0], 2) for b in probed},
+                              "prefill": round(1e3 * prefill[0], 2)},
+              "profile_ms": {**{f"decode_b{b}": round(1e3 * sum(modelled[b]), 2)
+                                for b in probed},
+                             "prefill": round(1e3 * prefill[1], 2)}}
     return scaled, record
 
 
-def _decode_parts(model: LinearModel, items: Sequence[Sequence[Any]]) -> tuple[float, float]:
+def _decode_parts(model: LinearModel, batch: int, tokens: float) -> tuple[float, float]:
     """A decode step's modelled seconds: (the batch table's part, the context part)."""
-    x = decode_features([start + new for start, new, _ in items], model.features)
+    x = decode_features([tokens / batch] * batch, model.features)
     table = sum(c * v for f, c, v in zip(model.features, model.coef, x, strict=True)
                 if f[0] == "b")
     return table, model.predict(x) - table
@@ -263,7 +406,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Predict and measure every point of one configuration; writes DIR/CONFIG.json."""
     profile = Profile.load(args.profile)
     shape = parse_config(args.config)
-    calibrate = Calibrator(profile) if args.calibrate else None
+    engine_calibrator = Calibrator(profile) if args.calibrate == "engine" else None
     name = f"{args.config}-t{profile.torch_threads}"
     workloads = args.workloads.split(",")
     unknown = set(workloads) - set(WORKLOADS)
@@ -277,7 +420,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{file_name}.json"
 
-    def due() -> Iterator[tuple[str, list[TraceRequest], SloSpec]]:
+    def due(target: Target) -> Iterator[tuple[str, list[TraceRequest], SloSpec]]:
+        calibrate = ServingCalibrator(profile, shape, target) \
+            if args.calibrate == "serving" else engine_calibrator
         for point, requests in predicted_points(profile, shape, args.num_requests, args.seed,
                                                 calibrate, workloads):
             doc["points"].append(point)
@@ -287,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"calibration {point['calibration']}", flush=True)
             yield key, trace_requests(requests), SloSpec(point["slo"])
 
-    measured = run_config(shape_entry(shape, profile.torch_threads), profile, due(),
+    measured = run_config(shape_entry(shape, profile.torch_threads), profile, due,
                           args.out / name)
     for point in doc["points"]:
         point["measured"] = measured[f"{point['workload']}-{point['level']:g}"]
@@ -345,9 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--workloads", default=",".join(WORKLOADS),
                    help="comma-separated subset of the workloads (each keeps its seed)")
-    r.add_argument("--calibrate", action="store_true",
-                   help="before each point, scale the profile to the machine's speed then "
-                        "(see `Calibrator`)")
+    r.add_argument("--calibrate", choices=("engine", "serving"),
+                   help="before each point, scale the profile to probe steps timed then: "
+                        "on a bare engine beside the server (`Calibrator`) or on the "
+                        "serving workers (`ServingCalibrator`)")
     r.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table", help="the markdown table of every run in --out")
     t.add_argument("--out", type=Path, required=True)

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.scheduler import step_work
+
 SCHEMA = "pdcluster.profile/1"
 PREFILL_FEATURES = ("const", "tokens", "attention", "seqs")
 # Batch sizes a full profile times decode steps at (the decode model's table).
@@ -126,9 +128,14 @@ def fit_held_out(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Seq
 
 def prefill_features(items: Sequence[tuple[int, int]]) -> tuple[float, ...]:
     """Features of a step with prompt tokens; `items` are (context before, new tokens)."""
-    tokens = sum(n for _, n in items)
-    attention = sum(n * (start + (n + 1) / 2) for start, n in items) / 1e3
-    return (1.0, float(tokens), attention, float(len(items)))
+    return work_features(*step_work([(start, n, True) for start, n in items]))
+
+
+def work_features(tokens: float, pairs: float, seqs: float) -> tuple[float, ...]:
+    """The prompt-step model's features from a step's work (`engine.scheduler.step_work`:
+    tokens, query x key pairs, requests). The model is linear, so work summed over steps
+    and divided by their count gives the mean step's features."""
+    return (1.0, float(tokens), pairs / 1e3, float(seqs))
 
 
 def decode_feature_names(batches: Sequence[int]) -> tuple[str, ...]:

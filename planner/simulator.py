@@ -343,8 +343,7 @@ class Simulation:
             return
         worker.busy = True
         worker.num_steps += 1
-        items = [(s.start, s.num_new_tokens, s.start < s.request.num_prompt_tokens)
-                 for s in out.scheduled]
+        items = out.items()
         seconds = worker.profile.step_time(items)
         if worker.role == "prefill":
             seconds *= worker.profile.prefill_role_factor

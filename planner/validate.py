@@ -12,7 +12,7 @@ beside the predicted ones with the error of each:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +91,18 @@ def errors(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, flo
 
 
 def run_config(config: dict[str, Any], profile: Profile,
-               runs: Iterable[tuple[str, list[TraceRequest], SloSpec]], out: Path,
+               runs: Callable[[Target], Iterable[tuple[str, list[TraceRequest], SloSpec]]],
+               out: Path,
                max_num_seqs: int = 64, address: str | None = None) -> dict[str, dict[str, Any]]:
     """Serve one configuration and replay each trace on it, one after another.
 
     Args:
         config: a plan file's configuration entry (`plan.shape_entry`'s keys suffice).
         profile: the profile it was planned with (model, dtype, KV budget, transport).
-        runs: (run name, trace, the SLO to score it with), taken one at a time just before
-            each replay, once the server is up and warm: a generator can make each run when
-            it is due (`planner.accuracy` predicts each point right before it is replayed).
+        runs: given the warm server, the runs: (run name, trace, the SLO to score it
+            with), taken one at a time just before each replay, so a generator can make
+            each run when it is due (`planner.accuracy` calibrates on the server and
+            predicts each point right before it is replayed).
         out: where each run's report and the server log go.
         max_num_seqs: `serve --max-num-seqs`.
         address: an existing Ray cluster, or None for a local one.
@@ -117,7 +119,7 @@ def run_config(config: dict[str, Any], profile: Profile,
         warm = warmup_requests(config, profile)
         bench_run(target, warm, ["warm-up"] * len(warm), label="warm-up", out=None,
                   settings=settings, max_concurrency=1)
-        for run_name, requests, slo in runs:
+        for run_name, requests, slo in runs(target):
             report = bench_run(target, requests, [run_name] * len(requests),
                                label=f"{name}-{run_name}", out=out / name / run_name,
                                settings=settings, slo=bench_slo(slo))
@@ -156,8 +158,8 @@ def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str
     """Measure `count` configurations of the plan; adds `measured` and `error` to each."""
     runs = [("trace", trace_requests(request.requests), request.slo)]
     for config in neighbours(doc, count):
-        measured = run_config(config, request.decode_profile, runs, out, request.max_num_seqs,
-                              address)["trace"]
+        measured = run_config(config, request.decode_profile, lambda _target: runs, out,
+                              request.max_num_seqs, address)["trace"]
         measured["meets_slo"] = measured["failed"] == 0 and meets(measured, request.slo)
         config["measured"] = measured
         config["error"] = errors(config["predicted"], measured)

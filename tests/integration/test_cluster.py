@@ -158,3 +158,47 @@ def test_worker_metrics_are_exported(disagg, loop_thread):
              if s.name.endswith("_count")]
     assert count[0].value >= 4
     assert families["pdcluster:kv_transfer_bytes"].samples[0].value > 0
+
+
+def test_workers_total_their_steps_by_shape(disagg, loop_thread):
+    """The step totals the planner calibrates on (`EngineLoop.step_totals`), exact: a
+    5-token prompt prefilled on the decode worker with 4 tokens out is one prompt step
+    (5 tokens, 5 x 3 query-key pairs, one request) and 3 batch-1 decode steps attending
+    to 6 + 7 + 8 tokens; a 100-token prompt is one prompt step on the prefill worker and
+    3 decode steps on the decode worker attending to 101 + 102 + 103 tokens."""
+    import ray
+
+    def totals():
+        stats = [ray.get(h.actor.stats.remote()) for h in disagg.workers.values()]
+        return {s["role"]: s["step_totals"] for s in stats}
+
+    def grown(before, after):
+        return {role: {key: [round(a - b, 9) for a, b in
+                             zip(values, before[role].get(key, [0.0] * len(values)),
+                                 strict=True)]
+                       for key, values in after[role].items()
+                       if values[0] != before[role].get(key, [0.0])[0]}
+                for role in after}
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    short, long = random_prompts(1, seed=11, low=5, high=5)[0], \
+        random_prompts(1, seed=12, low=100, high=100)[0]
+    start = totals()
+    loop_thread.run(collect(disagg, "steps-short", short, params))
+    middle = totals()
+    loop_thread.run(collect(disagg, "steps-long", long, params))
+    end = totals()
+
+    local, remote = grown(start, middle), grown(middle, end)
+    assert local["prefill"] == {}
+    assert set(local["decode"]) == {"prompt", "decode_1"}
+    steps, seconds, *work = local["decode"]["prompt"]
+    assert (steps, work) == (1, [5, 15, 1]) and seconds > 0
+    steps, seconds, attended = local["decode"]["decode_1"]
+    assert (steps, attended) == (3, 21) and seconds > 0
+    steps, seconds, *work = remote["prefill"]["prompt"]
+    assert (steps, work) == (1, [100, 5050, 1]) and seconds > 0
+    assert set(remote["decode"]) == {"decode_1"}
+    steps, seconds, attended = remote["decode"]["decode_1"]
+    assert (steps, attended) == (3, 306) and seconds > 0
+    wait_pools_free(loop_thread, disagg)

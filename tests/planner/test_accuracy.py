@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from engine.engine_loop import record_step
 from planner.accuracy import (
     LEVELS,
     PROBE_BATCHES,
@@ -19,6 +20,7 @@ from planner.accuracy import (
     predict_point,
     predicted_points,
     scale_to_probes,
+    scale_to_steps,
 )
 from planner.profile import LinearModel, Profile
 from tests.planner.synthetic import synthetic_profile
@@ -175,3 +177,61 @@ def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> No
                                               "decode_b8", "prefill"}
         assert pool.num_free_blocks == free
         assert not calibrator._sampler.engine.has_unfinished_requests()
+
+
+def status(workers: dict[str, tuple[str, dict[str, list[float]]]]) -> dict[str, Any]:
+    """A `Status` snapshot: per worker id, (role, step totals)."""
+    pools: dict[str, list[dict[str, Any]]] = {}
+    for worker_id, (role, totals) in workers.items():
+        pools.setdefault(role, []).append({"worker_id": worker_id, "role": role,
+                                           "step_totals": {k: list(v) for k, v in
+                                                           totals.items()}})
+    return {"pools": pools}
+
+
+def test_serving_steps_scale_the_profile_to_what_the_workers_ran() -> None:
+    """Worker step totals as `EngineLoop` records them on a machine that is 1.3x the
+    profile's in decode (1.6x at batch 2) and 1.25x in prefill, on 1P+1D: decode groups
+    where both workers of the host were busy (their measured seconds carry the neighbour
+    slowdown, which is divided out), and a prefill group on the prefill worker (whose
+    steps carry the role factor, which the modelled time includes). The scaled profile
+    reproduces every measured step; batch 3 ran only twice and is left out."""
+    profile = replace(table_profile(), neighbour_slowdown=0.1, prefill_role_factor=1.2)
+    true = machine(profile, {1: 1.3, 2: 1.6, 4: 1.3, 8: 1.3, 16: 1.3}, 1.3, 1.25)
+    d_totals: dict[str, list[float]] = {"decode_5": [7.0, 1.0, 50.0]}  # earlier steps
+    p_totals: dict[str, list[float]] = {}
+    before = status({"d": ("decode", d_totals), "p": ("prefill", p_totals)})
+    for batch, steps in ((1, 8), (2, 8), (3, 2), (4, 8), (8, 8)):
+        prompts = [(0, 16, True)] * batch  # the group's prefill, with its neighbour too
+        record_step(d_totals, prompts, true.step_time(prompts) * 1.1)
+        for step in range(steps):
+            items = [(16 + step, 1, False)] * batch
+            record_step(d_totals, items, true.step_time(items) * 1.1)  # a busy neighbour
+    mid = status({"d": ("decode", d_totals), "p": ("prefill", p_totals)})
+    prompt = [(0, PROBE_PREFILL, True)]
+    for _ in range(4):
+        record_step(p_totals, prompt, true.step_time(prompt) * 1.2)
+    after = status({"d": ("decode", d_totals), "p": ("prefill", p_totals)})
+
+    scaled, record = scale_to_steps(profile, [(before, mid, 1.1), (mid, after, 1.0)])
+
+    assert record["steps"] == {"decode_b1": 8, "decode_b2": 8, "decode_b3": 2,
+                               "decode_b4": 8, "decode_b8": 8, "prompt": 9}
+    assert set(record["measured_ms"]) == {"decode_b1", "decode_b2", "decode_b4", "decode_b8",
+                                          "prefill"}
+    assert record["factors"]["decode_b2"] == pytest.approx(1.6)
+    assert record["factors"]["prefill"] == pytest.approx(1.25)
+    for batch in (1, 2, 4, 8):
+        for step in range(8):
+            items = [(16 + step, 1, False)] * batch
+            assert scaled.step_time(items) == pytest.approx(true.step_time(items))
+    assert scaled.step_time(prompt) == pytest.approx(true.step_time(prompt))
+
+
+def test_serving_calibration_without_status_or_prompt_steps_is_an_error() -> None:
+    profile = table_profile()
+    with pytest.raises(ValueError, match="no status from the server"):
+        scale_to_steps(profile, [(None, status({}), 1.0)])
+    idle = status({"d": ("decode", {"decode_1": [4.0, 0.1, 40.0]})})
+    with pytest.raises(ValueError, match="no prompt step was measured"):
+        scale_to_steps(profile, [(idle, idle, 1.0)])
