@@ -11,8 +11,9 @@ the decode workers prefill every prompt). In phase A 1P+1D keeps the long prefil
 from the decoding worker; in phase B its prefill worker idles while one decode worker
 carries everything, and 0P+2D has two.
 
-The profile is first scaled to the machine's speed now (`Calibrator`, as the accuracy
-runs do; the VM drifts) and saved; the SLO and both rates come from it before anything
+The profile is first scaled to the steps a 1P+1D server runs now (`ServingCalibrator`, as
+the accuracy runs do: the VM drifts, and serving workers step slower than a bare engine)
+and saved; the SLO and both rates come from it before anything
 runs: the SLO is a multiple of the predicted unloaded TTFT and TPOT, phase A's rate one at
 which 1P+1D is predicted to meet it and 0P+2D to miss it, phase B's one (higher) at which
 the reverse holds. The same trace (same prompts, arrivals and lengths) is then served
@@ -43,11 +44,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.experiments import report_records
 from bench.runner import RunSettings, Target, bench_run, markdown_table, pdcluster_serve
 from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
-from planner.accuracy import Calibrator
+from planner.accuracy import ServingCalibrator
 from planner.plan import PlanRequest, SloSpec, meets, predict
 from planner.profile import Profile
 from planner.simulator import ClusterShape, SimRequest
-from planner.validate import bench_slo
+from planner.validate import bench_slo, warmup_requests
 
 # name: (prompt tokens, output tokens), inclusive ranges.
 PHASES = {"prefill-heavy": ((160, 320), (4, 8)), "decode-heavy": ((16, 48), (48, 96))}
@@ -174,21 +175,36 @@ class Poller:
         return out
 
 
-def run_arm(name: str, flags: list[str], trace: dict[str, Any], out: Path) -> dict[str, Any]:
+def run_arm(name: str, flags: list[str], trace: dict[str, Any], profile: Profile, out: Path
+            ) -> dict[str, Any]:
     """Serve one arm, replay the trace, return its report and timeline."""
     slo, requests = trace["slo"], trace["requests"]
     sent = [TraceRequest(r.arrival, r.output_len, list(r.prompt_token_ids)) for r in requests]
     settings = RunSettings(config={"experiment": "autoscale", "arm": name})
     with pdcluster_serve("smollm2", flags, out / name / "serve.log") as endpoints:
         target = Target("grpc", endpoints.grpc, endpoints.grpc)
-        rng = np.random.default_rng(7)
-        warm = [TraceRequest(0.0, 2, rng.integers(100, 400, 32).tolist()) for _ in range(4)]
-        bench_run(target, warm, ["warm-up"] * 4, label="warm-up", out=None, settings=settings,
-                  max_concurrency=2)
+        warm_up(target, settings, profile)
         with Poller(endpoints.grpc, endpoints.http) as poller:
             report = bench_run(target, sent, trace["phases"], label=name, out=out / name,
                                settings=settings, slo=bench_slo(slo))
     return {"report": report, "timeline": poller.samples}
+
+
+def warm_up(target: Target, settings: RunSettings, profile: Profile) -> None:
+    """A few requests on a fresh server, local and remote prefills both (`warmup_requests`)."""
+    warm = warmup_requests({"local_prefill_threshold": LOCAL_PREFILL_THRESHOLD}, profile)
+    bench_run(target, warm, ["warm-up"] * len(warm), label="warm-up", out=None,
+              settings=settings, max_concurrency=1)
+
+
+def calibrate(profile: Profile, flags: list[str], out: Path) -> tuple[Profile, dict[str, Any]]:
+    """The profile scaled to the steps a 1P+1D server runs now (`ServingCalibrator`)."""
+    with pdcluster_serve("smollm2", [*flags, "--prefill", "1", "--decode", "1"],
+                         out / "calibration" / "serve.log") as endpoints:
+        target = Target("grpc", endpoints.grpc, endpoints.grpc)
+        warm_up(target, RunSettings(config={"experiment": "autoscale", "arm": "calibration"}),
+                profile)
+        return ServingCalibrator(profile, shape(SPLITS["1P+1D"]), target)()
 
 
 def attainment(report: dict[str, Any], slo: SloSpec, phases: list[str]) -> dict[str, float]:
@@ -255,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default="autoscale,1P+1D,0P+2D")
     args = parser.parse_args(argv)
 
-    profile, calibration = Calibrator(Profile.load(args.profile))()  # the machine's speed now
+    measured = Profile.load(args.profile)
+    common = ["--mode", "disaggregated", "--torch-threads", str(measured.torch_threads),
+              "--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD),
+              "--kv-cache-gb", f"{measured.kv_cache_gb:g}", "--transport", measured.transport]
     args.out.mkdir(parents=True, exist_ok=True)
+    profile, calibration = calibrate(measured, common, args.out)  # the machine's speed now
     profile_path = args.out / "profile-calibrated.json"
     profile.save(profile_path)
     print(f"calibration {calibration}", flush=True)
@@ -264,9 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     slo = trace["slo"]
     print(f"SLO {slo.bounds} (attainment {slo.attainment}); rates {trace['rates']}; "
           f"{len(trace['requests'])} requests", flush=True)
-    common = ["--mode", "disaggregated", "--torch-threads", str(profile.torch_threads),
-              "--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD),
-              "--kv-cache-gb", f"{profile.kv_cache_gb:g}", "--transport", profile.transport]
     slo_flag = ",".join(f"{k}={v}" for k, v in slo.bounds.items())
     arms = {"autoscale": [*common, "--prefill", "1", "--decode", "1", "--autoscale",
                           "--profile", str(profile_path), "--slo", slo_flag,
@@ -275,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
              for name, (p, d) in SPLITS.items()}
     results = {}
     for name in args.arms.split(","):
-        result = run_arm(name, arms[name], trace, args.out)
+        result = run_arm(name, arms[name], trace, profile, args.out)
         result["attainment"] = attainment(result["report"], slo, trace["phases"])
         results[name] = result
         print(f"{name}: attainment {result['attainment']}", flush=True)
