@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bench.runner import Target
 from engine.engine_loop import record_step
 from planner.accuracy import (
     LEVELS,
@@ -16,6 +17,7 @@ from planner.accuracy import (
     PROBE_PREFILL,
     WORKLOADS,
     Calibrator,
+    ServingCalibrator,
     parse_config,
     predict_point,
     predicted_points,
@@ -230,6 +232,8 @@ def test_serving_steps_scale_the_profile_to_what_the_workers_ran() -> None:
 
 def test_serving_calibration_without_status_or_prompt_steps_is_an_error() -> None:
     profile = table_profile()
+    with pytest.raises(ValueError, match="needs a status address"):
+        ServingCalibrator(profile, parse_config("2C"), Target("grpc", "127.0.0.1:1"))
     with pytest.raises(ValueError, match="no status from the server"):
         scale_to_steps(profile, [(None, status({}), 1.0)])
     idle = status({"d": ("decode", {"decode_1": [4.0, 0.1, 40.0]})})
