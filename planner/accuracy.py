@@ -430,16 +430,62 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             key = f"{point['workload']}-{point['level']:g}"
             print(f"{key}: {point['rate_rps']:.2f} req/s for {requests[-1].arrival:.0f} s; "
                   f"calibration {point['calibration']}", flush=True)
+            before = status_snapshot(target.status_address)
             yield key, trace_requests(requests), SloSpec(point["slo"])
+            try:
+                point["during"] = predict_during(profile, shape, point, requests, before,
+                                                 status_snapshot(target.status_address))
+            except ValueError as e:  # no status: the point stands without it
+                point["during"] = {"failed": str(e)}
 
     measured = run_config(shape_entry(shape, profile.torch_threads), profile, due,
                           args.out / name)
     for point in doc["points"]:
         point["measured"] = measured[f"{point['workload']}-{point['level']:g}"]
         point["error"] = errors(point["predicted"], point["measured"])
+        if "predicted" in point["during"]:
+            point["during"]["error"] = errors(point["during"]["predicted"], point["measured"])
     path.write_text(json.dumps(doc, indent=1))
     print(table([doc]))
+    print(table([doc], during=True))
     return doc
+
+
+def predict_during(profile: Profile, shape: ClusterShape, point: dict[str, Any],
+                   requests: list[SimRequest], before: dict[str, Any] | None,
+                   after: dict[str, Any] | None) -> dict[str, Any]:
+    """The point predicted again, after its replay, from the machine's speed *during* it.
+
+    Not a forecast: it separates the simulator's error from the machine's drift. The
+    profile is scaled (`scale_to_steps`) to the mean step of each shape the workers ran
+    in the replay (their step totals before and after it; no latency of the replay is
+    used), and the same trace is simulated at the same rate. The steps' neighbour
+    slowdown is taken as the profile's times the host-mates' mean busy fraction in the
+    window (all workers of these configurations share one host).
+
+    Returns:
+        `{"predicted": figures, "calibration": scale_to_steps's record, "slowdown"}`.
+    """
+    busy = _busy_fractions(before, after)
+    mates = min(len(busy), profile.workers_per_host) - 1
+    slowdown = 1 + profile.neighbour_slowdown * mates * (sum(busy) / len(busy) if busy else 0)
+    scaled, record = scale_to_steps(profile, [(before, after, slowdown)])
+    predicted = predict(PlanRequest(scaled, scaled, requests, SloSpec(point["slo"])), shape)
+    return {"predicted": predicted, "calibration": record, "slowdown": slowdown}
+
+
+def _busy_fractions(before: dict[str, Any] | None, after: dict[str, Any] | None
+                    ) -> list[float]:
+    if before is None or after is None:
+        return []
+    first = {w["worker_id"]: w for pool in before["pools"].values() for w in pool}
+    out = []
+    for worker in (w for pool in after["pools"].values() for w in pool):
+        start = first.get(worker["worker_id"])
+        if start is not None and worker["uptime_s"] > start["uptime_s"]:
+            out.append((worker["busy_seconds"] - start["busy_seconds"])
+                       / (worker["uptime_s"] - start["uptime_s"]))
+    return out
 
 
 def _cell(point: dict[str, Any], key: str) -> str:
@@ -456,14 +502,20 @@ def _step(point: dict[str, Any]) -> str:
     return "-" if p is None or m is None else f"{p:.0f} / {m:.0f}"
 
 
-def table(docs: list[dict[str, Any]]) -> str:
+def table(docs: list[dict[str, Any]], during: bool = False) -> str:
     """Markdown: one row per measured point, predicted / measured (error), and the summary
-    (a run that stopped early has points predicted but not measured: left out)."""
+    (a run that stopped early has points predicted but not measured: left out). With
+    `during`, the predictions from the machine's speed during each point
+    (`predict_during`; points without one are left out)."""
     headers = ["config", "workload", "load", "req/s", "TTFT p50 ms", "TTFT p90 ms",
                "TPOT p50 ms", "TPOT p90 ms", "attainment", "step ms"]
     rows, latency_errors, attainment_errors = [], [], []
     for doc in docs:
         for point in (p for p in doc["points"] if "measured" in p):
+            if during:
+                if "error" not in point.get("during", {}):
+                    continue
+                point = {**point, **point["during"]}
             rows.append([doc["config"], point["workload"], f"{point['level']:.0%}",
                          f"{point['rate_rps']:.2f}",
                          *(_cell(point, key) for key in (*_LATENCIES, "attainment")),
@@ -497,12 +549,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table", help="the markdown table of every run in --out")
     t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--during", action="store_true",
+                   help="the predictions from the machine's speed during each point")
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args)
     else:
         docs = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
-        print(table(docs))
+        print(table(docs, during=args.during))
     return 0
 
 

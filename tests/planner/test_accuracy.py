@@ -19,11 +19,13 @@ from planner.accuracy import (
     Calibrator,
     ServingCalibrator,
     parse_config,
+    predict_during,
     predict_point,
     predicted_points,
     scale_to_probes,
     scale_to_steps,
 )
+from planner.plan import PlanRequest, SloSpec, predict
 from planner.profile import LinearModel, Profile
 from tests.planner.synthetic import synthetic_profile
 
@@ -181,13 +183,15 @@ def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> No
         assert not calibrator._sampler.engine.has_unfinished_requests()
 
 
-def status(workers: dict[str, tuple[str, dict[str, list[float]]]]) -> dict[str, Any]:
-    """A `Status` snapshot: per worker id, (role, step totals)."""
+def status(workers: dict[str, tuple[str, dict[str, list[float]]]], uptime: float = 0.0
+           ) -> dict[str, Any]:
+    """A `Status` snapshot: per worker id, (role, step totals); busy time is the steps'."""
     pools: dict[str, list[dict[str, Any]]] = {}
     for worker_id, (role, totals) in workers.items():
-        pools.setdefault(role, []).append({"worker_id": worker_id, "role": role,
-                                           "step_totals": {k: list(v) for k, v in
-                                                           totals.items()}})
+        pools.setdefault(role, []).append({
+            "worker_id": worker_id, "role": role, "uptime_s": uptime,
+            "busy_seconds": sum(v[1] for v in totals.values()),
+            "step_totals": {k: list(v) for k, v in totals.items()}})
     return {"pools": pools}
 
 
@@ -239,3 +243,29 @@ def test_serving_calibration_without_status_or_prompt_steps_is_an_error() -> Non
     idle = status({"d": ("decode", {"decode_1": [4.0, 0.1, 40.0]})})
     with pytest.raises(ValueError, match="no prompt step was measured"):
         scale_to_steps(profile, [(idle, idle, 1.0)])
+
+
+def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -> None:
+    """`predict_during`: one colocated worker ran the point on a machine 1.4x slower than
+    profiled; its step totals over the point scale the profile to that machine, and the
+    point's prediction equals the one made with the true machine's profile."""
+    profile = table_profile()
+    true = uniform(profile, 1.4)
+    shape = parse_config("1C")
+    point, requests = predict_point(profile, shape, "decode-heavy", 0.5, 30, 4)
+    totals: dict[str, list[float]] = {}
+    before = status({"w": ("mixed", totals)})
+    for batch in (1, 2, 4, 8):
+        prompts = [(0, 30, True)] * batch
+        record_step(totals, prompts, true.step_time(prompts))
+        for step in range(6):
+            items = [(30 + step, 1, False)] * batch
+            record_step(totals, items, true.step_time(items))
+    after = status({"w": ("mixed", totals)}, uptime=60.0)
+
+    during = predict_during(profile, shape, point, requests, before, after)
+
+    assert during["slowdown"] == 1.0  # no host-mate
+    assert during["calibration"]["factors"]["prefill"] == pytest.approx(1.4)
+    expected = predict(PlanRequest(true, true, requests, SloSpec(point["slo"])), shape)
+    assert during["predicted"] == pytest.approx(expected)
