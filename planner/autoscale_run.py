@@ -16,15 +16,18 @@ the accuracy runs do: the VM drifts, and serving workers step slower than a bare
 and saved; the SLO and both rates come from it before anything
 runs: the SLO is a multiple of the predicted unloaded TTFT and TPOT, phase A's rate one at
 which 1P+1D is predicted to meet it and 0P+2D to miss it, phase B's one (higher) at which
-the reverse holds. The same trace (same prompts, arrivals and lengths) is then served
-three times on local Ray:
+the reverse holds. The same trace (same prompts, arrivals and lengths) is then served on
+local Ray by each arm, twice, in mirrored order (autoscale, 1P+1D, 0P+2D, 0P+2D, 1P+1D,
+autoscale: the machine's speed drifts within minutes, and the mirror gives every arm the
+same mean position in time):
 
 - `autoscale`: `pdcluster serve --autoscale --min-prefill 0` starting at 1P+1D, 2 workers;
 - `1P+1D` and `0P+2D`: the fixed splits of the same size.
 
 While a run goes, the ready workers and the autoscaler's targets are polled every second.
-The result: attainment per arm and phase, a timeline plot (the split over time,
-attainment in 15 s windows by arrival), `summary.json`.
+The result: attainment per arm and phase (each arm's runs pooled, and each run's), a
+timeline plot (the split over time in each autoscale run, attainment in 15 s windows by
+arrival), `summary.json`.
 """
 
 from __future__ import annotations
@@ -207,21 +210,24 @@ def calibrate(profile: Profile, flags: list[str], out: Path) -> tuple[Profile, d
         return ServingCalibrator(profile, shape(SPLITS["1P+1D"]), target)()
 
 
-def attainment(report: dict[str, Any], slo: SloSpec, phases: list[str]) -> dict[str, float]:
-    """The fraction of requests meeting the SLO, overall and per phase."""
+def attainment(reports: list[dict[str, Any]], slo: SloSpec, phases: list[str]
+               ) -> dict[str, float]:
+    """The fraction of requests meeting the SLO, overall and per phase, over the runs of
+    the trace (pooled)."""
     check = bench_slo(slo)
-    met = np.array([check.met(r) for r in report_records(report)])
-    labels = np.array(phases[:len(met)])
+    met = np.array([check.met(r) for report in reports for r in report_records(report)])
+    labels = np.array([p for report in reports for p in phases[:len(report["requests"])]])
     out = {"all": float(met.mean())}
     for phase in PHASES:
         out[phase] = float(met[labels == phase].mean())
     return out
 
 
-def binned_attainment(report: dict[str, Any], slo: SloSpec) -> list[tuple[float, float]]:
-    """(bin start, attainment) of requests by arrival in `_BIN_S` windows."""
+def binned_attainment(reports: list[dict[str, Any]], slo: SloSpec
+                      ) -> list[tuple[float, float]]:
+    """(bin start, attainment) of requests by arrival in `_BIN_S` windows, over the runs."""
     check = bench_slo(slo)
-    records = report_records(report)
+    records = [r for report in reports for r in report_records(report)]
     bins: dict[int, list[bool]] = {}
     for r in records:
         bins.setdefault(int(r.arrival // _BIN_S), []).append(check.met(r))
@@ -235,20 +241,24 @@ def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, phase_s: 
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    timeline = results["autoscale"]["timeline"]
-    t = [s["t"] for s in timeline if "prefill" in s]
-    for role, color in (("prefill", "tab:orange"), ("decode", "tab:blue")):
-        top.step(t, [s[role] for s in timeline if "prefill" in s], where="post", color=color,
-                 label=f"{role} workers ready")
-        targets = [(s["t"], s[f"target_{role}"]) for s in timeline if f"target_{role}" in s]
-        if targets:
-            top.step(*zip(*targets, strict=True), where="post", color=color, linestyle="--",
-                     alpha=0.6, label=f"{role} target")
+    for index, run in enumerate(results["autoscale"]["runs"]):
+        timeline = run["timeline"]
+        t = [s["t"] for s in timeline if "prefill" in s]
+        for role, color in (("prefill", "tab:orange"), ("decode", "tab:blue")):
+            style = {"color": color, "alpha": 1.0 if index == 0 else 0.5,
+                     "linewidth": 1.5 if index == 0 else 1.0}
+            top.step(t, [s[role] for s in timeline if "prefill" in s], where="post",
+                     label=f"{role} workers ready (run {index + 1})", **style)
+            targets = [(s["t"], s[f"target_{role}"]) for s in timeline
+                       if f"target_{role}" in s]
+            if targets:
+                top.step(*zip(*targets, strict=True), where="post", linestyle="--",
+                         label=f"{role} target (run {index + 1})", **style)
     top.set_ylabel("workers (autoscale arm)")
     top.set_ylim(0, 2.5)
-    top.legend(loc="upper left", fontsize=8)
+    top.legend(loc="upper left", fontsize=7, ncol=2)
     for name, result in results.items():
-        bins = binned_attainment(result["report"], slo)
+        bins = binned_attainment([r["report"] for r in result["runs"]], slo)
         bottom.step([b + _BIN_S / 2 for b, _ in bins], [a for _, a in bins], where="mid",
                     label=f"{name} ({result['attainment']['all']:.0%})")
     bottom.axhline(slo.attainment, color="grey", linestyle=":", label="target")
@@ -268,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phase-s", type=float, default=150.0, help="seconds per phase")
-    parser.add_argument("--arms", default="autoscale,1P+1D,0P+2D")
+    parser.add_argument("--arms", default="autoscale,1P+1D,0P+2D,0P+2D,1P+1D,autoscale",
+                        help="the order the arms are served in; an arm named twice is served "
+                             "twice and its requests pooled (the mirrored default order "
+                             "averages the machine's drift out of the comparison)")
     args = parser.parse_args(argv)
 
     measured = Profile.load(args.profile)
@@ -290,21 +303,28 @@ def main(argv: list[str] | None = None) -> int:
                           "--attainment", str(slo.attainment), *AUTOSCALER_FLAGS]}
     arms |= {name: [*common, "--prefill", str(p), "--decode", str(d)]
              for name, (p, d) in SPLITS.items()}
-    results = {}
-    for name in args.arms.split(","):
-        result = run_arm(name, arms[name], trace, profile, args.out)
-        result["attainment"] = attainment(result["report"], slo, trace["phases"])
-        results[name] = result
-        print(f"{name}: attainment {result['attainment']}", flush=True)
-    rows = [[name, *(f"{r['attainment'][k]:.0%}" for k in ("all", *PHASES))]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for index, name in enumerate(args.arms.split(",")):
+        result = run_arm(name, arms[name], trace, profile, args.out / f"run{index}")
+        result["attainment"] = attainment([result["report"]], slo, trace["phases"])
+        runs.setdefault(name, []).append(result)
+        print(f"{name} (run {index}): attainment {result['attainment']}", flush=True)
+    results = {name: {"runs": r, "attainment": attainment([x["report"] for x in r], slo,
+                                                          trace["phases"])}
+               for name, r in runs.items()}
+    rows = [[name, str(len(r["runs"])), *(f"{r['attainment'][k]:.0%}" for k in ("all", *PHASES)),
+             " / ".join(f"{x['attainment']['all']:.0%}" for x in r["runs"])]
             for name, r in results.items()]
-    table = markdown_table(["arm", "all", *PHASES], rows)
+    table = markdown_table(["arm", "runs", "all", *PHASES, "each run"], rows)
     print(table)
     summary = {"slo": asdict(slo), "rates": trace["rates"], "phase_s": args.phase_s,
-               "calibration": calibration,
+               "calibration": calibration, "order": args.arms.split(","),
                "num_requests": len(trace["requests"]),
-               "arms": {name: {"attainment": r["attainment"], "timeline": r["timeline"],
-                               "summary": r["report"]["summary"]}
+               "arms": {name: {"attainment": r["attainment"],
+                               "runs": [{"attainment": x["attainment"],
+                                         "timeline": x["timeline"],
+                                         "summary": x["report"]["summary"]}
+                                        for x in r["runs"]]}
                         for name, r in results.items()}}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if "autoscale" in results:
