@@ -18,8 +18,10 @@ load levels are 50 % and 80 % of the configuration's predicted maximum rate unde
 Each point is predicted, and written, just before its trace is replayed (with
 `--calibrate`, from the profile scaled to probe steps timed right then: `Calibrator` on a
 bare engine, `ServingCalibrator` on the serving workers);
-nothing measured from a point's own trace feeds its prediction. `table` prints the markdown table of
-every `run` in DIR with the error summary.
+nothing measured from a point's own trace feeds its prediction. After the replay each
+point is also predicted from the machine's speed *during* it (`predict_during`: not a
+forecast, the simulator's error apart from the machine's drift). `table` prints the
+markdown table of every `run` in DIR with the error summary (`--during`: of those).
 """
 
 from __future__ import annotations

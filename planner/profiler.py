@@ -103,19 +103,13 @@ class _Sampler:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         return self.engine.add_request(f"p{next(self.ids)}", prompt, params)
 
-    def step(self, requests: Sequence[Request]) -> tuple[list[list[Any]], float]:
-        """One timed step; per request [start, new tokens, prompt tokens?] it computed (lists,
-        as the JSON file stores them)."""
-        before = [(r.num_computed_tokens, r.status.value == "waiting") for r in requests]
+    def step(self) -> tuple[list[list[Any]], float]:
+        """One timed step; per scheduled request [start, new tokens, prompt tokens?] it
+        computed (`SchedulerOutput.items`, as lists: the JSON file stores them)."""
         start = time.perf_counter()
         self.engine.step()
         elapsed = time.perf_counter() - start
-        items = []
-        for r, (computed, waiting) in zip(requests, before, strict=True):
-            first = r.num_cached_tokens if waiting else computed
-            if r.num_computed_tokens > first or (waiting and r.output_token_ids):
-                items.append([first, r.num_computed_tokens - first, first < r.num_prompt_tokens])
-        return items, elapsed
+        return [list(item) for item in self.engine.last_step], elapsed
 
     def finish(self) -> None:
         for rid in list(self.engine.requests):
@@ -132,12 +126,13 @@ def prefill_samples(s: _Sampler, grid: Sequence[tuple[int, int, int]], repeats: 
         for _ in range(repeats):
             prefixes = [s.prompt(cached) for _ in range(count)] if cached else [[]] * count
             if cached:
-                warm = [s.add(p, 1) for p in prefixes]
+                for p in prefixes:
+                    s.add(p, 1)
                 while s.engine.has_unfinished_requests():
                     s.engine.step()
-                del warm
-            requests = [s.add(p + s.prompt(new), 1) for p in prefixes]
-            items, elapsed = s.step(requests)
+            for p in prefixes:
+                s.add(p + s.prompt(new), 1)
+            items, elapsed = s.step()
             samples.append({"items": items, "y": elapsed})
             s.finish()
             tick()
@@ -150,10 +145,11 @@ def mixed_samples(s: _Sampler, points: Sequence[tuple[int, int]], repeats: int,
     samples = []
     for new, batch in points:
         for _ in range(repeats):
-            running = [s.add(s.prompt(64), 64) for _ in range(batch)]
+            for _ in range(batch):
+                s.add(s.prompt(64), 64)
             s.engine.step()  # their prefill
-            running.append(s.add(s.prompt(new), 1))
-            items, elapsed = s.step(running)
+            s.add(s.prompt(new), 1)
+            items, elapsed = s.step()
             samples.append({"items": items, "y": elapsed})
             s.finish()
             tick()
@@ -169,7 +165,7 @@ def decode_samples(s: _Sampler, points: Sequence[tuple[int, int]], steps: int,
         while any(not r.output_token_ids for r in requests):
             s.engine.step()
         for _ in range(steps):
-            items, elapsed = s.step(requests)
+            items, elapsed = s.step()
             samples.append({"items": items, "y": elapsed})
         s.finish()
         tick()

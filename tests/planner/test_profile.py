@@ -119,6 +119,12 @@ def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
         assert profile.fit_error[key]["num_samples"] == max(len(samples) // 4, 1)
         assert all(c >= 0 for c in getattr(profile, key).coef)
     assert profile.decode.features == ("b1", "b2", "b4", "b16", "context")  # the quick table
+    # Each sample is what the engine scheduled (`SchedulerOutput.items`): decode samples
+    # one token per request at a table batch size, prompt samples with prompt tokens.
+    for sample in profile.samples["decode"]:
+        assert len(sample["items"]) in (1, 2, 4, 16)
+        assert all(n == 1 and not is_prompt for _, n, is_prompt in sample["items"])
+    assert all(any(is_prompt for *_, is_prompt in s["items"]) for s in profile.samples["prefill"])
     # Prompt steps of many tokens cost more than of a few (orders of magnitude apart).
     assert profile.step_time([(0, 512, True)]) > profile.step_time([(0, 16, True)])
     assert profile.prefill_role_factor > 0
