@@ -71,12 +71,8 @@ def utilization_between(before: dict[str, Any], after: dict[str, Any]
         "bandwidth_utilization", "steps", "mean_step_ms"}}` for the workers in both
         snapshots whose stats advanced.
     """
-    first = {w["worker_id"]: w for w in _workers(before)}
     result = {}
-    for worker in _workers(after):
-        start = first.get(worker["worker_id"])
-        if start is None:
-            continue
+    for start, worker in paired_workers(before, after):
         try:
             dt = worker["uptime_s"] - start["uptime_s"]
             busy = (worker["busy_seconds"] - start["busy_seconds"]) / dt
@@ -118,6 +114,13 @@ def utilization_summary(before: dict[str, Any] | None, after: dict[str, Any] | N
     roles = sorted({str(w["role"]) for w in workers.values()})
     return {"workers": workers, "by_role": {r: mean_utilization(workers, r) for r in roles},
             "mean": mean_utilization(workers)}
+
+
+def paired_workers(before: dict[str, Any], after: dict[str, Any]
+                   ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(stats in `before`, stats in `after`) of each worker in both `Status` snapshots."""
+    first = {w["worker_id"]: w for w in _workers(before)}
+    return [(first[w["worker_id"]], w) for w in _workers(after) if w["worker_id"] in first]
 
 
 def _workers(status: dict[str, Any]) -> list[dict[str, Any]]:

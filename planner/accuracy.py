@@ -37,7 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.runner import RunSettings, Target, bench_run, markdown_table, status_snapshot
+from bench.runner import (
+    RunSettings,
+    Target,
+    bench_run,
+    markdown_table,
+    paired_workers,
+    status_snapshot,
+    utilization_between,
+)
 from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
 from engine import CacheConfig, LLMEngine, SchedulerConfig
 from planner.plan import PlanRequest, SloSpec, max_rate, predict, shape_entry, simulate
@@ -303,18 +311,13 @@ def _step_deltas(before: dict[str, Any] | None, after: dict[str, Any] | None
     """Per worker in both snapshots: its role and the growth of each step total it ran."""
     if before is None or after is None:
         raise ValueError("serving calibration: no status from the server")
-    first = {w["worker_id"]: w.get("step_totals", {}) for pool in before["pools"].values()
-             for w in pool}
     out = []
-    for pool in after["pools"].values():
-        for worker in pool:
-            start = first.get(worker["worker_id"])
-            if start is None:
-                continue
-            grown = {key: [a - b for a, b in zip(total, start.get(key, [0.0] * len(total)),
-                                                 strict=True)]
-                     for key, total in worker.get("step_totals", {}).items()}
-            out.append((worker["role"], {k: v for k, v in grown.items() if v[0] > 0}))
+    for start, worker in paired_workers(before, after):
+        first = start.get("step_totals", {})
+        grown = {key: [a - b for a, b in zip(total, first.get(key, [0.0] * len(total)),
+                                             strict=True)]
+                 for key, total in worker.get("step_totals", {}).items()}
+        out.append((worker["role"], {k: v for k, v in grown.items() if v[0] > 0}))
     return out
 
 
@@ -468,26 +471,13 @@ def predict_during(profile: Profile, shape: ClusterShape, point: dict[str, Any],
     Returns:
         `{"predicted": figures, "calibration": scale_to_steps's record, "slowdown"}`.
     """
-    busy = _busy_fractions(before, after)
+    busy = [w["busy"] for w in utilization_between(before, after).values()] \
+        if before is not None and after is not None else []
     mates = min(len(busy), profile.workers_per_host) - 1
     slowdown = 1 + profile.neighbour_slowdown * mates * (sum(busy) / len(busy) if busy else 0)
     scaled, record = scale_to_steps(profile, [(before, after, slowdown)])
     predicted = predict(PlanRequest(scaled, scaled, requests, SloSpec(point["slo"])), shape)
     return {"predicted": predicted, "calibration": record, "slowdown": slowdown}
-
-
-def _busy_fractions(before: dict[str, Any] | None, after: dict[str, Any] | None
-                    ) -> list[float]:
-    if before is None or after is None:
-        return []
-    first = {w["worker_id"]: w for pool in before["pools"].values() for w in pool}
-    out = []
-    for worker in (w for pool in after["pools"].values() for w in pool):
-        start = first.get(worker["worker_id"])
-        if start is not None and worker["uptime_s"] > start["uptime_s"]:
-            out.append((worker["busy_seconds"] - start["busy_seconds"])
-                       / (worker["uptime_s"] - start["uptime_s"]))
-    return out
 
 
 def _cell(point: dict[str, Any], key: str) -> str:
