@@ -121,10 +121,11 @@ def record_step(totals: dict[str, list[float]], items: list[tuple[int, int, bool
                 seconds: float) -> None:
     """Add one step to cumulative totals keyed by its shape.
 
-    A step with prompt tokens adds to `prompt`: [steps, seconds, tokens, query x key
-    pairs, requests] (`step_work`); a decode-only step of batch `b` adds to `decode_<b>`:
-    [steps, seconds, tokens attended to]. Differences of two snapshots give the mean step
-    of each shape over the window between them.
+    A step with prompt tokens adds to `prompt`: [steps, seconds, squared seconds, tokens,
+    query x key pairs, requests] (`step_work`); a decode-only step of batch `b` adds to
+    `decode_<b>`: [steps, seconds, squared seconds, tokens attended to]. Differences of two
+    snapshots give the mean step of each shape over the window between them, and its
+    spread.
     """
     if not items:
         return
@@ -132,6 +133,6 @@ def record_step(totals: dict[str, list[float]], items: list[tuple[int, int, bool
         key, work = "prompt", step_work(items)
     else:
         key, work = f"decode_{len(items)}", (sum(start + n for start, n, _ in items),)
-    total = totals.setdefault(key, [0.0] * (2 + len(work)))
-    for i, value in enumerate((1, seconds, *work)):
+    total = totals.setdefault(key, [0.0] * (3 + len(work)))
+    for i, value in enumerate((1, seconds, seconds * seconds, *work)):
         total[i] += value

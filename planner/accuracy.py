@@ -268,26 +268,34 @@ def scale_to_steps(profile: Profile,
             size's mean step (sizes with fewer than `_MIN_STEPS` steps or no table entry
             are left out); prompt steps give measured over modelled time, a prefill
             worker's modelled with the profile's role factor. Measured seconds are divided
-            by the window's slowdown.
+            by the window's slowdown. The decode steps' spread about their mean (per
+            worker, window and batch size; pooled) becomes the profile's `step_cv`.
 
     Returns:
-        As `scale_profile`, the record with the decode `steps` counted per batch size.
+        As `scale_profile`, the record with the decode `steps` counted per batch size
+        and the measured `step_cv` (absent, and the profile's kept, with no batch size
+        stepped twice).
 
     Raises:
         ValueError: a snapshot is missing, or no decode or prompt step was measured.
     """
     decode: dict[int, list[float]] = {}
     prefill = [0.0, 0.0, 0.0]  # steps, measured seconds, modelled seconds
+    spread = [0.0, 0.0]  # decode steps' squared deviations over their mean's square, dof
     for before, after, slowdown in windows:
         for role, totals in _step_deltas(before, after):
             for key, values in totals.items():
                 if key.startswith("decode_"):
-                    steps, seconds, tokens = values
+                    steps, seconds, squares, tokens = values
+                    if steps >= 2:
+                        mean = seconds / steps
+                        spread[0] += max(squares - steps * mean * mean, 0.0) / (mean * mean)
+                        spread[1] += steps - 1
                     acc = decode.setdefault(int(key.removeprefix("decode_")), [0.0, 0.0, 0.0])
                     for i, value in enumerate((steps, seconds / slowdown, tokens)):
                         acc[i] += value
                 elif key == "prompt":
-                    steps, seconds, tokens, pairs, seqs = values
+                    steps, seconds, _, tokens, pairs, seqs = values
                     mean = profile.prefill.predict(work_features(tokens / steps, pairs / steps,
                                                                  seqs / steps))
                     role_factor = profile.prefill_role_factor if role == "prefill" else 1.0
@@ -303,6 +311,9 @@ def scale_to_steps(profile: Profile,
                                                        prefill[2] / prefill[0]))
     record["steps"] = {**{f"decode_b{b}": int(v[0]) for b, v in sorted(decode.items())},
                        "prompt": int(prefill[0])}
+    if spread[1]:
+        record["step_cv"] = float(np.sqrt(spread[0] / spread[1]))
+        scaled = replace(scaled, step_cv=record["step_cv"])
     return scaled, record
 
 

@@ -200,6 +200,9 @@ class Profile:
         workers_per_host: workers of this type that fit one host of the profiled machine
             (its cores over `torch_threads`); the simulator places workers on hosts in
             this many.
+        step_cv: how much one step's time varies about the model's (coefficient of
+            variation): the machine, the interpreter, the BLAS. The simulator draws each
+            step's time from a log-normal of mean 1 and this spread (0: exact times).
         fit_error: held-out relative error of each model.
         samples: the raw samples, per model: `{"x": [...], "y": seconds}`.
         schema: the file format version.
@@ -223,6 +226,7 @@ class Profile:
     prefill_role_factor: float = 1.0
     neighbour_slowdown: float = 0.0
     workers_per_host: int = 1
+    step_cv: float = 0.0
     fit_error: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     schema: str = SCHEMA

@@ -330,7 +330,8 @@ def fit_profile(profile: Profile) -> Profile:
     The prefill role's factor is the median ratio of a real prefill worker's prefill time
     (the transfer samples: layer-wise KV streaming runs inside its steps) to the step
     model's prediction for the same prompt. The neighbour slowdown is the median over its
-    points of (median time beside a neighbour) / (median time alone) - 1, at least 0.
+    points of (median time beside a neighbour) / (median time alone) - 1, at least 0. The
+    step spread is the standard deviation of measured over modelled decode steps.
     """
     prefill, decode, transfer = (profile.samples[k] for k in ("prefill", "decode", "transfer"))
     px = [prefill_features([(a, n) for a, n, _ in s["items"]]) for s in prefill]
@@ -346,7 +347,9 @@ def fit_profile(profile: Profile) -> Profile:
         prefill_features([(0, s.get("tokens", s["blocks"] * bs))])) for s in transfer]
     slowdowns = [np.median(p["beside"]) / np.median(p["alone"]) - 1
                  for p in profile.samples.get("neighbour", [])]
+    spread = np.std([s["y"] / decode_model.predict(x) for s, x in zip(decode, dx, strict=True)])
     return replace(profile, prefill=prefill_model, decode=decode_model, transfer=transfer_model,
+                   step_cv=float(spread),
                    prefill_role_factor=float(np.median(ratios)) if ratios else 1.0,
                    neighbour_slowdown=max(float(np.median(slowdowns)), 0.0) if slowdowns else 0.0,
                    fit_error={"prefill": prefill_err, "decode": decode_err,

@@ -4,7 +4,8 @@ It reuses the project's policy code instead of re-describing it: every simulated
 runs the real `engine.scheduler.Scheduler` over a real `KVCacheManager`/`BlockPool` (token
 budget, chunked prefill, `max_num_seqs`, prefix hits, preemption and KV capacity exactly as
 in the engine), and the router's `router.placement.place_request` places each request.
-Only the model is missing: a step's duration comes from the profile's step-time model, a
+Only the model is missing: a step's duration comes from the profile's step-time model
+(drawn about it with the measured spread, `Profile.step_cv`, from a seeded generator), a
 KV transfer's from its transfer model.
 
 It follows the real request path (cluster/backend.py, cluster/worker.py, the roles):
@@ -181,15 +182,18 @@ class Simulation:
         shape: the configuration.
         prefill_profile: profile of prefill workers (disaggregated).
         decode_profile: profile of decode (or mixed) workers.
+        seed: seeds the step times' spread (`Profile.step_cv`); the same seed, trace and
+            profiles give the same result.
     """
 
     def __init__(self, shape: ClusterShape, prefill_profile: Profile,
-                 decode_profile: Profile) -> None:
+                 decode_profile: Profile, seed: int = 0) -> None:
         if prefill_profile.block_size != decode_profile.block_size:
             raise ValueError("prefill and decode profiles must use the same block_size, got "
                              f"{prefill_profile.block_size} and {decode_profile.block_size}")
         self.shape = shape
         self.now = 0.0
+        self._rng = np.random.default_rng(seed)
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._prefix = PrefixIndex(decode_profile.block_size)
@@ -343,14 +347,21 @@ class Simulation:
             return
         worker.busy = True
         worker.num_steps += 1
-        items = out.items()
+        seconds = self._step_seconds(worker, out.items())
+        worker.busy_s += seconds
+        self._at(self.now + seconds, lambda: self._step_done(worker, out))
+
+    def _step_seconds(self, worker: _Worker, items: list[tuple[int, int, bool]]) -> float:
         seconds = worker.profile.step_time(items)
         if worker.role == "prefill":
             seconds *= worker.profile.prefill_role_factor
         busy_neighbours = sum(w.busy for w in self._hosts[worker.worker_id]) - 1
         seconds *= 1 + worker.profile.neighbour_slowdown * busy_neighbours
-        worker.busy_s += seconds
-        self._at(self.now + seconds, lambda: self._step_done(worker, out))
+        cv = worker.profile.step_cv
+        if cv > 0:  # log-normal of mean 1 and coefficient of variation cv
+            sigma = np.sqrt(np.log1p(cv * cv))
+            seconds *= self._rng.lognormal(-sigma * sigma / 2, sigma)
+        return seconds
 
     def _step_done(self, worker: _Worker, out: SchedulerOutput) -> None:
         sampled = {s.request.request_id: _TOKEN for s in out.scheduled if s.samples}

@@ -204,7 +204,7 @@ def test_serving_steps_scale_the_profile_to_what_the_workers_ran() -> None:
     reproduces every measured step; batch 3 ran only twice and is left out."""
     profile = replace(table_profile(), neighbour_slowdown=0.1, prefill_role_factor=1.2)
     true = machine(profile, {1: 1.3, 2: 1.6, 4: 1.3, 8: 1.3, 16: 1.3}, 1.3, 1.25)
-    d_totals: dict[str, list[float]] = {"decode_5": [7.0, 1.0, 50.0]}  # earlier steps
+    d_totals: dict[str, list[float]] = {"decode_5": [7.0, 1.0, 0.2, 50.0]}  # earlier steps
     p_totals: dict[str, list[float]] = {}
     before = status({"d": ("decode", d_totals), "p": ("prefill", p_totals)})
     for batch, steps in ((1, 8), (2, 8), (3, 2), (4, 8), (8, 8)):
@@ -234,13 +234,36 @@ def test_serving_steps_scale_the_profile_to_what_the_workers_ran() -> None:
     assert scaled.step_time(prompt) == pytest.approx(true.step_time(prompt))
 
 
+def test_serving_steps_give_the_spread_of_step_times() -> None:
+    """Two decode workers whose batch-1 steps alternate 1.2x and 0.8x their own mean (one
+    worker twice as slow as the other): the pooled spread is the sample coefficient of
+    variation of either, sqrt(4 x 0.2^2 / 3); the scaled profile carries it. A batch size
+    stepped once adds nothing to it."""
+    profile = table_profile()
+    fast: dict[str, list[float]] = {}
+    slow: dict[str, list[float]] = {}
+    before = status({"a": ("decode", fast), "b": ("decode", slow)})
+    record_step(fast, [(0, 16, True)], 0.1)
+    for totals, mean in ((fast, 0.05), (slow, 0.1)):
+        for factor in (1.2, 0.8, 1.2, 0.8):
+            record_step(totals, [(16, 1, False)], mean * factor)
+    record_step(slow, [(16, 1, False)] * 3, 5.0)  # one batch-3 step: no spread to measure
+    after = status({"a": ("decode", fast), "b": ("decode", slow)})
+
+    scaled, record = scale_to_steps(profile, [(before, after, 1.0)])
+
+    assert record["step_cv"] == pytest.approx((4 * 0.2 ** 2 / 3) ** 0.5)
+    assert scaled.step_cv == record["step_cv"]
+    assert profile.step_cv == 0.0
+
+
 def test_serving_calibration_without_status_or_prompt_steps_is_an_error() -> None:
     profile = table_profile()
     with pytest.raises(ValueError, match="needs a status address"):
         ServingCalibrator(profile, parse_config("2C"), Target("grpc", "127.0.0.1:1"))
     with pytest.raises(ValueError, match="no status from the server"):
         scale_to_steps(profile, [(None, status({}), 1.0)])
-    idle = status({"d": ("decode", {"decode_1": [4.0, 0.1, 40.0]})})
+    idle = status({"d": ("decode", {"decode_1": [4.0, 0.1, 0.0025, 40.0]})})
     with pytest.raises(ValueError, match="no prompt step was measured"):
         scale_to_steps(profile, [(idle, idle, 1.0)])
 
@@ -248,7 +271,8 @@ def test_serving_calibration_without_status_or_prompt_steps_is_an_error() -> Non
 def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -> None:
     """`predict_during`: one colocated worker ran the point on a machine 1.4x slower than
     profiled; its step totals over the point scale the profile to that machine, and the
-    point's prediction equals the one made with the true machine's profile."""
+    point's prediction equals the one made with the true machine's profile (with the
+    spread its steps showed: small, from the context growing 1 token a step)."""
     profile = table_profile()
     true = uniform(profile, 1.4)
     shape = parse_config("1C")
@@ -267,5 +291,8 @@ def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -
 
     assert during["slowdown"] == 1.0  # no host-mate
     assert during["calibration"]["factors"]["prefill"] == pytest.approx(1.4)
+    spread = during["calibration"]["step_cv"]
+    assert 0 < spread < 0.01
+    true = replace(true, step_cv=spread)
     expected = predict(PlanRequest(true, true, requests, SloSpec(point["slo"])), shape)
     assert during["predicted"] == pytest.approx(expected)

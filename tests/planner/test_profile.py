@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from planner.profile import (
     fit_held_out,
     prefill_features,
 )
-from planner.profiler import ProfileSettings, measure
+from planner.profiler import ProfileSettings, fit_profile, measure
 from tests.planner.synthetic import synthetic_profile
 
 
@@ -90,6 +91,32 @@ def test_fit_never_returns_a_negative_coefficient() -> None:
     assert model.predict((1.0, 4.0, 6.0)) == pytest.approx(3.0)
     with pytest.raises(ValueError, match="need at least 3 samples"):
         fit(("const", "a", "b"), xs[:2], ys[:2])
+
+
+def test_the_step_spread_is_the_decode_steps_deviation_from_the_fitted_model() -> None:
+    """Each decode step twice, 1.1x and 0.9x a known table: the relative least-squares fit
+    lands at k = sum(1/f) / sum(1/f^2) of the table (0.980), and the profile's step spread
+    is the standard deviation of 1.1 / k and 0.9 / k."""
+    names = decode_feature_names([1, 4])
+    truth = np.array([0.02, 0.05, 0.01])
+    rng = np.random.default_rng(4)
+    decode = []
+    for i in range(20):  # each step twice: once 1.1x, once 0.9x
+        contexts = rng.integers(16, 512, (1, 4)[i % 2]).tolist()
+        y = float(np.dot(truth, decode_features(contexts, names)))
+        decode += [{"items": [[c - 1, 1, False] for c in contexts], "y": y * f}
+                   for f in (1.1, 0.9)]
+    prefill = [{"items": [[0, n, True]], "y": 0.01 + 1e-4 * n} for n in range(16, 528, 64)]
+    transfer = [{"blocks": b, "y": 0.001 * b, "prefill_s": 0.01 + 1.6e-3 * b}
+                for b in range(1, 9)]
+    profile = replace(synthetic_profile(), samples={"prefill": prefill, "decode": decode,
+                                                    "transfer": transfer})
+
+    fitted = fit_profile(profile)
+
+    k = (1 / 1.1 + 1 / 0.9) / (1 / 1.1 ** 2 + 1 / 0.9 ** 2)
+    np.testing.assert_allclose(fitted.decode.coef, truth * k, rtol=1e-6)
+    assert fitted.step_cv == pytest.approx(0.1 / k)
 
 
 def test_profile_file_round_trip_and_model_checks(tmp_path: Path) -> None:

@@ -48,6 +48,38 @@ def test_one_prefill_worker_is_an_md1_queue() -> None:
     assert stderr < 0.1 * expected  # the test has the power to see a 10 % error
 
 
+def test_step_time_spread_makes_one_worker_an_mg1_queue() -> None:
+    """As above, with each step drawn about S with coefficient of variation 1
+    (`Profile.step_cv`): the worker still serves one request at a time in arrival order,
+    its steps have mean S and spread cv, and the mean wait doubles to the
+    Pollaczek-Khinchine value rho S (1 + cv^2) / (2 (1 - rho)). The same seed gives the
+    same run."""
+    service_s, rho, n, cv = 0.1, 0.6, 20_000, 1.0
+    arrivals = poisson_arrivals(n, rho / service_s, seed=11)
+    profile = replace(synthetic_profile(prefill=(service_s, 0.0, 0.0, 0.0)), step_cv=cv)
+    requests = trace(arrivals, random_prompts(n, 64, seed=12), 1)
+
+    result = Simulation(one_worker(64), profile, profile, seed=5).run(requests)
+
+    again = Simulation(one_worker(64), profile, profile, seed=5).run(requests)
+    np.testing.assert_array_equal(result.ttft, again.ttft)
+    assert result.num_steps == n
+    finish = arrivals + result.ttft
+    starts = np.maximum(arrivals, np.concatenate(([0.0], finish[:-1])))  # FIFO, one server
+    service = finish - starts
+    assert (service > 0).all()
+    assert service.sum() == pytest.approx(result.busy_s)
+    assert service.mean() == pytest.approx(service_s, rel=4 * cv / np.sqrt(n))
+    assert service.std() / service.mean() == pytest.approx(cv, rel=0.1)
+
+    waits = starts - arrivals
+    expected = rho * service_s * (1 + cv * cv) / (2 * (1 - rho))
+    batch_means = waits[n // 10:].reshape(20, -1).mean(axis=1)
+    stderr = batch_means.std(ddof=1) / np.sqrt(len(batch_means))
+    assert abs(batch_means.mean() - expected) < 4 * stderr
+    assert stderr < 0.1 * expected  # power to tell it from M/D/1's wait, half of this
+
+
 def test_a_fixed_decode_batch_takes_exactly_one_step_per_token() -> None:
     """B prompts at 0, budget for all of them: one prefill step, then output - 1 decode
     steps whose time grows with the context read; every token time is known exactly."""
