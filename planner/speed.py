@@ -1,6 +1,7 @@
 """How fast the simulator runs: simulated requests per wall-clock second.
 
     python -m planner.speed --profile P.json [--requests 10000] [--config 16P+48D]
+        [--step-cv CV]
 
 A Poisson trace of random prompts (64-512 tokens) and outputs (16-128 tokens) at a rate
 that keeps the workers busy but stable (`--load` of the configuration's rough capacity),
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -37,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests/s (default: 2 per worker-second of the profile's "
                              "unloaded request time x 0.5)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step-cv", type=float, default=None,
+                        help="the step times' spread (default: the profile's)")
     args = parser.parse_args(argv)
     profile = Profile.load(args.profile)
+    if args.step_cv is not None:
+        profile = replace(profile, step_cv=args.step_cv)
     shape = parse_config(args.config)
     if args.rate is None:
         # One request's unloaded work: a 288-token prefill plus 72 decode steps.
@@ -56,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({shape.num_workers} workers): {median:.1f} s median of {args.repeats} "
           f"(best {best:.1f} s, worst {max(times):.1f} s) = {args.requests / median:.0f} "
           f"simulated requests/s, {steps / median:.0f} engine steps/s; "
-          f"{result.num_steps} steps, {result.num_preemptions} preemptions")
+          f"{result.num_steps} steps, {result.num_preemptions} preemptions; "
+          f"step spread {profile.step_cv:g}")
     return 0
 
 
