@@ -3,13 +3,15 @@ rate steps up, served by the SLO autoscaler and by every fixed split of its size
 
     python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 150]
 
-Phase A sends prefill-heavy requests (prompts above the local-prefill threshold, so a
-prefill worker computes them when there is one; few output tokens), phase B decode-heavy
-ones (short prompts prefilled on the decode worker, long answers) at a higher rate. Two
-workers, one per core of this machine: the splits are 1P+1D and 0P+2D (no prefill pool:
-the decode workers prefill every prompt). In phase A 1P+1D keeps the long prefills away
-from the decoding worker; in phase B its prefill worker idles while one decode worker
-carries everything, and 0P+2D has two.
+Phase A sends documents to summarise (768-1280 prompt tokens, above the local-prefill
+threshold, so a prefill worker computes them when there is one; 4-8 output tokens) among
+chat turns (16-48 prompt tokens prefilled on the decode worker, 48-96 output tokens), three
+in ten requests documents: four fifths of its tokens are prompt tokens. Phase B sends chat
+alone, at a higher rate. Two workers, one per core of this machine: the splits are 1P+1D
+and 0P+2D (no prefill pool: the decode workers prefill every prompt). In phase A 1P+1D
+keeps the multi-second prefills away from the answers decoding (on 0P+2D each one stalls
+every answer decoding beside it); in phase B its prefill worker idles while one decode
+worker carries every answer, and 0P+2D has two.
 
 The profile is first scaled to the steps a 1P+1D server runs now (`ServingCalibrator`, as
 the accuracy runs do: the VM drifts, and serving workers step slower than a bare engine)
@@ -53,12 +55,15 @@ from planner.profile import Profile
 from planner.simulator import ClusterShape, SimRequest
 from planner.validate import bench_slo, warmup_requests
 
-# name: (prompt tokens, output tokens), inclusive ranges.
-PHASES = {"prefill-heavy": ((160, 320), (4, 8)), "decode-heavy": ((16, 48), (48, 96))}
+# Request kinds: (prompt tokens, output tokens), inclusive ranges.
+DOCUMENT = ((768, 1280), (4, 8))
+CHAT = ((16, 48), (48, 96))
+# name: [(kind, share of the phase's requests)].
+PHASES = {"prefill-heavy": [(DOCUMENT, 0.3), (CHAT, 0.7)], "decode-heavy": [(CHAT, 1.0)]}
 LOCAL_PREFILL_THRESHOLD = 64
 SPLITS = {"1P+1D": (1, 1), "0P+2D": (0, 2)}
 AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill", "0",
-                    "--autoscale-interval", "5", "--autoscale-window", "30",
+                    "--autoscale-interval", "5", "--autoscale-window", "20",
                     "--autoscale-cooldown", "20"]
 _BIN_S = 15.0
 _CANDIDATE_RATES = np.round(np.geomspace(0.1, 8.0, 40), 3)
@@ -66,13 +71,18 @@ _CANDIDATE_RATES = np.round(np.geomspace(0.1, 8.0, 40), 3)
 
 def phase_requests(name: str, num: int, rate: float, start: float, seed: int
                    ) -> list[SimRequest]:
-    """`num` requests of a phase, Poisson at `rate` from `start`."""
-    (p_lo, p_hi), (o_lo, o_hi) = PHASES[name]
+    """`num` requests of a phase, Poisson at `rate` from `start`, each of a kind drawn
+    by the phase's shares."""
+    kinds = PHASES[name]
+    shares = np.array([share for _, share in kinds])
     rng = np.random.default_rng((seed, 3))
     times = start + arrival_times(num, rate, "poisson", 1.0, seed)
-    return [SimRequest(float(t), rng.integers(*DEFAULT_VOCAB_RANGE,
-                                              int(rng.integers(p_lo, p_hi + 1))).tolist(),
-                       int(rng.integers(o_lo, o_hi + 1))) for t in times]
+    requests = []
+    for t in times:
+        (p_lo, p_hi), (o_lo, o_hi) = kinds[rng.choice(len(kinds), p=shares / shares.sum())][0]
+        prompt = rng.integers(*DEFAULT_VOCAB_RANGE, int(rng.integers(p_lo, p_hi + 1)))
+        requests.append(SimRequest(float(t), prompt.tolist(), int(rng.integers(o_lo, o_hi + 1))))
+    return requests
 
 
 def shape(split: tuple[int, int]) -> ClusterShape:
@@ -80,27 +90,30 @@ def shape(split: tuple[int, int]) -> ClusterShape:
 
 
 def experiment_slo(profile: Profile) -> SloSpec:
-    """3x the predicted unloaded p50 TTFT of phase A, 4x the p50 TPOT of phase B (one
-    request at a time on 1P+1D). 4x, not less: a batch-2 decode step costs ~1.8x a batch-1
-    step and a batch-3 one ~2.3x on this machine's BLAS (the profile's decode table), so a
-    tighter bound forbids the batching a decode worker exists for and no rate separates
-    the splits in phase B."""
+    """TTFT p90 4x a document's predicted unloaded p50 TTFT, TPOT p90 3x a chat turn's
+    unloaded p50 TPOT (one request at a time on 1P+1D). One SLO for every request, as the
+    autoscaler takes one: a chat turn's first token has the documents' bound too. TPOT 3x,
+    not less: a batch-2 decode step costs ~1.8x a batch-1 step on this machine's BLAS (the
+    profile's decode table), and a tighter bound would forbid the batching a decode worker
+    exists for."""
     base = SloSpec({"ttft_p90_ms": 1e9})
 
-    def unloaded(name: str) -> tuple[float, float]:
-        probe = phase_requests(name, 20, 1e-3, 0.0, 99)
-        p = predict(PlanRequest(profile, profile, probe, base, 3, find_max_rate=False),
-                    shape((1, 1)))
-        return p["ttft_p50_ms"], p["tpot_p50_ms"]
+    def unloaded(kind: tuple[tuple[int, int], tuple[int, int]]) -> dict[str, Any]:
+        rng = np.random.default_rng(99)
+        (p_lo, p_hi), (o_lo, o_hi) = kind
+        probe = [SimRequest(1000.0 * i, rng.integers(*DEFAULT_VOCAB_RANGE,
+                                                     int(rng.integers(p_lo, p_hi + 1))).tolist(),
+                            int(rng.integers(o_lo, o_hi + 1))) for i in range(20)]
+        return predict(PlanRequest(profile, profile, probe, base, 3, find_max_rate=False),
+                       shape((1, 1)))
 
-    ttft, _ = unloaded("prefill-heavy")
-    _, tpot = unloaded("decode-heavy")
-    return SloSpec({"ttft_p90_ms": round(3 * ttft, 1), "tpot_p90_ms": round(4 * tpot, 1)})
+    return SloSpec({"ttft_p90_ms": round(4 * unloaded(DOCUMENT)["ttft_p50_ms"], 1),
+                    "tpot_p90_ms": round(3 * unloaded(CHAT)["tpot_p50_ms"], 1)})
 
 
 def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int],
                 bad: tuple[int, int], num: int, above: float = 0.0) -> float:
-    """A rate a third of the way (geometrically) into the window of rates (above `above`)
+    """A rate a quarter of the way (geometrically) into the window of rates (above `above`)
     at which `good` is predicted to meet the SLO and `bad` to miss it: nearer its low end,
     where `good` has the most headroom, because the machine may slow down after the
     calibration (measured here: 20-30 % within minutes).
@@ -118,7 +131,7 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     if not window:
         raise ValueError(f"{name}: no rate above {above:g} req/s where {good} meets the SLO "
                          f"and {bad} misses it")
-    return round(float(window[0] ** (2 / 3) * window[-1] ** (1 / 3)), 3)
+    return round(float(window[0] ** (3 / 4) * window[-1] ** (1 / 4)), 3)
 
 
 def build_trace(profile: Profile, phase_s: float) -> dict[str, Any]:
@@ -269,7 +282,7 @@ def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, phase_s: 
     bottom.legend(loc="lower left", fontsize=8)
     for ax in (top, bottom):
         ax.axvline(phase_s, color="black", linewidth=0.8)
-    top.set_title("prefill-heavy  |  decode-heavy (higher rate)")
+    top.set_title("documents + chat (prefill-heavy)  |  chat (decode-heavy, higher rate)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
