@@ -5,23 +5,21 @@ rate steps up, served by the SLO autoscaler and by every fixed split of its size
 
 Phase A sends documents to summarise (768-1280 prompt tokens, above the local-prefill
 threshold, so a prefill worker computes them when there is one; 4-8 output tokens) among
-chat turns (16-48 prompt tokens prefilled on the decode worker, 48-96 output tokens), three
-in ten requests documents: four fifths of its tokens are prompt tokens. Phase B sends chat
-alone, at a higher rate. Two workers, one per core of this machine: the splits are 1P+1D
-and 0P+2D (no prefill pool: the decode workers prefill every prompt). In phase A 1P+1D
-keeps the multi-second prefills away from the answers decoding (on 0P+2D each one stalls
-every answer decoding beside it); in phase B its prefill worker idles while one decode
-worker carries every answer, and 0P+2D has two.
+short chat turns (16-48 prompt tokens prefilled on the decode worker, 32-64 output tokens),
+35 requests in 100 documents: four fifths of its tokens are prompt tokens. Phase B sends
+longer chat turns alone (48-96 output tokens), at a higher rate. Two workers, one per core
+of this machine: the splits are 1P+1D and 0P+2D (no prefill pool: the decode workers
+prefill every prompt). In phase A 1P+1D keeps the multi-second prefills away from the
+answers decoding (on 0P+2D each one stalls every answer decoding beside it); in phase B its
+prefill worker idles while one decode worker carries every answer, and 0P+2D has two.
 
 The profile is first scaled to the steps a 1P+1D server runs now (`ServingCalibrator`, as
 the accuracy runs do: the VM drifts, and serving workers step slower than a bare engine)
-and saved; the SLO and both rates come from it before anything
-runs: the SLO is a multiple of the predicted unloaded TTFT and TPOT, phase A's rate one at
-which 1P+1D is predicted to meet it and 0P+2D to miss it, phase B's one (higher) at which
-the reverse holds. The same trace (same prompts, arrivals and lengths) is then served on
-local Ray by each arm, twice, in mirrored order (autoscale, 1P+1D, 0P+2D, 0P+2D, 1P+1D,
-autoscale: the machine's speed drifts within minutes, and the mirror gives every arm the
-same mean position in time):
+and saved; the SLO and both rates come from it before anything runs (`experiment_slo`,
+`choose_rate`). The same trace (same prompts, arrivals and lengths) is then served on
+local Ray by each arm, in the order autoscale, 0P+2D, 1P+1D, 0P+2D, autoscale (the
+machine's speed drifts within minutes; in this order every arm's runs have the same mean
+position in time, and each arm's requests are pooled):
 
 - `autoscale`: `pdcluster serve --autoscale --min-prefill 0` starting at 1P+1D, 2 workers;
 - `1P+1D` and `0P+2D`: the fixed splits of the same size.
@@ -57,9 +55,20 @@ from planner.validate import bench_slo, warmup_requests
 
 # Request kinds: (prompt tokens, output tokens), inclusive ranges.
 DOCUMENT = ((768, 1280), (4, 8))
+SHORT_CHAT = ((16, 48), (32, 64))
 CHAT = ((16, 48), (48, 96))
 # name: [(kind, share of the phase's requests)].
-PHASES = {"prefill-heavy": [(DOCUMENT, 0.3), (CHAT, 0.7)], "decode-heavy": [(CHAT, 1.0)]}
+PHASES = {"prefill-heavy": [(DOCUMENT, 0.35), (SHORT_CHAT, 0.65)],
+          "decode-heavy": [(CHAT, 1.0)]}
+# Where in the window of rates that separate the splits each phase's rate sits (0 its low
+# end, 1 its high end, geometrically): phase A's in the middle, where 0P+2D misses by more
+# than at the low end and 1P+1D keeps some headroom; phase B's low, where 1P+1D misses and
+# the autoscaler's change (one decode worker carrying the load until a second is up) costs
+# least.
+RATE_POSITION = {"prefill-heavy": 0.5, "decode-heavy": 0.25}
+# Requests per prediction while choosing the rates: fewer leave a percentile of a few
+# dozen requests, which moves by 10 points between seeds.
+RATE_REQUESTS = 240
 LOCAL_PREFILL_THRESHOLD = 64
 SPLITS = {"1P+1D": (1, 1), "0P+2D": (0, 2)}
 AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill", "0",
@@ -90,33 +99,33 @@ def shape(split: tuple[int, int]) -> ClusterShape:
 
 
 def experiment_slo(profile: Profile) -> SloSpec:
-    """TTFT p90 4x a document's predicted unloaded p50 TTFT, TPOT p90 3x a chat turn's
-    unloaded p50 TPOT (one request at a time on 1P+1D). One SLO for every request, as the
-    autoscaler takes one: a chat turn's first token has the documents' bound too. TPOT 3x,
-    not less: a batch-2 decode step costs ~1.8x a batch-1 step on this machine's BLAS (the
-    profile's decode table), and a tighter bound would forbid the batching a decode worker
-    exists for."""
+    """TTFT p90 4x a document's predicted unloaded p50 TTFT (one at a time on 1P+1D), TPOT
+    p90 1.3x a chat turn's p50 TPOT when four decode together. One SLO for every request, as
+    the autoscaler takes one: a chat turn's first token has the documents' bound too. The
+    TPOT bound is set from a batch of four, not one: a batch-2 decode step costs 1.8-2.6x a
+    batch-1 step on this machine's BLAS (the profile's decode table, the calibrations), and
+    a bound from batch 1 would forbid the batching a decode worker exists for."""
     base = SloSpec({"ttft_p90_ms": 1e9})
 
-    def unloaded(kind: tuple[tuple[int, int], tuple[int, int]]) -> dict[str, Any]:
+    def probe(kind: tuple[tuple[int, int], tuple[int, int]], together: int) -> dict[str, Any]:
+        """20 requests of a kind, `together` arriving at once, groups 1000 s apart."""
         rng = np.random.default_rng(99)
         (p_lo, p_hi), (o_lo, o_hi) = kind
-        probe = [SimRequest(1000.0 * i, rng.integers(*DEFAULT_VOCAB_RANGE,
-                                                     int(rng.integers(p_lo, p_hi + 1))).tolist(),
-                            int(rng.integers(o_lo, o_hi + 1))) for i in range(20)]
-        return predict(PlanRequest(profile, profile, probe, base, 3, find_max_rate=False),
+        requests = [SimRequest(1000.0 * (i // together),
+                               rng.integers(*DEFAULT_VOCAB_RANGE,
+                                            int(rng.integers(p_lo, p_hi + 1))).tolist(),
+                               int(rng.integers(o_lo, o_hi + 1))) for i in range(20)]
+        return predict(PlanRequest(profile, profile, requests, base, 3, find_max_rate=False),
                        shape((1, 1)))
 
-    return SloSpec({"ttft_p90_ms": round(4 * unloaded(DOCUMENT)["ttft_p50_ms"], 1),
-                    "tpot_p90_ms": round(3 * unloaded(CHAT)["tpot_p50_ms"], 1)})
+    return SloSpec({"ttft_p90_ms": round(4 * probe(DOCUMENT, 1)["ttft_p50_ms"], 1),
+                    "tpot_p90_ms": round(1.3 * probe(CHAT, 4)["tpot_p50_ms"], 1)})
 
 
 def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int],
                 bad: tuple[int, int], num: int, above: float = 0.0) -> float:
-    """A rate a quarter of the way (geometrically) into the window of rates (above `above`)
-    at which `good` is predicted to meet the SLO and `bad` to miss it: nearer its low end,
-    where `good` has the most headroom, because the machine may slow down after the
-    calibration (measured here: 20-30 % within minutes).
+    """The rate `RATE_POSITION[name]` of the way (geometrically) into the window of rates
+    (above `above`) at which `good` is predicted to meet the SLO and `bad` to miss it.
 
     Raises:
         ValueError: no such rate.
@@ -131,15 +140,17 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     if not window:
         raise ValueError(f"{name}: no rate above {above:g} req/s where {good} meets the SLO "
                          f"and {bad} misses it")
-    return round(float(window[0] ** (3 / 4) * window[-1] ** (1 / 4)), 3)
+    position = RATE_POSITION[name]
+    return round(float(window[0] ** (1 - position) * window[-1] ** position), 3)
 
 
 def build_trace(profile: Profile, phase_s: float) -> dict[str, Any]:
     """The SLO, both phases' rates and the whole trace."""
     slo = experiment_slo(profile)
-    rate_a = choose_rate(profile, slo, "prefill-heavy", SPLITS["1P+1D"], SPLITS["0P+2D"], 60)
-    rate_b = choose_rate(profile, slo, "decode-heavy", SPLITS["0P+2D"], SPLITS["1P+1D"], 60,
-                         above=rate_a)
+    rate_a = choose_rate(profile, slo, "prefill-heavy", SPLITS["1P+1D"], SPLITS["0P+2D"],
+                         RATE_REQUESTS)
+    rate_b = choose_rate(profile, slo, "decode-heavy", SPLITS["0P+2D"], SPLITS["1P+1D"],
+                         RATE_REQUESTS, above=rate_a)
     first = phase_requests("prefill-heavy", max(int(rate_a * phase_s), 1), rate_a, 0.0, 21)
     first = [r for r in first if r.arrival < phase_s]
     second = phase_requests("decode-heavy", max(int(rate_b * phase_s), 1), rate_b, phase_s, 22)
@@ -293,10 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phase-s", type=float, default=150.0, help="seconds per phase")
-    parser.add_argument("--arms", default="autoscale,1P+1D,0P+2D,0P+2D,1P+1D,autoscale",
+    parser.add_argument("--arms", default="autoscale,0P+2D,1P+1D,0P+2D,autoscale",
                         help="the order the arms are served in; an arm named twice is served "
-                             "twice and its requests pooled (the mirrored default order "
-                             "averages the machine's drift out of the comparison)")
+                             "twice and its requests pooled (in the default order every arm's "
+                             "runs have the same mean position, which averages the machine's "
+                             "drift out of the comparison)")
     args = parser.parse_args(argv)
 
     measured = Profile.load(args.profile)

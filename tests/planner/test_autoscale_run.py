@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.autoscale_run import SPLITS, build_trace, phase_requests, shape
+from planner.autoscale_run import RATE_REQUESTS, SPLITS, build_trace, phase_requests, shape
 from planner.plan import PlanRequest, meets, predict
 from planner.profile import Profile
 
@@ -22,7 +22,7 @@ def test_the_phases_rates_favour_opposite_splits() -> None:
     slo, rates = trace["slo"], trace["rates"]
     assert rates["decode-heavy"] > rates["prefill-heavy"]
     for name, good, bad in (("prefill-heavy", one, none), ("decode-heavy", none, one)):
-        requests = phase_requests(name, 60, rates[name], 0.0, 5)
+        requests = phase_requests(name, RATE_REQUESTS, rates[name], 0.0, 5)
         request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
         assert meets(predict(request, shape(good)), slo)
         assert not meets(predict(request, shape(bad)), slo)
