@@ -155,7 +155,7 @@ def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
 
 # Probe steps: decode-only steps of each batch size at this context per sequence, and a
 # prefill of this many new tokens.
-PROBE_BATCHES, PROBE_CONTEXT, PROBE_PREFILL = (1, 2, 4, 8), 128, 128
+PROBE_BATCHES, PROBE_CONTEXT, PROBE_PREFILL = (1, 2, 4, 8, 16), 128, 128
 _PROBE_DECODE_STEPS, _PROBE_PREFILL_REPEATS = 8, 5
 
 

@@ -188,7 +188,8 @@ class Poller:
                 try:
                     pools = client.status()["pools"]
                     for role in ("prefill", "decode"):
-                        sample[role] = sum(w.get("state") == "ready" for w in pools.get(role, []))
+                        sample[role] = sum(w.get("state") in ("ready", "slow")  # slow: mid-step
+                                       for w in pools.get(role, []))
                     sample.update(self._targets())
                 except Exception as e:  # a missed sample is a gap in the plot, not a failure
                     sample["error"] = str(e)

@@ -31,8 +31,8 @@ from tests.planner.synthetic import synthetic_profile
 
 PREFILL = (0.01, 0.002, 0.001, 0.0005)
 # A decode table as CPU BLAS makes it: batch 2 dearer than batch 4.
-TABLE = ("b1", "b2", "b4", "b8", "b16", "context")
-DECODE = (0.004, 0.009, 0.007, 0.01, 0.016, 0.01)
+TABLE = ("b1", "b2", "b4", "b8", "b16", "b32", "context")
+DECODE = (0.004, 0.009, 0.007, 0.01, 0.016, 0.03, 0.01)
 
 
 def table_profile(decode: tuple[float, ...] = DECODE, model: str = "synthetic") -> Profile:
@@ -52,7 +52,7 @@ def machine(profile: Profile, table: dict[int, float], context: float, prefill: 
 
 
 def uniform(profile: Profile, factor: float, prefill: float | None = None) -> Profile:
-    return machine(profile, dict.fromkeys((1, 2, 4, 8, 16), factor), factor,
+    return machine(profile, dict.fromkeys((1, 2, 4, 8, 16, 32), factor), factor,
                    factor if prefill is None else prefill)
 
 
@@ -82,6 +82,7 @@ def test_a_uniformly_slower_machine_scales_each_model_by_its_slowdown() -> None:
 
     assert record["factors"] == {"decode_b1": pytest.approx(1.5), "decode_b2": pytest.approx(1.5),
                                  "decode_b4": pytest.approx(1.5), "decode_b8": pytest.approx(1.5),
+                                 "decode_b16": pytest.approx(1.5),
                                  "decode_context": pytest.approx(1.5),
                                  "prefill": pytest.approx(1.2)}
     assert scaled.decode.coef == pytest.approx(true.decode.coef)
@@ -97,18 +98,18 @@ def test_a_uniformly_slower_machine_scales_each_model_by_its_slowdown() -> None:
 
 def test_each_probed_batch_gets_its_own_factor_and_the_rest_are_interpolated() -> None:
     """Drift that slows batch 2 by 1.8x but batch 1 not at all and batch 8 by 1.2x: every
-    probe is reproduced exactly; the unprobed batch 16 takes the largest probe's factor,
+    probe is reproduced exactly; the unprobed batch 32 takes the largest probe's factor,
     and batch 3 (between the table's 2 and 4) lands between their factors."""
     profile = table_profile()
-    true = machine(profile, {1: 1.0, 2: 1.8, 4: 1.4, 8: 1.2, 16: 1.2}, 1.2, 1.0)
+    true = machine(profile, {1: 1.0, 2: 1.8, 4: 1.4, 8: 1.2, 16: 1.1, 32: 1.1}, 1.1, 1.0)
     samples = probes(true)
 
     scaled, record = scale_to_probes(profile, samples)
 
-    assert record["factors"]["decode_context"] == pytest.approx(1.2)
+    assert record["factors"]["decode_context"] == pytest.approx(1.1)
     reproduces(scaled, samples)
-    batch16 = [(PROBE_CONTEXT, 1, False)] * 16
-    assert scaled.step_time(batch16) == pytest.approx(true.step_time(batch16))
+    batch32 = [(PROBE_CONTEXT, 1, False)] * 32
+    assert scaled.step_time(batch32) == pytest.approx(true.step_time(batch32))
     batch3 = [(PROBE_CONTEXT, 1, False)] * 3
     assert profile.step_time(batch3) * 1.4 < scaled.step_time(batch3) \
         < profile.step_time(batch3) * 1.8
@@ -119,10 +120,10 @@ def test_a_profile_without_the_probed_table_entries_is_refused() -> None:
     """A profile of the older linear decode model (or a table lacking a probed batch)
     cannot be scaled per batch: a clear error, not a silent guess."""
     linear = synthetic_profile(prefill=PREFILL, decode=(0.004, 0.002, 0.01))
-    with pytest.raises(ValueError, match=r"no entry for batch \[1, 2, 4, 8\].*profile again"):
+    with pytest.raises(ValueError, match=r"no entry for batch \[1, 2, 4, 8, 16\].*profile again"):
         scale_to_probes(linear, probes(linear))
     partial = replace(linear, decode=LinearModel(("b1", "b4", "context"), (0.01, 0.02, 0.01)))
-    with pytest.raises(ValueError, match=r"no entry for batch \[2, 8\]"):
+    with pytest.raises(ValueError, match=r"no entry for batch \[2, 8, 16\]"):
         scale_to_probes(partial, probes(partial))
 
 
@@ -164,8 +165,8 @@ def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> No
     per step is scaled far down, each model by its own factor, and the probes leave the
     KV pool as they found it."""
     profile = replace(synthetic_profile(prefill=(1.0, 0.0, 0.0, 0.0), model="tiny"),
-                      decode=LinearModel(("b1", "b2", "b4", "b8", "context"),
-                                         (1.0, 1.0, 1.0, 1.0, 0.0)))
+                      decode=LinearModel(("b1", "b2", "b4", "b8", "b16", "context"),
+                                         (1.0, 1.0, 1.0, 1.0, 1.0, 0.0)))
     calibrator = Calibrator(profile)
     pool = calibrator._sampler.engine.block_pool
     free = pool.num_free_blocks
@@ -178,7 +179,7 @@ def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> No
         assert scaled.decode.coef == pytest.approx((*table, 0.0))  # no context cost
         assert scaled.prefill.coef == (factors["prefill"], 0.0, 0.0, 0.0)
         assert set(record["measured_ms"]) == {"decode_b1", "decode_b2", "decode_b4",
-                                              "decode_b8", "prefill"}
+                                              "decode_b8", "decode_b16", "prefill"}
         assert pool.num_free_blocks == free
         assert not calibrator._sampler.engine.has_unfinished_requests()
 
@@ -203,7 +204,7 @@ def test_serving_steps_scale_the_profile_to_what_the_workers_ran() -> None:
     steps carry the role factor, which the modelled time includes). The scaled profile
     reproduces every measured step; batch 3 ran only twice and is left out."""
     profile = replace(table_profile(), neighbour_slowdown=0.1, prefill_role_factor=1.2)
-    true = machine(profile, {1: 1.3, 2: 1.6, 4: 1.3, 8: 1.3, 16: 1.3}, 1.3, 1.25)
+    true = machine(profile, {1: 1.3, 2: 1.6, 4: 1.3, 8: 1.3, 16: 1.3, 32: 1.3}, 1.3, 1.25)
     d_totals: dict[str, list[float]] = {"decode_5": [7.0, 1.0, 0.2, 50.0]}  # earlier steps
     p_totals: dict[str, list[float]] = {}
     before = status({"d": ("decode", d_totals), "p": ("prefill", p_totals)})
