@@ -25,6 +25,12 @@ from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 log = logging.getLogger(__name__)
 
 
+def serving(pools: dict[str, list[dict[str, Any]]], role: str) -> int:
+    """Workers of `role` serving in a status's `pools`: ready, or `slow` (a busy worker
+    whose stats are late, mid-step, is still there); draining ones are leaving."""
+    return sum(1 for w in pools.get(role, []) if w.get("state") in ("ready", "slow"))
+
+
 @dataclass
 class _Seen:
     arrival: float
@@ -123,14 +129,9 @@ class AutoscalerLoop:
         self.metrics = metrics
 
     async def current(self) -> tuple[int, int]:
-        """(prefill, decode) workers serving: ready, or `slow` (a busy worker whose stats
-        are late is still there); draining ones are leaving."""
+        """(prefill, decode) workers serving (`serving`)."""
         pools = (await self.backend.status())["pools"]
-
-        def ready(role: str) -> int:
-            return sum(1 for w in pools.get(role, []) if w.get("state") in ("ready", "slow"))
-
-        return ready("prefill"), ready("decode") + ready("mixed")
+        return serving(pools, "prefill"), serving(pools, "decode") + serving(pools, "mixed")
 
     async def step(self, now: float) -> Decision:
         """Take one decision and carry it out."""

@@ -76,14 +76,20 @@ def parse_config(text: str) -> ClusterShape:
     raise ValueError(f"config: expected like 1P+1D or 2C, got {text!r}")
 
 
+def random_request(rng: np.random.Generator, kind: tuple[tuple[int, int], tuple[int, int]],
+                   arrival: float) -> SimRequest:
+    """A request of random tokens arriving at `arrival`, its prompt and output lengths drawn
+    uniformly from `kind`'s (prompt tokens, output tokens) inclusive ranges."""
+    (p_lo, p_hi), (o_lo, o_hi) = kind
+    prompt = rng.integers(*DEFAULT_VOCAB_RANGE, int(rng.integers(p_lo, p_hi + 1)))
+    return SimRequest(float(arrival), prompt.tolist(), int(rng.integers(o_lo, o_hi + 1)))
+
+
 def workload(name: str, num: int, rate: float, seed: int) -> list[SimRequest]:
     """`num` requests of a workload arriving Poisson at `rate`."""
-    (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
     rng = np.random.default_rng((seed, 7))
     times = arrival_times(num, rate, "poisson", 1.0, seed)
-    return [SimRequest(float(t), rng.integers(*DEFAULT_VOCAB_RANGE,
-                                              int(rng.integers(p_lo, p_hi + 1))).tolist(),
-                       int(rng.integers(o_lo, o_hi + 1))) for t in times]
+    return [random_request(rng, WORKLOADS[name], t) for t in times]
 
 
 # SLO per workload: multiples of the predicted unloaded p50 TTFT and TPOT. A prefill-heavy

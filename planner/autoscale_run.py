@@ -46,8 +46,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.experiments import report_records
 from bench.runner import RunSettings, Target, bench_run, markdown_table, pdcluster_serve
-from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
-from planner.accuracy import ServingCalibrator
+from bench.traces import TraceRequest, arrival_times
+from cluster.autoscaler import serving
+from planner.accuracy import ServingCalibrator, random_request
 from planner.plan import PlanRequest, SloSpec, meets, predict
 from planner.profile import Profile
 from planner.simulator import ClusterShape, SimRequest
@@ -82,16 +83,12 @@ def phase_requests(name: str, num: int, rate: float, start: float, seed: int
                    ) -> list[SimRequest]:
     """`num` requests of a phase, Poisson at `rate` from `start`, each of a kind drawn
     by the phase's shares."""
-    kinds = PHASES[name]
-    shares = np.array([share for _, share in kinds])
+    kinds = [kind for kind, _ in PHASES[name]]
+    shares = np.array([share for _, share in PHASES[name]])
+    shares /= shares.sum()
     rng = np.random.default_rng((seed, 3))
     times = start + arrival_times(num, rate, "poisson", 1.0, seed)
-    requests = []
-    for t in times:
-        (p_lo, p_hi), (o_lo, o_hi) = kinds[rng.choice(len(kinds), p=shares / shares.sum())][0]
-        prompt = rng.integers(*DEFAULT_VOCAB_RANGE, int(rng.integers(p_lo, p_hi + 1)))
-        requests.append(SimRequest(float(t), prompt.tolist(), int(rng.integers(o_lo, o_hi + 1))))
-    return requests
+    return [random_request(rng, kinds[rng.choice(len(kinds), p=shares)], t) for t in times]
 
 
 def shape(split: tuple[int, int]) -> ClusterShape:
@@ -110,11 +107,7 @@ def experiment_slo(profile: Profile) -> SloSpec:
     def probe(kind: tuple[tuple[int, int], tuple[int, int]], together: int) -> dict[str, Any]:
         """20 requests of a kind, `together` arriving at once, groups 1000 s apart."""
         rng = np.random.default_rng(99)
-        (p_lo, p_hi), (o_lo, o_hi) = kind
-        requests = [SimRequest(1000.0 * (i // together),
-                               rng.integers(*DEFAULT_VOCAB_RANGE,
-                                            int(rng.integers(p_lo, p_hi + 1))).tolist(),
-                               int(rng.integers(o_lo, o_hi + 1))) for i in range(20)]
+        requests = [random_request(rng, kind, 1000.0 * (i // together)) for i in range(20)]
         return predict(PlanRequest(profile, profile, requests, base, 3, find_max_rate=False),
                        shape((1, 1)))
 
@@ -161,7 +154,7 @@ def build_trace(profile: Profile, phase_s: float) -> dict[str, Any]:
 
 
 class Poller:
-    """Every second: ready workers per role and the autoscaler's targets (from /metrics)."""
+    """Every second: serving workers per role and the autoscaler's targets (from /metrics)."""
 
     def __init__(self, grpc: str, http: str) -> None:
         self.grpc, self.metrics_url = grpc, http.removesuffix("/v1") + "/metrics"
@@ -188,8 +181,7 @@ class Poller:
                 try:
                     pools = client.status()["pools"]
                     for role in ("prefill", "decode"):
-                        sample[role] = sum(w.get("state") in ("ready", "slow")  # slow: mid-step
-                                       for w in pools.get(role, []))
+                        sample[role] = serving(pools, role)
                     sample.update(self._targets())
                 except Exception as e:  # a missed sample is a gap in the plot, not a failure
                     sample["error"] = str(e)
