@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError: flags that do not fit together; the message says which.
     """
-    _check_extra()
+    require_bench_extra("pdcluster bench")
     from bench.report import (
         build_report,
         load_report,
@@ -210,12 +210,16 @@ def _save_vllm_result(args: argparse.Namespace, label: str, model: str | None,
     return path
 
 
-def _check_extra() -> None:
-    """The load generator and the plots need the `bench` extra; say so instead of a
-    traceback."""
+def require_bench_extra(command: str) -> None:
+    """The load generator and the plots need the `bench` extra; say so before any work
+    instead of a traceback after it.
+
+    Raises:
+        ValueError: a module of the extra is missing; the message says how to install it.
+    """
     for module in ("httpx", "matplotlib"):
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f"pdcluster bench needs {module!r}, which comes with the bench "
+            raise ValueError(f"{command} needs {module!r}, which comes with the bench "
                              "extra: pip install 'pdcluster[bench]'")
 
 

@@ -107,8 +107,11 @@ def plan_request(args: argparse.Namespace) -> Any:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from bench.cli import require_bench_extra
     from planner.plan import plan
 
+    if args.plot is not None or args.validate:
+        require_bench_extra("pdcluster plan --plot/--validate")
     request = plan_request(args)
     with console.status(f"Simulating {len(request.requests)} requests on every split"):
         doc = plan(request)

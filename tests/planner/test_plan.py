@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -139,3 +140,24 @@ def test_bad_input_through_the_cli_exits_2(tmp_path: Path, capsys: pytest.Captur
     assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
                  "latency=5", "--json", str(tmp_path / "p.json")]) == 2
     assert "unknown key 'latency'" in capsys.readouterr().err
+
+
+def test_a_plot_without_the_bench_extra_is_refused_before_planning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """`pip install .` has no matplotlib: `--plot` says which extra to install, before the
+    search runs and without writing a plan (the missing module is faked: this venv has it)."""
+    profile = tmp_path / "profile.json"
+    PROFILE.save(profile)
+    trace_path = write_trace(tmp_path / "t.jsonl", [{"timestamp": 0, "prompt_len": 5,
+                                                     "output_len": 2}])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    out = tmp_path / "p.json"
+
+    assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
+                 "ttft_p90_ms=100", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 2
+
+    assert ("pdcluster plan --plot/--validate needs 'matplotlib', which comes with the bench "
+            "extra: pip install 'pdcluster[bench]'") in capsys.readouterr().err
+    assert not out.exists()
