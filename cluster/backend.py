@@ -385,27 +385,52 @@ class ClusterBackend(Backend):
                 "num_streams": len(self._streams)}
 
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:
-        """Add workers (returns once they are ready) or drain and remove some."""
+        """Add workers (returns once they are ready) or drain and remove some.
+
+        A rebalance (one pool grows as the other shrinks) makes before it breaks: the new
+        workers start, and only once they are ready do the old ones drain, so the cluster
+        never serves with fewer workers than before or after. When the cluster has no room
+        for the new workers beside the old (Ray's available CPUs and GPUs), the old ones
+        drain first to free theirs.
+        """
         if self.config.mode == "colocated" and num_prefill:
             raise ValueError("prefill: a colocated cluster has no prefill pool")
         decode_role = Role.MIXED if self.config.mode == "colocated" else Role.DECODE
         if num_decode is not None and num_decode < 1:
             raise ValueError(f"decode: must be >= 1, got {num_decode}")
-        for role, target in ((Role.PREFILL, num_prefill), (decode_role, num_decode)):
-            if target is not None:
-                await self._resize(role, target)
+        if num_prefill is not None and num_prefill < 0:
+            raise ValueError(f"prefill: must be >= 0, got {num_prefill}")
+        change = {role: target - len(self._active(role))
+                  for role, target in ((Role.PREFILL, num_prefill), (decode_role, num_decode))
+                  if target is not None}
+        if self._has_room(sum(n for n in change.values() if n > 0)):
+            await self._grow(change)
+            self._shrink(change)
+        else:
+            self._shrink(change)
+            await self._grow(change)
         return await self.status()
 
-    async def _resize(self, role: Role, target: int) -> None:
-        if target < 0:
-            raise ValueError(f"{role}: must be >= 0, got {target}")
-        active = [h for h in self.workers.values() if h.role == role and h.state == "ready"]
-        if target > len(active):
-            await asyncio.gather(*(self._add_worker(role)
-                                   for _ in range(target - len(active))))
-        for handle in sorted(active, key=lambda h: len(h.in_flight))[:len(active) - target]:
-            handle.state = "draining"
-            self._spawn(self._drain(handle))
+    def _active(self, role: Role) -> list[_Handle]:
+        return [h for h in self.workers.values() if h.role == role and h.state == "ready"]
+
+    def _has_room(self, workers: int) -> bool:
+        """Whether Ray has the CPUs (and GPUs) for `workers` more workers now."""
+        free = ray.available_resources()
+        return (free.get("CPU", 0.0) >= workers * self.config.num_cpus_per_worker
+                and free.get("GPU", 0.0) >= workers * self.config.num_gpus_per_worker)
+
+    async def _grow(self, change: dict[Role, int]) -> None:
+        await asyncio.gather(*(self._add_worker(role) for role, n in change.items()
+                               for _ in range(n)))
+
+    def _shrink(self, change: dict[Role, int]) -> None:
+        """Drain the least busy workers of each pool that shrinks."""
+        for role, n in change.items():
+            if n < 0:
+                for handle in sorted(self._active(role), key=lambda h: len(h.in_flight))[:-n]:
+                    handle.state = "draining"
+                    self._spawn(self._drain(handle))
 
     async def _drain(self, handle: _Handle) -> None:
         """Stop placing on the worker; its requests finish (or, after the drain timeout,

@@ -117,6 +117,45 @@ def test_scale_up_and_down_under_load_loses_nothing(disagg, loop_thread, referen
     wait_pools_free(loop_thread, disagg)
 
 
+def test_a_rebalance_starts_the_new_workers_before_it_drains_the_old(disagg, loop_thread,
+                                                                    reference):
+    """1P+1D -> 0P+2D -> 1P+1D under load: at no moment does the cluster serve with one
+    worker (the drained pool's worker goes only once its replacement is ready), and every
+    stream finishes with the engine's tokens."""
+    prompts = random_prompts(8, seed=6, low=20, high=200)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def ready(role):
+        return sum(1 for h in disagg.workers.values() if h.role == role and h.state == "ready")
+
+    async def go():
+        seen = []
+
+        async def watch():
+            while True:
+                seen.append((ready("prefill"), ready("decode")))
+                await asyncio.sleep(0.001)
+        watcher = asyncio.ensure_future(watch())
+        jobs = [asyncio.ensure_future(collect(disagg, f"rb{i}", p, params))
+                for i, p in enumerate(prompts)]
+        await disagg.scale(num_prefill=0, num_decode=2)
+        got = await asyncio.gather(*jobs)
+        await disagg.scale(num_prefill=1, num_decode=1)
+        while any(h.state == "draining" for h in disagg.workers.values()):
+            await asyncio.sleep(0.05)
+        watcher.cancel()
+        return seen, got
+    seen, got = loop_thread.run(go())
+    assert seen[0] == (1, 1) and (0, 2) in seen
+    # (The moment both splits' workers are ready passes within one event-loop turn: the
+    # old worker is drained as soon as the new one's start returns.)
+    assert all(prefill + decode >= 2 for prefill, decode in seen)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    assert [tokens for tokens, _ in got] == expected
+    assert seen[-1] == (1, 1)
+    wait_pools_free(loop_thread, disagg)
+
+
 def _request(rid, prompt, params):
     import time
 
