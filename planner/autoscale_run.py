@@ -62,11 +62,13 @@ CHAT = ((16, 48), (48, 96))
 PHASES = {"prefill-heavy": [(DOCUMENT, 0.35), (SHORT_CHAT, 0.65)],
           "decode-heavy": [(CHAT, 1.0)]}
 # Where in the window of rates that separate the splits each phase's rate sits (0 its low
-# end, 1 its high end, geometrically): phase A's in the middle, where 0P+2D misses by more
-# than at the low end and 1P+1D keeps some headroom; phase B's low, where 1P+1D misses and
-# the autoscaler's change (one decode worker carrying the load until a second is up) costs
-# least.
-RATE_POSITION = {"prefill-heavy": 0.5, "decode-heavy": 0.25}
+# end, 1 its high end, geometrically). Phase A's a third of the way in: 0P+2D misses there
+# by 30-60 points (measured) and 1P+1D keeps headroom (at the middle a slower hour
+# overloaded its prefill worker: 84 %). Phase B's in the middle: at its low end (tried
+# first) the splits measured the same (a decode step costs about the same from batch 4 to
+# 24 here, so one decode worker carried the load the simulator, with its narrower spread
+# of per-request TPOT, had it miss).
+RATE_POSITION = {"prefill-heavy": 0.35, "decode-heavy": 0.5}
 # Requests per prediction while choosing the rates: fewer leave a percentile of a few
 # dozen requests, which moves by 10 points between seeds.
 RATE_REQUESTS = 240
