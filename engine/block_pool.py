@@ -106,11 +106,6 @@ class BlockPool:
         self.cached.setdefault(block_hash, block_id)
         self.block_hash[block_id] = block_hash
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their contents)."""
-        self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
-
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]
         if block_hash is None:

@@ -310,15 +310,16 @@ def build_profile(settings: ProfileSettings, engine: LLMEngine, load_time: float
                   transfer: list[dict[str, Any]], neighbour: list[dict[str, Any]]) -> Profile:
     """Assemble the profile of `engine` from its samples (see `fit_profile`)."""
     cfg = engine.model_config
+    machine = hardware()
     measured = Profile(
         model=settings.model, model_id=model_id(engine), dtype=settings.dtype,
-        torch_threads=settings.torch_threads, hardware=hardware(),
+        torch_threads=settings.torch_threads, hardware=machine,
         block_size=settings.block_size, num_blocks=engine.block_pool.num_blocks,
         kv_cache_gb=settings.kv_cache_gb,
         block_bytes=engine.kv_cache.block_bytes * cfg.num_layers,
         max_model_len=engine.max_model_len, transport=settings.transport,
         load_time_s=load_time, prefill=_EMPTY, decode=_EMPTY, transfer=_EMPTY,
-        workers_per_host=max(hardware()["cores"] // settings.torch_threads, 1),
+        workers_per_host=max(machine["cores"] // settings.torch_threads, 1),
         samples={"prefill": prefill, "decode": decode, "transfer": transfer,
                  "neighbour": neighbour})
     return fit_profile(measured)
