@@ -3,17 +3,24 @@
 `RecordingBackend` wraps the cluster backend the router talks to and keeps the recent
 window of requests (arrival, prompt tokens, output tokens). `AutoscalerLoop` asks the
 policy (`planner.autoscale.Autoscaler`) every interval and resizes through the backend's
-live scale path (removed workers drain first). Each decision is logged with its reason and
-exported as `pdcluster:autoscaler_*` metrics.
+live scale path (removed workers drain; in a rebalance once their replacements are
+ready). The policy's simulations run in a child process at the lowest CPU priority, not
+in the router's: there they held the GIL against the router's event loop and, at the
+router's priority, preempted the workers (which Ray runs at nice 15). Each decision is
+logged with its reason and exported as `pdcluster:autoscaler_*` metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +123,9 @@ class AutoscalerMetrics:
 class AutoscalerLoop:
     """Every interval: window -> policy -> live scale.
 
+    The policy lives in a child process (`policy_process`), which keeps its cool-down and
+    history; if that process dies, a fresh one takes over (its cool-down forgotten).
+
     Args:
         policy: the autoscaling policy.
         backend: the recording backend in front of the cluster.
@@ -127,6 +137,7 @@ class AutoscalerLoop:
         self.policy = policy
         self.backend = backend
         self.metrics = metrics
+        self._process = policy_process(policy)
 
     async def current(self) -> tuple[int, int]:
         """(prefill, decode) workers serving (`serving`)."""
@@ -138,8 +149,14 @@ class AutoscalerLoop:
         config = self.policy.config
         window = self.backend.window(now - config.window_s, now)
         current = await self.current()
-        # The simulations take a while: keep the event loop (and the router) serving.
-        decision = await asyncio.to_thread(self.policy.decide, now, window, current)
+        try:
+            decision = await asyncio.wrap_future(
+                self._process.submit(_decide, now, window, current))
+        except BrokenProcessPool:
+            log.error("the autoscaler's policy process died; starting another")
+            self._process.shutdown(wait=False, cancel_futures=True)
+            self._process = policy_process(self.policy)
+            raise
         log.info("autoscaler %s -> %dP+%dD: %s", decision.action, decision.prefill,
                  decision.decode, decision.reason)
         self.metrics.record(decision)
@@ -150,9 +167,36 @@ class AutoscalerLoop:
 
     async def run(self) -> None:
         """Decide every `interval_s` until cancelled; a failed step is logged, not fatal."""
-        while True:
-            await asyncio.sleep(self.policy.config.interval_s)
-            try:
-                await self.step(time.monotonic())
-            except Exception:
-                log.exception("autoscaler step failed")
+        try:
+            while True:
+                await asyncio.sleep(self.policy.config.interval_s)
+                try:
+                    await self.step(time.monotonic())
+                except Exception:
+                    log.exception("autoscaler step failed")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the policy process."""
+        self._process.shutdown(wait=False, cancel_futures=True)
+
+
+def policy_process(policy: Autoscaler) -> ProcessPoolExecutor:
+    """One spawned process holding `policy`, at nice 19 (below Ray's workers at 15): its
+    simulations take only the CPU that serving leaves."""
+    return ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), _adopt, (policy,))
+
+
+_POLICY: Autoscaler | None = None
+
+
+def _adopt(policy: Autoscaler) -> None:
+    global _POLICY
+    _POLICY = policy
+    os.nice(19 - os.nice(0))
+
+
+def _decide(now: float, window: Window, current: tuple[int, int]) -> Decision:
+    assert _POLICY is not None, "the policy process starts with its policy"
+    return _POLICY.decide(now, window, current)

@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the order the arms are served in; an arm named twice is served "
                              "twice and its requests pooled (in the default order every arm's "
                              "runs have the same mean position, which averages the machine's "
-                             "drift out of the comparison)")
+                             "drift out of the comparison); 1P+1D-pinned is the autoscaler "
+                             "bounded to 1P+1D (its decisions' cost to serving)")
     args = parser.parse_args(argv)
 
     measured = Profile.load(args.profile)
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                           "--attainment", str(slo.attainment), *AUTOSCALER_FLAGS]}
     arms |= {name: [*common, "--prefill", str(p), "--decode", str(d)]
              for name, (p, d) in SPLITS.items()}
+    # The policy's own cost: it decides every interval, but its bounds leave only 1P+1D.
+    arms["1P+1D-pinned"] = [*arms["autoscale"], "--min-prefill", "1"]
     runs: dict[str, list[dict[str, Any]]] = {}
     for index, name in enumerate(args.arms.split(",")):
         result = run_arm(name, arms[name], trace, profile, args.out / f"run{index}")

@@ -4,7 +4,10 @@ recording backend's window; the exported metrics."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -174,6 +177,9 @@ class FakeCluster(Backend):
 
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:
         self.scaled.append((num_prefill, num_decode))
+        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            if n is not None:
+                self.pools[role] = [{"state": "ready"}] * n
         return await self.status()
 
     def healthy(self) -> bool:
@@ -192,20 +198,54 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
             assert len([d async for d in front.generate(request)]) == 3
         now = front._seen[-1].arrival + 1e-3
         recorded = front.window(now - 60.0, now)
-        return recorded, await loop.step(now)
+        first = await loop.step(now)
+        # The policy process keeps its state: the next step is in the cool-down.
+        return recorded, first, await loop.step(now + 1.0)
 
-    recorded, decision = asyncio.run(scenario())
+    try:
+        recorded, decision, next_one = asyncio.run(scenario())
+    finally:
+        loop.close()
 
     assert list(recorded.prompt_lens) == [1000] * 60
     assert list(recorded.output_lens) == [3] * 60  # what was produced, not the 9 asked for
     assert decision.action == "scale_up"
+    assert next_one.action == "hold" and next_one.reason.startswith("cool-down: 59 s left")
+    assert (next_one.prefill, next_one.decode) == (decision.prefill, decision.decode)
     assert cluster.scaled == [(decision.prefill, decision.decode)]
     assert registry.get_sample_value("pdcluster:autoscaler_decisions_total",
                                      {"action": "scale_up"}) == 1
+    assert registry.get_sample_value("pdcluster:autoscaler_decisions_total",
+                                     {"action": "hold"}) == 1
     assert registry.get_sample_value("pdcluster:autoscaler_target_workers",
                                      {"role": "prefill"}) == decision.prefill
     assert registry.get_sample_value("pdcluster:autoscaler_estimated_rate_rps") == \
         pytest.approx(1.0)
+
+
+def test_the_policy_runs_in_a_low_priority_process_that_is_replaced_if_it_dies() -> None:
+    """The simulations stay off the router's process (its GIL, its priority, above the
+    workers'); a killed policy process fails one step, and the next step has a new one."""
+    loop = AutoscalerLoop(autoscaler(), RecordingBackend(FakeCluster(output=1)),
+                          AutoscalerMetrics(CollectorRegistry()))
+
+    async def scenario() -> Any:
+        first = await loop.step(0.0)
+        pid = loop._process.submit(os.getpid).result()
+        niceness = loop._process.submit(os.nice, 0).result()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            await loop.step(10.0)
+        return first, pid, niceness, await loop.step(20.0), loop._process.submit(
+            os.getpid).result()
+
+    try:
+        first, pid, niceness, after, new_pid = asyncio.run(scenario())
+    finally:
+        loop.close()
+    assert pid != os.getpid() and niceness == 19
+    assert first.action == after.action == "hold" and "0 requests in the window" in after.reason
+    assert new_pid not in (pid, os.getpid())
 
 
 def test_serve_autoscale_refuses_a_profile_of_another_model(
