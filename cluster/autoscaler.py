@@ -16,6 +16,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -151,7 +152,7 @@ class AutoscalerLoop:
         current = await self.current()
         try:
             decision = await asyncio.wrap_future(
-                self._process.submit(_decide, now, window, current))
+                self._process.submit(decide, now, window, current))
         except BrokenProcessPool:
             log.error("the autoscaler's policy process died; starting another")
             self._process.shutdown(wait=False, cancel_futures=True)
@@ -195,8 +196,12 @@ def _adopt(policy: Autoscaler) -> None:
     global _POLICY
     _POLICY = policy
     os.nice(19 - os.nice(0))
+    # Ctrl-C reaches the whole process group: the router drains and stops this process
+    # itself (before, every Ctrl-C printed this process's KeyboardInterrupt traceback).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _decide(now: float, window: Window, current: tuple[int, int]) -> Decision:
+def decide(now: float, window: Window, current: tuple[int, int]) -> Decision:
+    """The policy's decision, run in the policy process (submit it to `policy_process`)."""
     assert _POLICY is not None, "the policy process starts with its policy"
     return _POLICY.decide(now, window, current)

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.autoscaler import _decide, policy_process
+from cluster.autoscaler import decide, policy_process
 from planner.autoscale import Autoscaler, AutoscalerConfig, Window
 from planner.autoscale_run import LOCAL_PREFILL_THRESHOLD, experiment_slo, phase_requests
 from planner.profile import Profile
 
 
-async def _lag(decide: Callable[[int], Awaitable[object]], decisions: int
+async def _lag(run: Callable[[int], Awaitable[object]], decisions: int
                ) -> tuple[float, np.ndarray]:
     """(seconds for the decisions, wake-up delays in ms) of a 1 ms ticker meanwhile."""
     delays: list[float] = []
@@ -42,7 +42,7 @@ async def _lag(decide: Callable[[int], Awaitable[object]], decisions: int
     ticker = asyncio.create_task(tick())
     start = time.perf_counter()
     for i in range(decisions):
-        await decide(i)
+        await run(i)
     took = time.perf_counter() - start
     done = True
     await ticker
@@ -61,12 +61,12 @@ async def measure(policy: Autoscaler, window: Window, decisions: int) -> list[st
         await asyncio.to_thread(policy.decide, 100.0 * (i + 1), window, (1, 1))
 
     async def child(i: int) -> None:
-        await asyncio.wrap_future(process.submit(_decide, 100.0 * (i + 1), window, (1, 1)))
+        await asyncio.wrap_future(process.submit(decide, 100.0 * (i + 1), window, (1, 1)))
 
     lines = []
     try:
-        for name, decide in (("idle", idle), ("thread", thread), ("process", child)):
-            took, delays = await _lag(decide, decisions)
+        for name, run in (("idle", idle), ("thread", thread), ("process", child)):
+            took, delays = await _lag(run, decisions)
             p50, p99, worst = np.percentile(delays, [50, 99, 100])
             lines.append(f"{name:8s} {decisions} decisions in {took:5.2f} s; loop woke late by "
                          f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.1f} ms "

@@ -225,7 +225,8 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
 
 def test_the_policy_runs_in_a_low_priority_process_that_is_replaced_if_it_dies() -> None:
     """The simulations stay off the router's process (its GIL, its priority, above the
-    workers'); a killed policy process fails one step, and the next step has a new one."""
+    workers'); Ctrl-C leaves the policy process to the router's shutdown; a killed policy
+    process fails one step, and the next step has a new one."""
     loop = AutoscalerLoop(autoscaler(), RecordingBackend(FakeCluster(output=1)),
                           AutoscalerMetrics(CollectorRegistry()))
 
@@ -233,6 +234,9 @@ def test_the_policy_runs_in_a_low_priority_process_that_is_replaced_if_it_dies()
         first = await loop.step(0.0)
         pid = loop._process.submit(os.getpid).result()
         niceness = loop._process.submit(os.nice, 0).result()
+        os.kill(pid, signal.SIGINT)  # Ctrl-C reaches the process group: the child stays
+        await asyncio.sleep(0.5)
+        assert loop._process.submit(os.getpid).result() == pid
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(BrokenProcessPool):
             await loop.step(10.0)
