@@ -1,11 +1,13 @@
 """A peer that does not hold the cluster's key, for the internal-socket security tests.
 
-It connects to an internal socket, sends a message, and waits (on the socket's own
+It connects to an internal socket, queues a message, and waits (on the socket's own
 monitor events, not a sleep) until the ZMTP handshake has either succeeded or failed.
 A failed handshake means nothing it sent was or can be delivered.
 """
 
 from __future__ import annotations
+
+import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -37,13 +39,23 @@ class Rogue:
             self.sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         self.sock.connect(endpoint)
 
-    def send(self, data: bytes) -> None:
-        """Queue one message (it leaves only if the handshake succeeds)."""
-        self.sock.send(data)
+    def send(self, data: bytes) -> bool:
+        """Queue one message without blocking (it leaves only if the handshake succeeds).
+
+        Returns False when it could not be queued: after a failed handshake libzmq may leave
+        the socket with no peer to queue for (about one failure in ten here, for good), and
+        a blocking send would then wait forever.
+        """
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def handshake(self, timeout_s: float = 30.0) -> int:
         """Wait for the handshake's outcome: a `zmq.EVENT_HANDSHAKE_*` code."""
-        while self._monitor.poll(timeout_s * 1000):
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and self._monitor.poll(left * 1000):
             event = recv_monitor_message(self._monitor)["event"]
             if event in HANDSHAKE_EVENTS:
                 return event

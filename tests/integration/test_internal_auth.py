@@ -10,6 +10,7 @@ control that shows the observables can fail).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -95,29 +96,30 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
                    pack({"op": "hello", "transport": "zmq",
                          "compat": decode.info["peer_info"]["compat"]}))]
         server_keys = [None] if backend.cluster_key is None else [None, backend.cluster_key.public]
-        # The decode worker is stopped while the forgeries go out, so neither stream can
-        # end on its own before they would land.
-        os.kill(decode.info["pid"], signal.SIGSTOP)
-        try:
-            rogues = [Rogue(endpoint, kind, key) for key in server_keys
-                      for endpoint, kind, _ in forged]
-            for rogue, (_, _, data) in zip(rogues, forged * len(server_keys), strict=True):
-                rogue.send(data)
-        finally:
-            os.kill(decode.info["pid"], signal.SIGCONT)
-        try:
+        with contextlib.ExitStack() as rogues_open:
+            # The decode worker is stopped while the forgeries go out, so neither stream can
+            # end on its own before they would land. Nothing between the two signals blocks:
+            # a send only queues, and a rogue whose handshake already failed queues nothing.
+            os.kill(decode.info["pid"], signal.SIGSTOP)
+            try:
+                rogues = [rogues_open.enter_context(Rogue(endpoint, kind, key))
+                          for key in server_keys for endpoint, kind, _ in forged]
+                queued = [rogue.send(data) for rogue, (_, _, data)
+                          in zip(rogues, forged * len(server_keys), strict=True)]
+            finally:
+                os.kill(decode.info["pid"], signal.SIGCONT)
             outcomes = [rogue.handshake() for rogue in rogues]
             results = [f.result(300) for f in futures]
-        finally:
-            for rogue in rogues:
-                rogue.close()
         expected = expected_tokens(reference, prompts, LONG)
+        # What went to the stopped worker was queued: no handshake with it could end before.
+        assert all(ok for i, ok in enumerate(queued) if i % len(forged)), queued
         if internal_auth == "curve":
             assert all(outcome in FAILED for outcome in outcomes), outcomes
             assert [tokens for tokens, _ in results] == expected
             assert [last.finish_reason for _, last in results] == ["length", "length"]
             assert backend.sockets.decisions["denied"] >= 1  # the rogue with its own keypair
         else:
+            assert queued == [True] * 3
             assert outcomes == [zmq.EVENT_HANDSHAKE_SUCCEEDED] * 3
             assert (results[0][1].finish_reason, results[0][1].error) == ("error", "rogue")
             assert results[1][1].finish_reason == "abort"
