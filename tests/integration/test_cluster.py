@@ -208,7 +208,7 @@ def test_workers_total_their_steps_by_shape(disagg, loop_thread):
     import ray
 
     def totals():
-        stats = [ray.get(h.actor.stats.remote()) for h in disagg.workers.values()]
+        stats = [ray.get(h.actor.stats.remote(), timeout=30) for h in disagg.workers.values()]
         return {s["role"]: s["step_totals"] for s in stats}
 
     def grown(before, after):
