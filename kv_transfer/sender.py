@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Sequence
@@ -106,6 +107,11 @@ class KVSender(Endpoint):
             self._call_soon(self._close_peer, peer_id, "the handshake failed")
             if isinstance(exc, ValueError | ConnectionError):  # incl. KVCompatibilityError
                 raise
+            if isinstance(exc, TimeoutError):
+                raise ConnectionError(
+                    f"connecting to {peer_info['endpoint']} over {transport}: no welcome within "
+                    f"{self.config.connect_timeout_s:g}s (is the decode side up, and does it "
+                    "hold this cluster's key?)") from exc
             raise ConnectionError(f"connecting to {peer_info['endpoint']} over {transport} "
                                   f"failed: {type(exc).__name__}: {exc}") from exc
         self._call(self._attach, peer_id, channel).result(timeout=self.config.connect_timeout_s)
@@ -218,7 +224,7 @@ class KVSender(Endpoint):
         now = time.monotonic()
         peer = _Peer(peer_id, sock, bool(peer_info.get("verify_checksums")), now, now, welcome)
         self._peers[peer_id] = self._by_sock[sock] = peer
-        sock.send(pack(hello))
+        self._send(peer, hello)
 
     def _attach(self, peer_id: str, channel: SendChannel) -> None:
         peer = self._peers.get(peer_id)
@@ -267,8 +273,8 @@ class KVSender(Endpoint):
             return
         req.peer = peer
         self._requests[req.request_id] = req
-        peer.sock.send(pack({"op": "begin", "rid": req.request_id, "dst": req.dst,
-                             "runs": [n for _, _, n in req.runs]}))
+        self._send(peer, {"op": "begin", "rid": req.request_id, "dst": req.dst,
+                          "runs": [n for _, _, n in req.runs]})
 
     def _layer_ready(self, request_id: str, layer: int) -> None:
         req = self._requests.get(request_id)
@@ -299,8 +305,7 @@ class KVSender(Endpoint):
 
     def _send_finish(self, req: _Outgoing) -> None:
         if self._requests.get(req.request_id) is req:
-            req.peer.sock.send(pack({"op": "finish", "rid": req.request_id,
-                                     "payload": req.payload}))
+            self._send(req.peer, {"op": "finish", "rid": req.request_id, "payload": req.payload})
 
     def _on_begin_ok(self, peer: _Peer, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -319,7 +324,7 @@ class KVSender(Endpoint):
             return
         self._end(req, TransferFailed(request_id, f"the decode side failed it: {reason}"))
         # The acknowledgement tells the receiver no byte of ours is still on its way.
-        peer.sock.send(pack({"op": "abort", "rid": request_id, "reason": "acknowledged"}))
+        self._send(peer, {"op": "abort", "rid": request_id, "reason": "acknowledged"})
 
     def _abort(self, request_id: str, reason: str) -> None:
         req = self._requests.get(request_id)
@@ -327,7 +332,7 @@ class KVSender(Endpoint):
             return
         self._end(req, TransferFailed(request_id, reason))
         if req.peer.alive:
-            req.peer.sock.send(pack({"op": "abort", "rid": request_id, "reason": reason}))
+            self._send(req.peer, {"op": "abort", "rid": request_id, "reason": reason})
 
     def _end_owned(self, peer: _Peer, request_id: str, event: TransferEvent) -> None:
         req = self._requests.get(request_id)
@@ -338,12 +343,26 @@ class KVSender(Endpoint):
         del self._requests[req.request_id]
         self._emit(event)
 
+    def _send(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        """Queue `msg` to `peer` without blocking the IO thread.
+
+        The queue has no bound, so a send finds no room only when the socket has no
+        connection left: libzmq can end one whose handshake failed (a decode side without
+        the cluster's key) for good, and a blocking send would then stall every transfer.
+        That peer is dropped.
+        """
+        try:
+            peer.sock.send(pack(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop_peer(peer, "no connection to the decode side (its handshake failed)")
+
     def _drop_peer(self, peer: _Peer, reason: str) -> None:
         peer.alive = False
         self._peers.pop(peer.peer_id, None)
         self._by_sock.pop(peer.sock, None)
         self._poller.unregister(peer.sock)
-        peer.sock.send(pack({"op": "bye", "reason": reason}), zmq.NOBLOCK)
+        with contextlib.suppress(zmq.Again):  # no connection left: nobody to say it to
+            peer.sock.send(pack({"op": "bye", "reason": reason}), zmq.NOBLOCK)
         peer.sock.close(linger=100)
         if peer.channel is not None:
             peer.channel.close()  # shm: unmaps the peer's pool
@@ -362,7 +381,7 @@ class KVSender(Endpoint):
                 self._drop_peer(peer, f"silent for {self.config.peer_timeout_s:g}s")
             elif now - peer.last_ping >= self.config.heartbeat_s:
                 peer.last_ping = now
-                peer.sock.send(pack({"op": "ping"}))
+                self._send(peer, {"op": "ping"})
 
     def _on_close(self) -> None:
         for request_id in list(self._requests):

@@ -99,7 +99,7 @@ class ShmSendChannel:
         if self._pool is None:
             raise RuntimeError("shared pool already released")
         copy_runs(self._pool[header["layer"]], src, runs)
-        sock.send(pack(header))
+        sock.send(pack(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
 
     def close(self) -> None:
         self._pool = None  # our last reference: unmaps the peer's pool

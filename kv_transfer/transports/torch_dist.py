@@ -100,7 +100,7 @@ class DistSendChannel:
                    runs: list[Run]) -> None:
         header["tag"] = tag = self._next_tag
         self._next_tag = (tag + len(runs)) & _TAG_MASK
-        sock.send(pack(header))
+        sock.send(pack(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
         self._works = [w for w in self._works if not w.is_completed()]
         for i, (s, _, n) in enumerate(runs):
             self._works.append(self._group.send([src[s:s + n]], RECEIVER_RANK,

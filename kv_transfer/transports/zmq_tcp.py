@@ -31,7 +31,8 @@ class ZmqSendChannel:
         view = as_bytes(src)
         frames = [view[s * block_bytes:(s + n) * block_bytes]
                   for s, n in frame_slices([(s, n) for s, _, n in runs], step)]
-        sock.send_multipart([pack(header), *frames], copy=False)
+        # Again: no connection left (the peer is dropped)
+        sock.send_multipart([pack(header), *frames], copy=False, flags=zmq.NOBLOCK)
 
     def close(self) -> None:
         """Nothing to release: queued frames die with the socket."""
