@@ -51,6 +51,9 @@ from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 from router.placement import Placement, PrefixIndex, WorkerLoad, place_request
 
 log = logging.getLogger(__name__)
+# The longest a worker may take to change its role once drained (it waits up to 10 s for
+# its engine to let go of what the drain left, then closes one KV endpoint).
+CHANGE_ROLE_TIMEOUT_S = 30.0
 # Stats older than this many intervals mark a worker `slow` in status (never dead).
 SLOW_AFTER_INTERVALS = 4
 INTERNAL_AUTH = ("auto", "curve", "off")
@@ -148,6 +151,11 @@ class WorkerActor:
     def stats(self) -> dict[str, Any]:
         """A stats snapshot taken on the engine thread (waits for the current step)."""
         return self.worker.loop.call(self.worker.stats)
+
+    def change_role(self, role: str) -> dict[str, Any]:
+        """Prefill <-> decode in place (the worker must be idle); `info` in the new role."""
+        return {**self.worker.change_role(Role(role)),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def wait_stopped(self) -> None:
         """Returns when the worker shuts down; raises (ActorDiedError) if it dies first."""
@@ -387,11 +395,13 @@ class ClusterBackend(Backend):
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:
         """Add workers (returns once they are ready) or drain and remove some.
 
-        A rebalance (one pool grows as the other shrinks) makes before it breaks: the new
-        workers start, and only once they are ready do the old ones drain, so the cluster
-        never serves with fewer workers than before or after. When the cluster has no room
-        for the new workers beside the old (Ray's available CPUs and GPUs), the old ones
-        drain first to free theirs.
+        A rebalance (one pool grows as the other shrinks) moves workers between the pools
+        in place: each drains, then changes its role, keeping its process, model and KV
+        pool, so no worker starts and no resources are needed beside the old. What is left
+        to add or remove after that (and any worker that could not change) makes before it
+        breaks: the new workers start, and only once they are ready do the old ones drain;
+        when the cluster has no room for the new workers beside the old (Ray's available
+        CPUs and GPUs), the old ones drain first to free theirs.
         """
         if self.config.mode == "colocated" and num_prefill:
             raise ValueError("prefill: a colocated cluster has no prefill pool")
@@ -403,6 +413,7 @@ class ClusterBackend(Backend):
         change = {role: target - len(self._active(role))
                   for role, target in ((Role.PREFILL, num_prefill), (decode_role, num_decode))
                   if target is not None}
+        await self._move(change)
         if self._has_room(sum(n for n in change.values() if n > 0)):
             await self._grow(change)
             self._shrink(change)
@@ -410,6 +421,45 @@ class ClusterBackend(Backend):
             self._shrink(change)
             await self._grow(change)
         return await self.status()
+
+    async def _move(self, change: dict[Role, int]) -> None:
+        """Turn workers of the shrinking pool into workers of the growing one, in place;
+        `change` keeps what is left to start or stop."""
+        if len(change) != 2 or Role.MIXED in change:
+            return
+        (role, n), (other, m) = change.items()
+        if n * m >= 0:
+            return
+        source, target = (role, other) if n < 0 else (other, role)
+        chosen = self._least_busy(source, min(abs(n), abs(m)))
+        moved = await asyncio.gather(*(self._change_role(handle, target) for handle in chosen))
+        change[source] += len(chosen)  # each left the pool: moved, or stopped if it failed
+        change[target] -= sum(moved)
+
+    async def _change_role(self, handle: _Handle, role: Role) -> bool:
+        """Drain the worker, then change its role; False (and the worker stopped) if it
+        could not."""
+        handle.state = "draining"
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(handle.idle.wait(), self.config.drain_timeout_s)
+        self._evacuate(handle)
+        self._prefix.forget(handle.worker_id)
+        try:
+            info = await asyncio.wait_for(handle.actor.change_role.remote(str(role)),
+                                          CHANGE_ROLE_TIMEOUT_S)
+        except Exception as e:
+            log.warning("worker %s could not become %s (%s); stopping it", handle.worker_id,
+                        role, e)
+            await self._stop_worker(handle)
+            return False
+        handle.role, handle.info, handle.state = role, info, "ready"
+        log.info("worker %s is now %s", handle.worker_id, role)
+        self._worker_ready.set()
+        self._worker_ready = asyncio.Event()
+        return True
+
+    def _least_busy(self, role: Role, n: int) -> list[_Handle]:
+        return sorted(self._active(role), key=lambda h: len(h.in_flight))[:n]
 
     def _active(self, role: Role) -> list[_Handle]:
         return [h for h in self.workers.values() if h.role == role and h.state == "ready"]
@@ -428,7 +478,7 @@ class ClusterBackend(Backend):
         """Drain the least busy workers of each pool that shrinks."""
         for role, n in change.items():
             if n < 0:
-                for handle in sorted(self._active(role), key=lambda h: len(h.in_flight))[:-n]:
+                for handle in self._least_busy(role, -n):
                     handle.state = "draining"
                     self._spawn(self._drain(handle))
 
@@ -514,8 +564,9 @@ class ClusterBackend(Backend):
     def _start_prefill(self, stream: _Stream, prefill_id: str, decode: _Handle,
                        reply: Reserved, prompt: list[int], params: dict[str, Any]) -> None:
         prefill = self.workers.get(prefill_id)
-        if prefill is None or prefill.state == "dead":
-            # Gone between placement and reservation: the decode worker prefills instead.
+        if prefill is None or prefill.state != "ready" or prefill.role != Role.PREFILL:
+            # Gone, draining or changing its role since the placement: the decode worker
+            # prefills instead.
             self._send_nowait(decode, Abort(request_id=stream.attempt_id))
             self._spawn(self._migrate(stream, "its prefill worker went away", count=False))
             return

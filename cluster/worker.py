@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import msgspec
@@ -113,14 +113,16 @@ class Worker:
         self._stop = threading.Event()
         self.loop.start()
         self._threads = [threading.Thread(target=target, daemon=True, name=target.__name__)
-                         for target in (self._read_commands, self._pump_events, self._tick_stats)]
+                         for target in (self._read_commands, self._tick_stats)]
         for thread in self._threads:
             thread.start()
+        self._start_pump()
 
     def _build_engine(self) -> LLMEngine:
         spec = self.spec
+        # Prefill workers' pools are shared too, so either role can later receive over shm.
         self.shm_pool = SharedKVPool(f"pdcluster-{spec.worker_id}") \
-            if spec.role == Role.DECODE and "shm" in spec.transports else None
+            if spec.role != Role.MIXED and "shm" in spec.transports else None
         return LLMEngine(
             spec.model, spec.dtype,
             cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
@@ -193,14 +195,68 @@ class Worker:
     def _fail(self, request_id: str, error: str) -> None:
         self.send([Failed(worker_id=self.spec.worker_id, request_id=request_id, error=error)])
 
-    def _pump_events(self) -> None:
-        endpoint = self.role.endpoint
-        if endpoint is None:
+    def _start_pump(self) -> None:
+        """Hand the role's transfer events to the engine thread, until the role changes."""
+        role = self.role
+        if role.endpoint is None:
             return
-        while not self._stop.is_set():
-            events = endpoint.wait_events(timeout_s=0.2)
+        thread = threading.Thread(target=self._pump_events, args=(role,), daemon=True,
+                                  name="_pump_events")
+        self._threads.append(thread)
+        thread.start()
+
+    def _pump_events(self, role: WorkerRole) -> None:
+        while not self._stop.is_set() and self.role is role:
+            events = role.endpoint.wait_events(timeout_s=0.2)
             if events:
-                self.loop.submit(lambda e, ev=events: self.send(self.role.on_events(e, ev)))
+                self.loop.submit(lambda e, ev=events: self.send(role.on_events(e, ev)))
+
+    def change_role(self, role: Role, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Become a prefill or a decode worker in place, keeping the process, the model and
+        the KV pool (and what its prefix cache holds): a rebalance without a cold start.
+
+        The router drains the worker first; what its engine still holds then (an abort on
+        its way, a shipped prompt's KV about to be released) may take `timeout_s` to end.
+        The old KV endpoint closes, so peers connected to it see it leave.
+
+        Returns:
+            `info()` in the new role.
+
+        Raises:
+            ValueError: a colocated worker or role, or requests still in the engine after
+                `timeout_s`.
+        """
+        role = Role(role)
+        if Role.MIXED in (role, self.spec.role):
+            raise ValueError("only a prefill and a decode worker can trade roles")
+
+        def switch(engine: LLMEngine) -> bool:
+            try:
+                engine.set_role(str(role))
+            except ValueError:
+                return False  # it still holds requests
+            old_spec, old = self.spec, self.role
+            self.spec = replace(old_spec, role=role)
+            try:
+                self.role = self._build_role()
+            except Exception:
+                self.spec = old_spec
+                engine.set_role(str(old_spec.role))
+                raise
+            self.loop.layer_hook = self.role.layer_hook
+            if old.endpoint is not None:
+                old.endpoint.close()
+            return True
+        if role == self.spec.role:
+            return self.info()
+        deadline = time.monotonic() + timeout_s
+        while not self.loop.call(switch):
+            if time.monotonic() > deadline:
+                raise ValueError(f"still holds requests after {timeout_s:g}s; not changed")
+            time.sleep(0.05)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._start_pump()
+        return self.info()
 
     # ---- control ----
 

@@ -29,14 +29,15 @@ class EngineLoop:
     Args:
         engine: the engine; only the loop thread touches it once started.
         on_outputs: receives every step's outputs (one call per step), on the loop thread.
-        layer_hook: passed to every `engine.step` (KV streaming in the prefill role).
+        layer_hook: passed to every `engine.step` (KV streaming in the prefill role); a
+            role change replaces it on the loop thread.
     """
 
     def __init__(self, engine: LLMEngine, on_outputs: OutputSink,
                  layer_hook: StepLayerHook | None = None) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
-        self._layer_hook = layer_hook
+        self.layer_hook = layer_hook
         self._commands: queue.SimpleQueue[tuple[Command, Future | None]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -81,7 +82,7 @@ class EngineLoop:
                 continue
             start = time.perf_counter()
             try:
-                outputs = self.engine.step(self._layer_hook)
+                outputs = self.engine.step(self.layer_hook)
             except EngineStepError as e:
                 log.exception("engine step failed; its requests end with error")
                 outputs = e.outputs

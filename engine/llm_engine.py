@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from threadpoolctl import threadpool_limits
@@ -262,6 +262,22 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Free a prefilled request's blocks once its KV has been shipped."""
         self.abort_request(request_id, "stop")
+
+    def set_role(self, role: str) -> None:
+        """Schedule as `role` (`prefill`, `decode` or `mixed`) from now on.
+
+        The KV pool and its prefix cache stay; only the scheduler's policy changes, so the
+        engine must hold no request.
+
+        Raises:
+            ValueError: requests are still running, waiting or parked, or an unknown role.
+        """
+        scheduler = self.scheduler
+        if scheduler.running or scheduler.waiting or scheduler.parked:
+            raise ValueError(f"cannot change role with requests in the engine "
+                             f"({len(scheduler.running)} running, {len(scheduler.waiting)} "
+                             f"waiting, {len(scheduler.parked)} parked)")
+        self.scheduler_config = scheduler.config = replace(self.scheduler_config, role=role)
 
     def stats(self) -> dict[str, float]:
         """Load and memory figures for placement and metrics."""

@@ -7,7 +7,13 @@ import asyncio
 import pytest
 
 from engine import SamplingParams
-from tests.integration.conftest import collect, random_prompts, start_cluster, wait_pools_free
+from tests.integration.conftest import (
+    collect,
+    expected_tokens,
+    random_prompts,
+    start_cluster,
+    wait_pools_free,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -117,16 +123,31 @@ def test_scale_up_and_down_under_load_loses_nothing(disagg, loop_thread, referen
     wait_pools_free(loop_thread, disagg)
 
 
-def test_a_rebalance_starts_the_new_workers_before_it_drains_the_old(disagg, loop_thread,
-                                                                    reference):
-    """1P+1D -> 0P+2D -> 1P+1D under load: at no moment does the cluster serve with one
-    worker (the drained pool's worker goes only once its replacement is ready), and every
-    stream finishes with the engine's tokens."""
-    prompts = random_prompts(8, seed=6, low=20, high=200)
+def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, reference):
+    """1P+1D -> 0P+2D -> 1P+1D under load: the same two processes serve throughout (each
+    move drains a worker that holds requests, then changes its role; nothing starts), a
+    decode worker is always ready, every stream finishes with the engine's tokens, and the
+    swapped roles work: prompts prefilled remotely after the moves land exactly."""
+    first = random_prompts(8, seed=6, low=40, high=200)
+    second = random_prompts(8, seed=26, low=40, high=200)
+    after = random_prompts(4, seed=16, low=40, high=200)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
     def ready(role):
         return sum(1 for h in disagg.workers.values() if h.role == role and h.state == "ready")
+
+    def processes():
+        return {h.worker_id: (h.info["pid"], str(h.role)) for h in disagg.workers.values()}
+
+    def busy(role):  # requests held by the least busy worker of the pool
+        return min(len(h.in_flight) for h in disagg.workers.values() if h.role == role)
+
+    async def until_busy(role):
+        while busy(role) == 0:
+            await asyncio.sleep(0.001)
+        return busy(role)
+
+    before = processes()
 
     async def go():
         seen = []
@@ -137,22 +158,30 @@ def test_a_rebalance_starts_the_new_workers_before_it_drains_the_old(disagg, loo
                 await asyncio.sleep(0.001)
         watcher = asyncio.ensure_future(watch())
         jobs = [asyncio.ensure_future(collect(disagg, f"rb{i}", p, params))
-                for i, p in enumerate(prompts)]
+                for i, p in enumerate(first)]
+        held = [await until_busy("prefill")]
         await disagg.scale(num_prefill=0, num_decode=2)
-        got = await asyncio.gather(*jobs)
+        both_decode = processes()
+        jobs += [asyncio.ensure_future(collect(disagg, f"rc{i}", p, params))
+                 for i, p in enumerate(second)]
+        held.append(await until_busy("decode"))
         await disagg.scale(num_prefill=1, num_decode=1)
-        while any(h.state == "draining" for h in disagg.workers.values()):
-            await asyncio.sleep(0.05)
         watcher.cancel()
-        return seen, got
-    seen, got = loop_thread.run(go())
+        got = await asyncio.gather(*jobs)
+        swapped = await asyncio.gather(*(collect(disagg, f"ra{i}", p, params)
+                                         for i, p in enumerate(after)))
+        return seen, held, got, both_decode, swapped
+    seen, held, got, both_decode, swapped = loop_thread.run(go())
+    assert all(n >= 1 for n in held)  # each moved worker held requests when its move began
+    assert {pid for pid, _ in both_decode.values()} == {pid for pid, _ in before.values()}
+    assert sorted(role for _, role in both_decode.values()) == ["decode", "decode"]
+    assert sorted(role for _, role in processes().values()) == ["decode", "prefill"]
+    assert {pid for pid, _ in processes().values()} == {pid for pid, _ in before.values()}
     assert seen[0] == (1, 1) and (0, 2) in seen
-    # (The moment both splits' workers are ready passes within one event-loop turn: the
-    # old worker is drained as soon as the new one's start returns.)
-    assert all(prefill + decode >= 2 for prefill, decode in seen)
-    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
-    assert [tokens for tokens, _ in got] == expected
-    assert seen[-1] == (1, 1)
+    assert all(decode >= 1 for _, decode in seen)
+    assert [tokens for tokens, _ in got] == expected_tokens(reference, first + second, params)
+    assert [tokens for tokens, _ in swapped] == expected_tokens(reference, after, params)
+    assert all("transfer" in last.timings for _, last in swapped)  # prefilled remotely
     wait_pools_free(loop_thread, disagg)
 
 
