@@ -7,7 +7,7 @@ bounds, and decides:
 
 - **scale up or rebalance** at once when the current split is predicted to miss the SLO
   at the observed rate: to the cheapest split that meets it (or, if none does, the one
-  with the best predicted attainment); a split of the same size (a rebalance restarts
+  with the best predicted attainment); a split of the same size (a rebalance drains
   workers) only if it meets the SLO with `headroom` too, or, when none meets, is predicted
   `REBALANCE_MARGIN` better, so two splits near the boundary do not swap back and forth;
 - **scale down** only when a cheaper split meets the SLO at the observed rate times
@@ -278,7 +278,7 @@ class Autoscaler:
 
 
 # A move between splits of the same size (a rebalance) when none meets the SLO needs the
-# new split predicted this much better in attainment: it restarts workers, and two splits
+# new split predicted this much better in attainment: it drains workers, and two splits
 # near the boundary would otherwise swap on every noisy rate estimate.
 REBALANCE_MARGIN = 0.1
 

@@ -150,3 +150,31 @@ def test_a_migrated_request_continues_where_it_stopped():
             assert_pool_free(engine)
     with pytest.raises(ValueError, match="already reach max_tokens"):
         _engine("mixed", 64).add_request("a", prompt, PARAMS, output_token_ids=[1] * 12)
+
+
+def test_an_engine_changes_role_only_when_empty_and_keeps_its_prefix_cache():
+    """Decode -> prefill -> decode on one engine (what a worker's role change does): with a
+    request inside it refuses; as prefill it parks a prompt's KV until released; back as
+    decode, the same prompt hits the blocks the prefill role cached and decodes the
+    transformers tokens."""
+    engine = _engine("decode", 48)
+    engine.add_request("busy", list(range(300, 310)), PARAMS)
+    with pytest.raises(ValueError, match=r"\(0 running, 1 waiting, 0 parked\)"):
+        engine.set_role("prefill")
+    _run_until_idle(engine)
+    engine.set_role("prefill")
+    prompt = list(range(400, 420))
+    engine.add_request("p", prompt, PARAMS)
+    _run_until_idle(engine)
+    assert list(engine.scheduler.parked) == ["p"]  # kept until shipped
+    with pytest.raises(ValueError, match="1 parked"):
+        engine.set_role("decode")
+    engine.release("p")
+    engine.set_role("decode")
+    engine.add_request("d", prompt, PARAMS)
+    tokens = {"d": engine.step()[0].new_token_ids}
+    assert engine.requests["d"].num_cached_tokens == 16  # four full blocks of the prompt
+    for rid, new in _run_until_idle(engine).items():
+        tokens[rid].extend(new)
+    assert tokens["d"] == hf_greedy("tiny", prompt, PARAMS.max_tokens)
+    assert_pool_free(engine)
