@@ -1,4 +1,4 @@
-"""A worker process: one engine in one role, its KV endpoint, and its ZMQ data plane.
+"""A worker process: one engine in one role at a time, its KV endpoint, and its ZMQ data plane.
 
 Ray owns the process (`WorkerActor`); requests and token streams never go through Ray:
 the router PUSHes `protocol` commands to the worker's PULL socket, and the worker PUSHes
