@@ -154,8 +154,8 @@ class WorkerActor:
 
     def change_role(self, role: str) -> dict[str, Any]:
         """Prefill <-> decode in place (the worker must be idle); `info` in the new role."""
-        return {**self.worker.change_role(Role(role)),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        self.worker.change_role(Role(role))
+        return self.info()
 
     def wait_stopped(self) -> None:
         """Returns when the worker shuts down; raises (ActorDiedError) if it dies first."""
@@ -439,10 +439,7 @@ class ClusterBackend(Backend):
     async def _change_role(self, handle: _Handle, role: Role) -> bool:
         """Drain the worker, then change its role; False (and the worker stopped) if it
         could not."""
-        handle.state = "draining"
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(handle.idle.wait(), self.config.drain_timeout_s)
-        self._evacuate(handle)
+        await self._empty(handle)
         self._prefix.forget(handle.worker_id)
         try:
             info = await asyncio.wait_for(handle.actor.change_role.remote(str(role)),
@@ -483,12 +480,17 @@ class ClusterBackend(Backend):
                     self._spawn(self._drain(handle))
 
     async def _drain(self, handle: _Handle) -> None:
+        """Drain the worker (`_empty`), then stop it."""
+        await self._empty(handle)
+        await self._stop_worker(handle)
+
+    async def _empty(self, handle: _Handle) -> None:
         """Stop placing on the worker; its requests finish (or, after the drain timeout,
-        move to other workers); then stop it."""
+        move to other workers)."""
+        handle.state = "draining"
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(handle.idle.wait(), self.config.drain_timeout_s)
         self._evacuate(handle)
-        await self._stop_worker(handle)
 
     # ---- placement and dispatch ----
 

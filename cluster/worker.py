@@ -211,16 +211,13 @@ class Worker:
             if events:
                 self.loop.submit(lambda e, ev=events: self.send(role.on_events(e, ev)))
 
-    def change_role(self, role: Role, timeout_s: float = 10.0) -> dict[str, Any]:
+    def change_role(self, role: Role, timeout_s: float = 10.0) -> None:
         """Become a prefill or a decode worker in place, keeping the process, the model and
         the KV pool (and what its prefix cache holds): a rebalance without a cold start.
 
         The router drains the worker first; what its engine still holds then (an abort on
         its way, a shipped prompt's KV about to be released) may take `timeout_s` to end.
         The old KV endpoint closes, so peers connected to it see it leave.
-
-        Returns:
-            `info()` in the new role.
 
         Raises:
             ValueError: a colocated worker or role, or requests still in the engine after
@@ -248,7 +245,7 @@ class Worker:
                 old.endpoint.close()
             return True
         if role == self.spec.role:
-            return self.info()
+            return
         deadline = time.monotonic() + timeout_s
         while not self.loop.call(switch):
             if time.monotonic() > deadline:
@@ -256,7 +253,6 @@ class Worker:
             time.sleep(0.05)
         self._threads = [t for t in self._threads if t.is_alive()]
         self._start_pump()
-        return self.info()
 
     # ---- control ----
 
