@@ -15,8 +15,13 @@ prefill worker idles while one decode worker carries every answer, and 0P+2D has
 
 The profile is first scaled to the steps a 1P+1D server runs now (`ServingCalibrator`, as
 the accuracy runs do: the VM drifts, and serving workers step slower than a bare engine)
-and saved; the SLO and both rates come from it before anything runs (`experiment_slo`,
-`choose_rate`). The same trace (same prompts, arrivals and lengths) is then served on
+and saved; the SLO and phase A's rate come from it (`experiment_slo`, `choose_rate`).
+Phase B's rate is measured on the same server (`measure_rate_b`): the first rate, stepping
+up from the middle of the predicted window, at which 1P+1D misses the SLO on a short probe
+of phase B's mix (fresh requests, not the trace's). Twice the predicted rate did not
+separate the splits (one decode worker carried it), and the experiment is about a mix the
+fixed splits serve differently, not about the prediction; the autoscaler still decides
+from its own predictions. The same trace (same prompts, arrivals and lengths) is then served on
 local Ray by each arm, in the order autoscale, 0P+2D, 1P+1D, 0P+2D, autoscale (the
 machine's speed drifts within minutes; in this order every arm's runs have the same mean
 position in time, and each arm's requests are pooled):
@@ -64,11 +69,14 @@ PHASES = {"prefill-heavy": [(DOCUMENT, 0.35), (SHORT_CHAT, 0.65)],
 # Where in the window of rates that separate the splits each phase's rate sits (0 its low
 # end, 1 its high end, geometrically). Phase A's a third of the way in: 0P+2D misses there
 # by 30-60 points (measured) and 1P+1D keeps headroom (at the middle a slower hour
-# overloaded its prefill worker: 84 %). Phase B's in the middle: at its low end (tried
-# first) the splits measured the same (a decode step costs about the same from batch 4 to
-# 24 here, so one decode worker carried the load the simulator, with its narrower spread
-# of per-request TPOT, had it miss).
+# overloaded its prefill worker: 84 %). Phase B's probes start in the middle: at the low
+# end (third run) and the middle (fifth run) the splits measured the same (a decode step
+# costs about the same from batch 4 to 16 here, so one decode worker carried the load the
+# simulator, with its narrower spread of per-request TPOT, had it miss).
 RATE_POSITION = {"prefill-heavy": 0.35, "decode-heavy": 0.5}
+# Phase B's rate probes (`measure_rate_b`): seconds per rate, the step between rates, the
+# attainment below which 1P+1D misses, and at most this many rates.
+_PROBE_S, _PROBE_STEP, _PROBE_MISS, _PROBE_MAX = 45.0, 1.15, 0.85, 8
 # Requests per prediction while choosing the rates: fewer leave a percentile of a few
 # dozen requests, which moves by 10 points between seeds.
 RATE_REQUESTS = 240
@@ -139,13 +147,39 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     return round(float(window[0] ** (1 - position) * window[-1] ** position), 3)
 
 
-def build_trace(profile: Profile, phase_s: float) -> dict[str, Any]:
-    """The SLO, both phases' rates and the whole trace."""
-    slo = experiment_slo(profile)
-    rate_a = choose_rate(profile, slo, "prefill-heavy", SPLITS["1P+1D"], SPLITS["0P+2D"],
-                         RATE_REQUESTS)
-    rate_b = choose_rate(profile, slo, "decode-heavy", SPLITS["0P+2D"], SPLITS["1P+1D"],
-                         RATE_REQUESTS, above=rate_a)
+def measure_rate_b(target: Target, profile: Profile, slo: SloSpec, rate_a: float
+                   ) -> tuple[float, list[dict[str, float]]]:
+    """Phase B's rate, measured on a 1P+1D server: from the middle of the predicted window
+    up by `_PROBE_STEP`, `_PROBE_S` of phase B's mix per rate (its own seed), until 1P+1D's
+    attainment falls below `_PROBE_MISS`. Returns that rate and every probe.
+
+    Measured (SmolLM2, this machine): one decode worker met the SLO at 1.0 req/s (97 %)
+    and missed it at 1.4 (61 %) and 2.0 (5 %); 0P+2D met it at 1.4 (99 %) and missed at 2.0
+    (45 %): two decode workers carry about twice one's rate, so the first rate one misses
+    at is inside the window where the other split meets the SLO.
+    """
+    check = bench_slo(slo)
+    settings = RunSettings(config={"experiment": "autoscale", "arm": "rate probe"})
+    rate = choose_rate(profile, slo, "decode-heavy", SPLITS["0P+2D"], SPLITS["1P+1D"],
+                       RATE_REQUESTS, above=rate_a)
+    probes = []
+    for _ in range(_PROBE_MAX):
+        requests = phase_requests("decode-heavy", int(rate * _PROBE_S), rate, 0.0, 31)
+        sent = [TraceRequest(r.arrival, r.output_len, list(r.prompt_token_ids))
+                for r in requests]
+        report = bench_run(target, sent, ["probe"] * len(sent), label=f"probe {rate:g} req/s",
+                           out=None, settings=settings, slo=check)
+        met = float(np.mean([check.met(r) for r in report_records(report)]))
+        probes.append({"rate": rate, "requests": len(sent), "attainment": met})
+        if met < _PROBE_MISS:
+            return rate, probes
+        rate = round(rate * _PROBE_STEP, 3)
+    raise RuntimeError(f"1P+1D met the SLO on phase B's mix up to {rate:g} req/s: {probes}")
+
+
+def build_trace(profile: Profile, phase_s: float, slo: SloSpec, rate_a: float, rate_b: float
+                ) -> dict[str, Any]:
+    """The whole trace at the phases' rates."""
     first = phase_requests("prefill-heavy", max(int(rate_a * phase_s), 1), rate_a, 0.0, 21)
     first = [r for r in first if r.arrival < phase_s]
     second = phase_requests("decode-heavy", max(int(rate_b * phase_s), 1), rate_b, phase_s, 22)
@@ -221,14 +255,24 @@ def warm_up(target: Target, settings: RunSettings, profile: Profile) -> None:
               settings=settings, max_concurrency=1)
 
 
-def calibrate(profile: Profile, flags: list[str], out: Path) -> tuple[Profile, dict[str, Any]]:
-    """The profile scaled to the steps a 1P+1D server runs now (`ServingCalibrator`)."""
+def calibrate(profile: Profile, flags: list[str], phase_s: float, out: Path
+              ) -> tuple[Profile, dict[str, Any], dict[str, Any]]:
+    """On one 1P+1D server: the profile scaled to the steps it runs now
+    (`ServingCalibrator`), the SLO and phase A's rate from that profile, phase B's rate
+    measured (`measure_rate_b`). Returns the profile, the calibration with the rate
+    probes, and the trace."""
     with pdcluster_serve("smollm2", [*flags, "--prefill", "1", "--decode", "1"],
                          out / "calibration" / "serve.log") as endpoints:
         target = Target("grpc", endpoints.grpc, endpoints.grpc)
         warm_up(target, RunSettings(config={"experiment": "autoscale", "arm": "calibration"}),
                 profile)
-        return ServingCalibrator(profile, shape(SPLITS["1P+1D"]), target)()
+        scaled, calibration = ServingCalibrator(profile, shape(SPLITS["1P+1D"]), target)()
+        slo = experiment_slo(scaled)
+        rate_a = choose_rate(scaled, slo, "prefill-heavy", SPLITS["1P+1D"], SPLITS["0P+2D"],
+                             RATE_REQUESTS)
+        rate_b, probes = measure_rate_b(target, scaled, slo, rate_a)
+    calibration["rate_probes"] = probes
+    return scaled, calibration, build_trace(scaled, phase_s, slo, rate_a, rate_b)
 
 
 def attainment(reports: list[dict[str, Any]], slo: SloSpec, phases: list[str]
@@ -312,11 +356,11 @@ def main(argv: list[str] | None = None) -> int:
               "--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD),
               "--kv-cache-gb", f"{measured.kv_cache_gb:g}", "--transport", measured.transport]
     args.out.mkdir(parents=True, exist_ok=True)
-    profile, calibration = calibrate(measured, common, args.out)  # the machine's speed now
+    # The machine's speed now, and the rates.
+    profile, calibration, trace = calibrate(measured, common, args.phase_s, args.out)
     profile_path = args.out / "profile-calibrated.json"
     profile.save(profile_path)
     print(f"calibration {calibration}", flush=True)
-    trace = build_trace(profile, args.phase_s)
     slo = trace["slo"]
     print(f"SLO {slo.bounds} (attainment {slo.attainment}); rates {trace['rates']}; "
           f"{len(trace['requests'])} requests", flush=True)

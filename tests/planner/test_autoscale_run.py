@@ -1,10 +1,19 @@
-"""The autoscaling experiment's trace: its rates separate the two fixed splits as claimed."""
+"""The autoscaling experiment's trace: its predicted rates separate the two fixed splits as
+claimed (phase A's rate, and where phase B's measured rate starts its probes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from planner.autoscale_run import RATE_REQUESTS, SPLITS, build_trace, phase_requests, shape
+from planner.autoscale_run import (
+    RATE_REQUESTS,
+    SPLITS,
+    build_trace,
+    choose_rate,
+    experiment_slo,
+    phase_requests,
+    shape,
+)
 from planner.plan import PlanRequest, meets, predict
 from planner.profile import Profile
 
@@ -13,14 +22,17 @@ PROFILE = Path(__file__).parents[2] / "bench" / "results" / "planner" / "smollm2
 
 def test_the_phases_rates_favour_opposite_splits() -> None:
     """Phase A's rate: 1P+1D is predicted to meet the SLO and 0P+2D to miss it; phase B's
-    (higher) rate: the reverse. The trace holds phase A's requests, then phase B's."""
+    first probe (higher): the reverse. The trace holds phase A's requests, then phase B's."""
     profile = Profile.load(PROFILE)
     one, none = SPLITS["1P+1D"], SPLITS["0P+2D"]
+    slo = experiment_slo(profile)
 
-    trace = build_trace(profile, phase_s=60)
+    rate_a = choose_rate(profile, slo, "prefill-heavy", one, none, RATE_REQUESTS)
+    rate_b = choose_rate(profile, slo, "decode-heavy", none, one, RATE_REQUESTS, above=rate_a)
+    trace = build_trace(profile, 60, slo, rate_a, rate_b)
 
-    slo, rates = trace["slo"], trace["rates"]
-    assert rates["decode-heavy"] > rates["prefill-heavy"]
+    rates = trace["rates"]
+    assert rates == {"prefill-heavy": rate_a, "decode-heavy": rate_b} and rate_b > rate_a
     for name, good, bad in (("prefill-heavy", one, none), ("decode-heavy", none, one)):
         requests = phase_requests(name, RATE_REQUESTS, rates[name], 0.0, 5)
         request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
