@@ -1,7 +1,8 @@
 """The autoscaling experiment: a mix that shifts from prefill-heavy to decode-heavy while its
 rate steps up, served by the SLO autoscaler and by every fixed split of its size.
 
-    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 150]
+    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 150] [--arms ...]
+    python -m planner.autoscale_run --profile P.json --out DIR --more --arms ...
 
 Phase A sends documents to summarise (768-1280 prompt tokens, above the local-prefill
 threshold, so a prefill worker computes them when there is one; 4-8 output tokens) among
@@ -177,8 +178,7 @@ def measure_rate_b(target: Target, profile: Profile, slo: SloSpec, rate_a: float
     raise RuntimeError(f"1P+1D met the SLO on phase B's mix up to {rate:g} req/s: {probes}")
 
 
-def build_trace(profile: Profile, phase_s: float, slo: SloSpec, rate_a: float, rate_b: float
-                ) -> dict[str, Any]:
+def build_trace(phase_s: float, slo: SloSpec, rate_a: float, rate_b: float) -> dict[str, Any]:
     """The whole trace at the phases' rates."""
     first = phase_requests("prefill-heavy", max(int(rate_a * phase_s), 1), rate_a, 0.0, 21)
     first = [r for r in first if r.arrival < phase_s]
@@ -272,7 +272,7 @@ def calibrate(profile: Profile, flags: list[str], phase_s: float, out: Path
                              RATE_REQUESTS)
         rate_b, probes = measure_rate_b(target, scaled, slo, rate_a)
     calibration["rate_probes"] = probes
-    return scaled, calibration, build_trace(scaled, phase_s, slo, rate_a, rate_b)
+    return scaled, calibration, build_trace(phase_s, slo, rate_a, rate_b)
 
 
 def attainment(reports: list[dict[str, Any]], slo: SloSpec, phases: list[str]
@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phase-s", type=float, default=150.0, help="seconds per phase")
+    parser.add_argument("--more", action="store_true",
+                        help="serve more arms on the trace of the run already in --out (its "
+                             "calibrated profile, SLO and rates; no new calibration) and pool "
+                             "them with its runs")
     parser.add_argument("--arms", default="autoscale,0P+2D,1P+1D,0P+2D,autoscale",
                         help="the order the arms are served in; an arm named twice is served "
                              "twice and its requests pooled (in the default order every arm's "
@@ -356,11 +360,23 @@ def main(argv: list[str] | None = None) -> int:
               "--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD),
               "--kv-cache-gb", f"{measured.kv_cache_gb:g}", "--transport", measured.transport]
     args.out.mkdir(parents=True, exist_ok=True)
-    # The machine's speed now, and the rates.
-    profile, calibration, trace = calibrate(measured, common, args.phase_s, args.out)
     profile_path = args.out / "profile-calibrated.json"
-    profile.save(profile_path)
-    print(f"calibration {calibration}", flush=True)
+    order: list[str] = []
+    runs: dict[str, list[dict[str, Any]]] = {}
+    if args.more:
+        before = json.loads((args.out / "summary.json").read_text())
+        profile, calibration = Profile.load(profile_path), before["calibration"]
+        args.phase_s, order = before["phase_s"], before["order"]
+        trace = build_trace(args.phase_s, SloSpec(**before["slo"]),
+                            before["rates"]["prefill-heavy"], before["rates"]["decode-heavy"])
+        for index, name in enumerate(order):
+            run = before["arms"][name]["runs"][sum(n == name for n in order[:index])]
+            report = json.loads((args.out / f"run{index}" / name / "report.json").read_text())
+            runs.setdefault(name, []).append({**run, "report": report})
+    else:  # the machine's speed now, and the rates
+        profile, calibration, trace = calibrate(measured, common, args.phase_s, args.out)
+        profile.save(profile_path)
+        print(f"calibration {calibration}", flush=True)
     slo = trace["slo"]
     print(f"SLO {slo.bounds} (attainment {slo.attainment}); rates {trace['rates']}; "
           f"{len(trace['requests'])} requests", flush=True)
@@ -372,8 +388,7 @@ def main(argv: list[str] | None = None) -> int:
              for name, (p, d) in SPLITS.items()}
     # The policy's own cost: it decides every interval, but its bounds leave only 1P+1D.
     arms["1P+1D-pinned"] = [*arms["autoscale"], "--min-prefill", "1"]
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for index, name in enumerate(args.arms.split(",")):
+    for index, name in enumerate(args.arms.split(","), start=len(order)):
         result = run_arm(name, arms[name], trace, profile, args.out / f"run{index}")
         result["attainment"] = attainment([result["report"]], slo, trace["phases"])
         runs.setdefault(name, []).append(result)
@@ -387,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(["arm", "runs", "all", *PHASES, "each run"], rows)
     print(table)
     summary = {"slo": asdict(slo), "rates": trace["rates"], "phase_s": args.phase_s,
-               "calibration": calibration, "order": args.arms.split(","),
+               "calibration": calibration, "order": order + args.arms.split(","),
                "num_requests": len(trace["requests"]),
                "arms": {name: {"attainment": r["attainment"],
                                "runs": [{"attainment": x["attainment"],

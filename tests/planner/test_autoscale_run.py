@@ -29,7 +29,7 @@ def test_the_phases_rates_favour_opposite_splits() -> None:
 
     rate_a = choose_rate(profile, slo, "prefill-heavy", one, none, RATE_REQUESTS)
     rate_b = choose_rate(profile, slo, "decode-heavy", none, one, RATE_REQUESTS, above=rate_a)
-    trace = build_trace(profile, 60, slo, rate_a, rate_b)
+    trace = build_trace(60, slo, rate_a, rate_b)
 
     rates = trace["rates"]
     assert rates == {"prefill-heavy": rate_a, "decode-heavy": rate_b} and rate_b > rate_a
