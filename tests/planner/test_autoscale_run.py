@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from planner.autoscale_run import (
     RATE_REQUESTS,
     SPLITS,
     build_trace,
     choose_rate,
     experiment_slo,
+    first_miss,
     phase_requests,
     shape,
 )
@@ -44,3 +47,24 @@ def test_the_phases_rates_favour_opposite_splits() -> None:
     assert phases == sorted(phases, key=lambda p: p != "prefill-heavy")
     assert all((r.arrival < 60) == (p == "prefill-heavy")
                for r, p in zip(trace["requests"], phases, strict=True))
+
+
+@pytest.mark.parametrize("start", [0.5, 1.0, 2.0])
+def test_phase_bs_probes_find_the_lowest_rate_that_misses(start: float) -> None:
+    """Up from a start that meets, down from one that misses: the lowest probed rate whose
+    attainment is below the bound, with the next lower probed rate meeting it."""
+    def probe(rate: float) -> float:
+        return 0.95 if rate < 1.2 else 0.6
+
+    rate, probes = first_miss(start, probe)
+
+    rates = [p["rate"] for p in probes]
+    assert rate >= 1.2 and rate / 1.15 < 1.2 + 1e-3
+    assert max(r for r in rates if r < 1.2) == pytest.approx(rate / 1.15, rel=1e-2)
+    assert all(p["attainment"] == probe(p["rate"]) for p in probes)
+    assert rates == sorted(rates) if start < 1.2 else rates == sorted(rates, reverse=True)
+
+
+def test_phase_bs_probes_fail_clearly_without_a_turn() -> None:
+    with pytest.raises(RuntimeError, match="no rate where 1P\\+1D turns"):
+        first_miss(1.0, lambda rate: 1.0)
