@@ -154,7 +154,7 @@ def measure_rate_b(target: Target, profile: Profile, slo: SloSpec, rate_a: float
                    ) -> tuple[float, list[dict[str, float]]]:
     """Phase B's rate, measured on a 1P+1D server: `_PROBE_S` of phase B's mix per rate
     (its own seed), from the middle of the predicted window (`first_miss`); phase B's
-    rate is the lowest rate at which 1P+1D attains below `_PROBE_MISS` times `_BEYOND`.
+    rate is `_BEYOND` times the lowest rate at which 1P+1D attains below `_PROBE_MISS`.
     Returns the rate and every probe.
 
     Measured (SmolLM2, this machine, one afternoon): one decode worker met the SLO at
