@@ -53,13 +53,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.experiments import report_records
 from bench.runner import RunSettings, Target, bench_run, markdown_table, pdcluster_serve
-from bench.traces import TraceRequest, arrival_times
+from bench.traces import arrival_times
 from cluster.autoscaler import serving
 from planner.accuracy import ServingCalibrator, random_request
 from planner.plan import PlanRequest, SloSpec, meets, predict
 from planner.profile import Profile
 from planner.simulator import ClusterShape, SimRequest
-from planner.validate import bench_slo, warmup_requests
+from planner.validate import bench_slo, trace_requests, warmup_requests
 
 # Request kinds: (prompt tokens, output tokens), inclusive ranges.
 DOCUMENT = ((768, 1280), (4, 8))
@@ -168,9 +168,8 @@ def measure_rate_b(target: Target, profile: Profile, slo: SloSpec, rate_a: float
     settings = RunSettings(config={"experiment": "autoscale", "arm": "rate probe"})
 
     def probe(rate: float) -> float:
-        requests = phase_requests("decode-heavy", int(rate * _PROBE_S), rate, 0.0, 31)
-        sent = [TraceRequest(r.arrival, r.output_len, list(r.prompt_token_ids))
-                for r in requests]
+        sent = trace_requests(phase_requests("decode-heavy", int(rate * _PROBE_S), rate, 0.0,
+                                             31))
         report = bench_run(target, sent, ["probe"] * len(sent), label=f"probe {rate:g} req/s",
                            out=None, settings=settings, slo=check)
         return float(np.mean([check.met(r) for r in report_records(report)]))
@@ -267,7 +266,7 @@ def run_arm(name: str, flags: list[str], trace: dict[str, Any], profile: Profile
             ) -> dict[str, Any]:
     """Serve one arm, replay the trace, return its report and timeline."""
     slo, requests = trace["slo"], trace["requests"]
-    sent = [TraceRequest(r.arrival, r.output_len, list(r.prompt_token_ids)) for r in requests]
+    sent = trace_requests(requests)
     settings = RunSettings(config={"experiment": "autoscale", "arm": name})
     with pdcluster_serve("smollm2", flags, out / name / "serve.log") as endpoints:
         target = Target("grpc", endpoints.grpc, endpoints.grpc)
