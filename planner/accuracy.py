@@ -1,7 +1,7 @@
 """How close the planner's predictions land: predicted vs measured per config, workload, load.
 
     python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR \
-        [--calibrate engine|serving]
+        [--calibrate engine|serving] [--pilot-requests N]
     python -m planner.accuracy table --out DIR
 
 `run` serves one configuration (`1P+1D`: disaggregated; `2C`: colocated) once and replays
@@ -17,7 +17,8 @@ predicted unloaded p50 TTFT and TPOT (TTFT p90 and TPOT p90 bounds, attainment 0
 load levels are 50 % and 80 % of the configuration's predicted maximum rate under that SLO.
 Each point is predicted, and written, just before its trace is replayed (with
 `--calibrate`, from the profile scaled to probe steps timed right then: `Calibrator` on a
-bare engine, `ServingCalibrator` on the serving workers);
+bare engine, `ServingCalibrator` on the serving workers, which also pools the steps of
+the workload's last replay, or of a pilot replay before its first point);
 nothing measured from a point's own trace feeds its prediction. After the replay each
 point is also predicted from the machine's speed *during* it (`predict_during`: not a
 forecast, the simulator's error apart from the machine's drift). `table` prints the
@@ -59,6 +60,7 @@ WORKLOADS = {"prefill-heavy": ((80, 160), (8, 16)), "decode-heavy": ((16, 48), (
 # Prompts of the prefill-heavy workload are all above it, the decode-heavy ones all below.
 LOCAL_PREFILL_THRESHOLD = 64
 LEVELS = (0.5, 0.8)
+_PILOT_SEED = 50  # a pilot trace's seed, past the workload's own seed and its points'
 _LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 
 
@@ -134,7 +136,7 @@ def predict_point(profile: Profile, shape: ClusterShape, name: str, level: float
             "slo": slo.bounds, "predicted": predicted}, requests
 
 
-Calibrate = Callable[[], tuple[Profile, dict[str, Any]]]
+Calibrate = Callable[[str], tuple[Profile, dict[str, Any]]]  # given the workload due
 
 
 def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
@@ -144,17 +146,18 @@ def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
     """Every (workload, level) point with its trace, each predicted only when it is taken
     from the iterator, that is just before it is replayed.
 
-    With `calibrate` (a `Calibrator`), each point is predicted from the profile as
-    calibrated at that moment, so its SLO, its maximum rate and hence its offered rate
-    (a fraction of that maximum) follow the machine's speed then: the two levels of a
-    workload can get rates that are not exactly 50:80. Its calibration record is the
-    point's `calibration`. Nothing measured while serving feeds a prediction.
+    With `calibrate` (a `Calibrator` or `ServingCalibrator`, given the point's workload),
+    each point is predicted from the profile as calibrated at that moment, so its SLO,
+    its maximum rate and hence its offered rate (a fraction of that maximum) follow the
+    machine's speed then: the two levels of a workload can get rates that are not
+    exactly 50:80. Its calibration record is the point's `calibration`. Nothing measured
+    from a point's own replay feeds its prediction.
     """
     for w_index, name in enumerate(WORKLOADS):
         if name not in workloads:
             continue
         for level in LEVELS:
-            scaled, calibration = calibrate() if calibrate else (profile, None)
+            scaled, calibration = calibrate(name) if calibrate else (profile, None)
             point, requests = predict_point(scaled, shape, name, level, num, seed + 100 * w_index)
             yield {**point, "calibration": calibration}, requests
 
@@ -196,8 +199,9 @@ class Calibrator:
                 "prefill": prefill_samples(self._sampler, [(PROBE_PREFILL, 0, 1)],
                                            _PROBE_PREFILL_REPEATS, _no_progress)}
 
-    def __call__(self) -> tuple[Profile, dict[str, Any]]:
-        """The profile scaled to probes timed now, and the calibration record."""
+    def __call__(self, workload: str | None = None) -> tuple[Profile, dict[str, Any]]:
+        """The profile scaled to probes timed now, and the calibration record (the
+        workload is not used: the probes are the same for every one)."""
         return scale_to_probes(self.profile, self.probe())
 
 
@@ -206,6 +210,10 @@ class Calibrator:
 _SERVING_PROMPT, _SERVING_OUTPUT = 16, 17
 _SERVING_PREFILL_REPEATS = 4
 _MIN_STEPS = 4  # a batch size measured fewer times than this is left out
+
+
+Window = tuple[dict[str, Any] | None, dict[str, Any] | None, float]
+Pilot = Callable[[Profile, str], list[SimRequest]]
 
 
 class ServingCalibrator:
@@ -225,23 +233,63 @@ class ServingCalibrator:
     worker is busy in a decode group) are divided by the profile's neighbour slowdown
     for them, which the simulator applies again where it happens.
 
+    The probe is short (a few dozen steps per batch size) and its steps are not the
+    workload's: measured here, its batch-1 factor moved 0.39-0.56 from point to point
+    while the replays' own steps stayed at 0.40-0.46. So a workload's calibration also
+    pools, by step count, the steps the workers ran in the last replay of that workload
+    (`remember`), and before a workload's first point a pilot: a short trace of it
+    (`pilot`, its own seed, not scored) replayed at the rate the probe predicts. Both
+    were measured before the point's own replay, so the point is still forecast.
+
     Args:
         profile: the profile as measured; each call scales this one.
         shape: the configuration being served.
         target: the server (its `status_address` must be set).
+        pilot: given the probe-scaled profile and a workload, the pilot trace; None: no
+            pilot.
     """
 
-    def __init__(self, profile: Profile, shape: ClusterShape, target: Target) -> None:
+    def __init__(self, profile: Profile, shape: ClusterShape, target: Target,
+                 pilot: Pilot | None = None) -> None:
         if target.status_address is None:
             raise ValueError("serving calibration reads the workers' step totals: the "
                              "target needs a status address")
-        self.profile, self.target = profile, target
+        self.profile, self.target, self.pilot = profile, target, pilot
         self.decoding = shape.num_decode  # decode workers, or colocated ones
         self._rng = np.random.default_rng(23)
         self._settings = RunSettings(config={"model": profile.model, "run": "calibration"})
+        self._replays: dict[str, tuple[str, Window]] = {}
 
-    def __call__(self) -> tuple[Profile, dict[str, Any]]:
-        """The profile scaled to the probe stream's steps, and the calibration record."""
+    def __call__(self, workload: str | None = None) -> tuple[Profile, dict[str, Any]]:
+        """The profile scaled to the probe stream's steps (pooled with the workload's
+        last replay or pilot, if it has one), and the calibration record (`pooled`: what
+        it was scaled to)."""
+        windows = self.probe()
+        if workload is not None and workload not in self._replays and self.pilot:
+            requests = self.pilot(scale_to_steps(self.profile, windows)[0], workload)
+            before = status_snapshot(self.target.status_address)
+            bench_run(self.target, trace_requests(requests), ["pilot"] * len(requests),
+                      label="pilot", out=None, settings=self._settings)
+            self.remember(workload, before, status_snapshot(self.target.status_address),
+                          "pilot")
+        return self.scale(windows, workload)
+
+    def scale(self, probe: list[Window], workload: str | None
+              ) -> tuple[Profile, dict[str, Any]]:
+        """The profile scaled to the probe's windows and the workload's last replay."""
+        kind, replay = self._replays.get(workload or "", ("", None))
+        scaled, record = scale_to_steps(self.profile, [*probe, replay] if replay else probe)
+        record["pooled"] = ["probe", kind] if replay else ["probe"]
+        return scaled, record
+
+    def remember(self, workload: str, before: dict[str, Any] | None,
+                 after: dict[str, Any] | None, kind: str = "replay") -> None:
+        """The workers' steps between two `Status` snapshots, taken over a replay of
+        `workload`, feed its next calibration in place of any earlier ones."""
+        self._replays[workload] = (kind, replay_window(self.profile, before, after))
+
+    def probe(self) -> list[Window]:
+        """The probe stream's windows: (`Status` before, after, its neighbour slowdown)."""
         busy_mates = min(self.decoding, self.profile.workers_per_host) - 1
         groups = [(self._requests(batch * self.decoding, _SERVING_PROMPT, _SERVING_OUTPUT),
                    None, busy_mates) for batch in PROBE_BATCHES]
@@ -254,7 +302,7 @@ class ServingCalibrator:
                       max_concurrency=concurrency)
             after = status_snapshot(self.target.status_address)
             windows.append((before, after, 1 + mates * self.profile.neighbour_slowdown))
-        return scale_to_steps(self.profile, windows)
+        return windows
 
     def _requests(self, count: int, prompt: int, output: int) -> list[TraceRequest]:
         return [TraceRequest(0.0, output, self._rng.integers(*DEFAULT_VOCAB_RANGE,
@@ -262,8 +310,19 @@ class ServingCalibrator:
                 for _ in range(count)]
 
 
-def scale_to_steps(profile: Profile,
-                   windows: Sequence[tuple[dict[str, Any] | None, dict[str, Any] | None, float]]
+def replay_window(profile: Profile, before: dict[str, Any] | None,
+                  after: dict[str, Any] | None) -> Window:
+    """The window of a replay for `scale_to_steps`: its steps' neighbour slowdown is taken
+    as the profile's times the host-mates' mean busy fraction over it (all workers of the
+    accuracy configurations share one host)."""
+    busy = [w["busy"] for w in utilization_between(before, after).values()] \
+        if before is not None and after is not None else []
+    mates = min(len(busy), profile.workers_per_host) - 1
+    return before, after, 1 + profile.neighbour_slowdown * mates * (
+        sum(busy) / len(busy) if busy else 0)
+
+
+def scale_to_steps(profile: Profile, windows: Sequence[Window]
                    ) -> tuple[Profile, dict[str, Any]]:
     """The profile scaled to the steps serving workers ran (`scale_profile`).
 
@@ -438,13 +497,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {"config": name, "profile": str(args.profile),
                            "calibrated": args.calibrate, "model": profile.model,
                            "threads": profile.torch_threads,
-                           "num_requests": args.num_requests, "points": []}
+                           "num_requests": args.num_requests,
+                           "pilot_requests": args.pilot_requests, "points": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{file_name}.json"
 
+    def pilot(scaled: Profile, name: str) -> list[SimRequest]:
+        w_index = list(WORKLOADS).index(name)
+        return predict_point(scaled, shape, name, LEVELS[0], args.pilot_requests,
+                             args.seed + 100 * w_index + _PILOT_SEED)[1]
+
     def due(target: Target) -> Iterator[tuple[str, list[TraceRequest], SloSpec]]:
-        calibrate = ServingCalibrator(profile, shape, target) \
-            if args.calibrate == "serving" else engine_calibrator
+        serving = ServingCalibrator(profile, shape, target,
+                                    pilot if args.pilot_requests else None) \
+            if args.calibrate == "serving" else None
+        calibrate = serving or engine_calibrator
         for point, requests in predicted_points(profile, shape, args.num_requests, args.seed,
                                                 calibrate, workloads):
             doc["points"].append(point)
@@ -454,9 +521,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"calibration {point['calibration']}", flush=True)
             before = status_snapshot(target.status_address)
             yield key, trace_requests(requests), SloSpec(point["slo"])
+            after = status_snapshot(target.status_address)
+            if serving:
+                serving.remember(point["workload"], before, after)
             try:
                 point["during"] = predict_during(profile, shape, point, requests, before,
-                                                 status_snapshot(target.status_address))
+                                                 after)
             except ValueError as e:  # no status: the point stands without it
                 point["during"] = {"failed": str(e)}
 
@@ -480,21 +550,16 @@ def predict_during(profile: Profile, shape: ClusterShape, point: dict[str, Any],
 
     Not a forecast: it separates the simulator's error from the machine's drift. The
     profile is scaled (`scale_to_steps`) to the mean step of each shape the workers ran
-    in the replay (their step totals before and after it; no latency of the replay is
-    used), and the same trace is simulated at the same rate. The steps' neighbour
-    slowdown is taken as the profile's times the host-mates' mean busy fraction in the
-    window (all workers of these configurations share one host).
+    in the replay (their step totals before and after it, `replay_window`; no latency of
+    the replay is used), and the same trace is simulated at the same rate.
 
     Returns:
         `{"predicted": figures, "calibration": scale_to_steps's record, "slowdown"}`.
     """
-    busy = [w["busy"] for w in utilization_between(before, after).values()] \
-        if before is not None and after is not None else []
-    mates = min(len(busy), profile.workers_per_host) - 1
-    slowdown = 1 + profile.neighbour_slowdown * mates * (sum(busy) / len(busy) if busy else 0)
-    scaled, record = scale_to_steps(profile, [(before, after, slowdown)])
+    window = replay_window(profile, before, after)
+    scaled, record = scale_to_steps(profile, [window])
     predicted = predict(PlanRequest(scaled, scaled, requests, SloSpec(point["slo"])), shape)
-    return {"predicted": predicted, "calibration": record, "slowdown": slowdown}
+    return {"predicted": predicted, "calibration": record, "slowdown": window[2]}
 
 
 def _cell(point: dict[str, Any], key: str) -> str:
@@ -555,6 +620,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each point, scale the profile to probe steps timed then: "
                         "on a bare engine beside the server (`Calibrator`) or on the "
                         "serving workers (`ServingCalibrator`)")
+    r.add_argument("--pilot-requests", type=int, default=0,
+                   help="with --calibrate serving: before each workload's first point, "
+                        "replay this many requests of it (own seed, not scored) and pool "
+                        "their steps into its calibration; 0: no pilot")
     r.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table", help="the markdown table of every run in --out")
     t.add_argument("--out", type=Path, required=True)

@@ -136,19 +136,20 @@ def test_each_point_is_predicted_from_the_calibration_taken_just_before_it() -> 
     slowdowns = iter([1.0, 1.5, 2.0, 1.2])
     machines: list[Profile] = []
 
-    def calibrate() -> tuple[Profile, dict[str, Any]]:
+    def calibrate(workload: str) -> tuple[Profile, dict[str, Any]]:
         slowdown = next(slowdowns)
         machines.append(uniform(profile, slowdown))
-        return machines[-1], {"slowdown": slowdown}
+        return machines[-1], {"slowdown": slowdown, "workload": workload}
 
+    names = [name for name in WORKLOADS for _ in LEVELS]
     points = predicted_points(profile, shape, 20, 3, calibrate)
     taken = []
     for point, requests in points:
         assert len(machines) == len(taken) + 1  # calibrated just now, for this point
         taken.append((point, requests))
 
-    names = [name for name in WORKLOADS for _ in LEVELS]
     assert [p["calibration"]["slowdown"] for p, _ in taken] == [1.0, 1.5, 2.0, 1.2]
+    assert [p["calibration"]["workload"] for p, _ in taken] == names  # told which is due
     for (point, requests), name, true in zip(taken, names, machines, strict=True):
         w_index = list(WORKLOADS).index(name)
         expected, expected_requests = predict_point(true, shape, name, point["level"], 20,
@@ -267,6 +268,49 @@ def test_serving_calibration_without_status_or_prompt_steps_is_an_error() -> Non
     idle = status({"d": ("decode", {"decode_1": [4.0, 0.1, 0.0025, 40.0]})})
     with pytest.raises(ValueError, match="no prompt step was measured"):
         scale_to_steps(profile, [(idle, idle, 1.0)])
+
+
+def decode_window(profile: Profile, slowdown: float, totals: dict[str, list[float]],
+                  steps: int) -> tuple[tuple[dict[str, Any], dict[str, Any], float], float]:
+    """One colocated worker's window: a prompt step, then `steps` batch-1 decode steps,
+    on a machine `slowdown` times the profile's; and the profile's seconds for them."""
+    before = status({"w": ("mixed", totals)})
+    record_step(totals, [(0, 16, True)], slowdown * profile.step_time([(0, 16, True)]))
+    modelled = 0.0
+    for step in range(steps):
+        items = [(16 + step, 1, False)]
+        modelled += profile.step_time(items)
+        record_step(totals, items, slowdown * profile.step_time(items))
+    return (before, status({"w": ("mixed", totals)}, uptime=60.0), 1.0), modelled
+
+
+def test_a_workloads_calibration_pools_the_probe_with_its_last_replay() -> None:
+    """A probe that caught the machine 1.5x slower than the replays ran (1.2x) is
+    outweighed, by step count, by the last replay of the point's workload; a workload
+    not yet replayed gets the probe alone, and a later replay of a workload replaces its
+    earlier one."""
+    profile = table_profile()
+    calibrator = ServingCalibrator(profile, parse_config("1C"),
+                                   Target("grpc", "127.0.0.1:1", "127.0.0.1:1"))
+    totals: dict[str, list[float]] = {}
+    probe, probe_s = decode_window(profile, 1.5, totals, 10)
+    (before, after, _), replay_s = decode_window(profile, 1.2, totals, 90)
+    calibrator.remember("decode-heavy", before, after)
+
+    _, alone = calibrator.scale([probe], "prefill-heavy")
+    _, pooled = calibrator.scale([probe], "decode-heavy")
+
+    assert alone["pooled"] == ["probe"] and pooled["pooled"] == ["probe", "replay"]
+    assert alone["steps"]["decode_b1"] == 10 and pooled["steps"]["decode_b1"] == 100
+    assert alone["factors"]["decode_b1"] == pytest.approx(1.5)
+    # Pooled seconds over the profile's (a decode step is linear in its context).
+    assert pooled["factors"]["decode_b1"] == pytest.approx(
+        (1.5 * probe_s + 1.2 * replay_s) / (probe_s + replay_s))
+    (before, after, _), _ = decode_window(profile, 1.0, totals, 10)
+    calibrator.remember("decode-heavy", before, after, "pilot")
+    _, newer = calibrator.scale([probe], "decode-heavy")
+    assert newer["pooled"] == ["probe", "pilot"] and newer["steps"]["decode_b1"] == 20
+    assert newer["factors"]["decode_b1"] == pytest.approx(1.25)  # equal steps, contexts
 
 
 def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -> None:
