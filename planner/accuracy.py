@@ -503,9 +503,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = args.out / f"{file_name}.json"
 
     def pilot(scaled: Profile, name: str) -> list[SimRequest]:
+        """The first requests of a trace like the workload's first point's (its rate as
+        the probe predicts it, the same length: a shorter trace has a higher maximum)."""
         w_index = list(WORKLOADS).index(name)
-        return predict_point(scaled, shape, name, LEVELS[0], args.pilot_requests,
-                             args.seed + 100 * w_index + _PILOT_SEED)[1]
+        return predict_point(scaled, shape, name, LEVELS[0], args.num_requests,
+                             args.seed + 100 * w_index + _PILOT_SEED)[1][:args.pilot_requests]
 
     def due(target: Target) -> Iterator[tuple[str, list[TraceRequest], SloSpec]]:
         serving = ServingCalibrator(profile, shape, target,
