@@ -13,7 +13,13 @@ bounds, and decides:
 - **scale down** only when a cheaper split meets the SLO at the observed rate times
   `1 + headroom` (hysteresis: a rate hovering at a boundary does not flap);
 - **hold** otherwise, during the cool-down after a change, or when the window holds too
-  few requests to estimate a rate.
+  few requests to estimate a rate;
+- **hold without simulating** when the window's rate and mean prompt and output lengths
+  are each within `reuse_tolerance` of the last simulated hold on the same split: the
+  simulations are the policy's whole cost, and on a machine whose cores all serve they
+  slow the workers. A mix shift or a rate step beyond the tolerance is simulated at
+  once; a slow drift is too, once it adds up (the comparison is with the last simulated
+  window, not the previous one).
 
 Only the split changes, never the mode (the live scale path keeps the mode). Every
 decision carries its reason.
@@ -49,6 +55,9 @@ class AutoscalerConfig:
         cooldown_s: seconds after a change during which nothing changes.
         headroom: scale down only if the smaller split holds at rate x (1 + headroom).
         min_requests: fewest requests in a window to act on.
+        reuse_tolerance: hold without simulating while the window's rate and mean lengths
+            are within this relative distance of the last simulated hold's (0: simulate
+            every decision).
         trace_requests: requests in the replayed trace.
         local_prefill_threshold: the cluster's (disaggregated).
         max_num_batched_tokens: the workers' step budget.
@@ -67,6 +76,7 @@ class AutoscalerConfig:
     cooldown_s: float = 60.0
     headroom: float = 0.2
     min_requests: int = 10
+    reuse_tolerance: float = 0.1
     trace_requests: int = 200
     local_prefill_threshold: int = 256
     max_num_batched_tokens: int = 2048
@@ -83,8 +93,9 @@ class AutoscalerConfig:
             raise ValueError(f"min_prefill must be >= 0, got {self.min_prefill}")
         if self.interval_s <= 0 or self.window_s <= 0 or self.cooldown_s < 0:
             raise ValueError("interval_s and window_s must be > 0, cooldown_s >= 0")
-        if self.headroom < 0:
-            raise ValueError(f"headroom must be >= 0, got {self.headroom}")
+        if self.headroom < 0 or self.reuse_tolerance < 0:
+            raise ValueError(f"headroom and reuse_tolerance must be >= 0, got "
+                             f"{self.headroom} and {self.reuse_tolerance}")
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,11 @@ class Window:
     @property
     def rate(self) -> float:
         return len(self.arrivals) / (self.end - self.start) if self.end > self.start else 0.0
+
+    def load(self) -> tuple[float, float, float]:
+        """(rate, mean prompt tokens, mean output tokens)."""
+        return (self.rate, float(np.mean(self.prompt_lens)) if self.prompt_lens else 0.0,
+                float(np.mean(self.output_lens)) if self.output_lens else 0.0)
 
 
 @dataclass(frozen=True)
@@ -151,6 +167,9 @@ class Autoscaler:
     seed: int = 0
     last_change: float | None = None
     history: list[Decision] = field(default_factory=list)
+    # The last simulated hold: the window's load, the split, the decision.
+    _held: tuple[tuple[float, float, float], tuple[int, int], Decision] | None = field(
+        default=None, init=False, repr=False)
 
     def splits(self) -> list[tuple[int, int]]:
         """Every (prefill, decode) within the bounds, cheapest first."""
@@ -197,7 +216,7 @@ class Autoscaler:
         """The decision for this interval (also appended to `history`)."""
         decision = self._decide(now, window, current)
         if decision.action != "hold":
-            self.last_change = now
+            self.last_change, self._held = now, None
         self.history.append(decision)
         return decision
 
@@ -211,11 +230,30 @@ class Autoscaler:
         if len(window.arrivals) < c.min_requests:
             return Decision(now, "hold", *current, f"{len(window.arrivals)} requests in the "
                             f"window; need {c.min_requests} to estimate the load", rate)
+        if (reused := self._reuse(now, window, current)) is not None:
+            return reused
         trace = self.trace(window, rate)
         now_predicted = self.predict(trace, current)
         if meets(now_predicted, c.slo) and c.min_workers <= sum(current) <= c.max_workers:
-            return self._maybe_down(now, window, current, now_predicted["attainment"])
-        return self._up(now, window, trace, current, now_predicted["attainment"])
+            decision = self._maybe_down(now, window, current, now_predicted["attainment"])
+        else:
+            decision = self._up(now, window, trace, current, now_predicted["attainment"])
+        self._held = (window.load(), current, decision) if decision.action == "hold" else None
+        return decision
+
+    def _reuse(self, now: float, window: Window, current: tuple[int, int]) -> Decision | None:
+        """A hold without simulating, if the last simulated hold was on `current` and the
+        window's load is within `reuse_tolerance` of that one's in every figure."""
+        tolerance = self.config.reuse_tolerance
+        if self._held is None or not tolerance:
+            return None
+        load, split, held = self._held
+        if split != current or any(abs(new - old) > tolerance * old
+                                   for new, old in zip(window.load(), load, strict=True)):
+            return None
+        return Decision(now, "hold", *current, f"load within {tolerance:.0%} of the last "
+                        f"simulated hold ({window.rate:.2f} vs {load[0]:.2f} req/s): "
+                        f"{held.reason}", window.rate, held.predicted_attainment)
 
     def _up(self, now: float, window: Window, trace: list[SimRequest], current: tuple[int, int],
             attainment: float) -> Decision:

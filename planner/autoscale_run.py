@@ -87,7 +87,7 @@ LOCAL_PREFILL_THRESHOLD = 64
 SPLITS = {"1P+1D": (1, 1), "0P+2D": (0, 2)}
 AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill", "0",
                     "--autoscale-interval", "5", "--autoscale-window", "20",
-                    "--autoscale-cooldown", "20"]
+                    "--autoscale-cooldown", "20", "--autoscale-reuse", "0.2"]
 _BIN_S = 15.0
 _CANDIDATE_RATES = np.round(np.geomspace(0.1, 8.0, 40), 3)
 

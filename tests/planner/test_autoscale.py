@@ -149,6 +149,48 @@ def test_a_rebalance_between_splits_near_the_boundary_needs_a_clear_gain() -> No
     assert "comes closest" in closer.reason
 
 
+class Counting(Autoscaler):
+    """The policy, counting its simulations."""
+
+    simulations = 0
+
+    def predict(self, trace: list, split: tuple[int, int]) -> dict[str, Any]:
+        self.simulations += 1
+        return super().predict(trace, split)
+
+
+def test_a_hold_is_not_simulated_again_while_the_load_stays_within_tolerance() -> None:
+    """2P+1D at 0.6 req/s holds (simulated); at 0.63 req/s, within 10 % of that, it holds
+    again without a simulation and says so; a changed prompt mix at the same rate, a rate
+    far below, or a different split are simulated. Tolerance 0 simulates every time."""
+    scaler = Counting(autoscaler().config, PROFILE, PROFILE)
+    first = scaler.decide(0.0, window(0.6), (2, 1))
+    assert first.action == "hold" and scaler.simulations == 2  # 2P+1D, then 1P+1D
+    again = scaler.decide(5.0, window(0.63, end=65.0), (2, 1))
+    assert scaler.simulations == 2
+    assert (again.action, again.prefill, again.decode) == ("hold", 2, 1)
+    assert again.reason.startswith("load within 10% of the last simulated hold (0.63 vs "
+                                   "0.60 req/s): ") and again.reason.endswith(first.reason)
+    assert again.predicted_attainment == first.predicted_attainment
+    assert again.rate_rps == 38 / 60  # the window's own rate, not the held one's
+
+    longer = window(0.6, end=70.0)
+    longer = replace(longer, prompt_lens=[1200] * len(longer.arrivals))
+    assert scaler.decide(10.0, longer, (2, 1)).action == "hold"
+    assert scaler.simulations == 4
+    assert scaler.decide(15.0, window(0.5, end=75.0), (1, 1)).action == "hold"
+    assert scaler.simulations == 5  # 1P+1D meets at 0.5 and nothing is cheaper
+    down = scaler.decide(20.0, window(0.3, end=80.0), (2, 1))
+    assert (down.action, down.prefill, down.decode) == ("scale_down", 1, 1)
+
+    every = Counting(replace(autoscaler().config, reuse_tolerance=0.0), PROFILE, PROFILE)
+    every.decide(0.0, window(0.6), (2, 1))
+    every.decide(5.0, window(0.6, end=65.0), (2, 1))
+    assert every.simulations == 4
+    with pytest.raises(ValueError, match="reuse_tolerance must be >= 0"):
+        replace(autoscaler().config, reuse_tolerance=-0.1)
+
+
 def test_a_window_with_too_few_requests_holds() -> None:
     decision = autoscaler().decide(0.0, window(5 / 60), (1, 1))
     assert decision.action == "hold" and "5 requests in the window" in decision.reason
