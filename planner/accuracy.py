@@ -212,7 +212,7 @@ _SERVING_PREFILL_REPEATS = 4
 _MIN_STEPS = 4  # a batch size measured fewer times than this is left out
 
 
-Window = tuple[dict[str, Any] | None, dict[str, Any] | None, float]
+StepWindow = tuple[dict[str, Any] | None, dict[str, Any] | None, float]
 Pilot = Callable[[Profile, str], list[SimRequest]]
 
 
@@ -258,7 +258,7 @@ class ServingCalibrator:
         self.decoding = shape.num_decode  # decode workers, or colocated ones
         self._rng = np.random.default_rng(23)
         self._settings = RunSettings(config={"model": profile.model, "run": "calibration"})
-        self._replays: dict[str, tuple[str, Window]] = {}
+        self._replays: dict[str, tuple[str, StepWindow]] = {}
 
     def __call__(self, workload: str | None = None) -> tuple[Profile, dict[str, Any]]:
         """The profile scaled to the probe stream's steps (pooled with the workload's
@@ -274,7 +274,7 @@ class ServingCalibrator:
                           "pilot")
         return self.scale(windows, workload)
 
-    def scale(self, probe: list[Window], workload: str | None
+    def scale(self, probe: list[StepWindow], workload: str | None
               ) -> tuple[Profile, dict[str, Any]]:
         """The profile scaled to the probe's windows and the workload's last replay."""
         kind, replay = self._replays.get(workload or "", ("", None))
@@ -285,10 +285,14 @@ class ServingCalibrator:
     def remember(self, workload: str, before: dict[str, Any] | None,
                  after: dict[str, Any] | None, kind: str = "replay") -> None:
         """The workers' steps between two `Status` snapshots, taken over a replay of
-        `workload`, feed its next calibration in place of any earlier ones."""
+        `workload`, feed its next calibration in place of any earlier ones (a missing
+        snapshot: nothing is kept, and the next calibration is the probe's alone)."""
+        if before is None or after is None:
+            self._replays.pop(workload, None)
+            return
         self._replays[workload] = (kind, replay_window(self.profile, before, after))
 
-    def probe(self) -> list[Window]:
+    def probe(self) -> list[StepWindow]:
         """The probe stream's windows: (`Status` before, after, its neighbour slowdown)."""
         busy_mates = min(self.decoding, self.profile.workers_per_host) - 1
         groups = [(self._requests(batch * self.decoding, _SERVING_PROMPT, _SERVING_OUTPUT),
@@ -311,7 +315,7 @@ class ServingCalibrator:
 
 
 def replay_window(profile: Profile, before: dict[str, Any] | None,
-                  after: dict[str, Any] | None) -> Window:
+                  after: dict[str, Any] | None) -> StepWindow:
     """The window of a replay for `scale_to_steps`: its steps' neighbour slowdown is taken
     as the profile's times the host-mates' mean busy fraction over it (all workers of the
     accuracy configurations share one host)."""
@@ -322,7 +326,7 @@ def replay_window(profile: Profile, before: dict[str, Any] | None,
         sum(busy) / len(busy) if busy else 0)
 
 
-def scale_to_steps(profile: Profile, windows: Sequence[Window]
+def scale_to_steps(profile: Profile, windows: Sequence[StepWindow]
                    ) -> tuple[Profile, dict[str, Any]]:
     """The profile scaled to the steps serving workers ran (`scale_profile`).
 

@@ -311,6 +311,8 @@ def test_a_workloads_calibration_pools_the_probe_with_its_last_replay() -> None:
     _, newer = calibrator.scale([probe], "decode-heavy")
     assert newer["pooled"] == ["probe", "pilot"] and newer["steps"]["decode_b1"] == 20
     assert newer["factors"]["decode_b1"] == pytest.approx(1.25)  # equal steps, contexts
+    calibrator.remember("decode-heavy", before, None)  # the server did not answer
+    assert calibrator.scale([probe], "decode-heavy")[1]["pooled"] == ["probe"]
 
 
 def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -> None:
