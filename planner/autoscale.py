@@ -216,7 +216,7 @@ class Autoscaler:
         """The decision for this interval (also appended to `history`)."""
         decision = self._decide(now, window, current)
         if decision.action != "hold":
-            self.last_change, self._held = now, None
+            self.last_change = now
         self.history.append(decision)
         return decision
 

@@ -278,9 +278,9 @@ def decode_window(profile: Profile, slowdown: float, totals: dict[str, list[floa
     record_step(totals, [(0, 16, True)], slowdown * profile.step_time([(0, 16, True)]))
     modelled = 0.0
     for step in range(steps):
-        items = [(16 + step, 1, False)]
-        modelled += profile.step_time(items)
-        record_step(totals, items, slowdown * profile.step_time(items))
+        seconds = profile.step_time([(16 + step, 1, False)])
+        modelled += seconds
+        record_step(totals, [(16 + step, 1, False)], slowdown * seconds)
     return (before, status({"w": ("mixed", totals)}, uptime=60.0), 1.0), modelled
 
 
