@@ -24,6 +24,7 @@ from planner.accuracy import (
     predicted_points,
     scale_to_probes,
     scale_to_steps,
+    workload_slo,
 )
 from planner.plan import PlanRequest, SloSpec, predict
 from planner.profile import LinearModel, Profile
@@ -128,9 +129,9 @@ def test_a_profile_without_the_probed_table_entries_is_refused() -> None:
 
 
 def test_each_point_is_predicted_from_the_calibration_taken_just_before_it() -> None:
-    """A machine that gets slower before each point: each point's SLO, maximum rate and
+    """A machine that gets slower before each point: each point's maximum rate and
     prediction come from the calibration taken when the point is due, and calibration
-    happens only then (not all up front)."""
+    happens only then (not all up front); a workload's SLO is its first point's."""
     profile = table_profile()
     shape = parse_config("1P+1D")
     slowdowns = iter([1.0, 1.5, 2.0, 1.2])
@@ -150,12 +151,22 @@ def test_each_point_is_predicted_from_the_calibration_taken_just_before_it() -> 
 
     assert [p["calibration"]["slowdown"] for p, _ in taken] == [1.0, 1.5, 2.0, 1.2]
     assert [p["calibration"]["workload"] for p, _ in taken] == names  # told which is due
+    first = {}
     for (point, requests), name, true in zip(taken, names, machines, strict=True):
         w_index = list(WORKLOADS).index(name)
         expected, expected_requests = predict_point(true, shape, name, point["level"], 20,
-                                                    3 + 100 * w_index)
+                                                    3 + 100 * w_index, first.get(name))
+        first.setdefault(name, SloSpec(expected["slo"]))
         assert point == {**expected, "calibration": point["calibration"]}
         assert requests == expected_requests
+    # Each workload's second point is held to its first one's SLO, not the one its own
+    # calibration (a slower or faster machine) would have set.
+    for index in (0, 2):
+        assert taken[index + 1][0]["slo"] == taken[index][0]["slo"] == first[names[index]].bounds
+        name = names[index]
+        own = workload_slo(machines[index + 1], shape, name,
+                           3 + 100 * list(WORKLOADS).index(name))
+        assert own.bounds["tpot_p90_ms"] != taken[index][0]["slo"]["tpot_p90_ms"]
     # The slower the machine when a workload's point is due, the lower its maximum rate.
     assert taken[1][0]["max_rate_rps"] < taken[0][0]["max_rate_rps"]
     assert taken[3][0]["max_rate_rps"] > taken[2][0]["max_rate_rps"]
