@@ -172,9 +172,10 @@ def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
             yield {**point, "calibration": calibration}, requests
 
 
-# Probe steps: decode-only steps of each batch size at this context per sequence, and a
+# Probe steps: decode-only steps of every batch size up to 16 at this context per sequence
+# (a step is not smooth in the batch size: `scale_profile`), and a
 # prefill of this many new tokens.
-PROBE_BATCHES, PROBE_CONTEXT, PROBE_PREFILL = (1, 2, 4, 8, 16), 128, 128
+PROBE_BATCHES, PROBE_CONTEXT, PROBE_PREFILL = tuple(range(1, 17)), 128, 128
 _PROBE_DECODE_STEPS, _PROBE_PREFILL_REPEATS = 8, 5
 
 
@@ -344,9 +345,10 @@ def scale_to_steps(profile: Profile, windows: Sequence[StepWindow]
         windows: (`Status` before, `Status` after, the neighbour slowdown its steps ran
             under): each worker's step totals (`EngineLoop.step_totals`) grew between the
             two snapshots by the steps it ran in the window. Decode steps give each batch
-            size's mean step (sizes with fewer than `_MIN_STEPS` steps or no table entry
-            are left out); prompt steps give measured over modelled time, a prefill
-            worker's modelled with the profile's role factor. Measured seconds are divided
+            size's mean step (sizes with fewer than `_MIN_STEPS` steps are left out,
+            sizes the profile's table lacks are added to it); prompt steps give measured
+            over modelled time, a prefill worker's modelled with the profile's role
+            factor. Measured seconds are divided
             by the window's slowdown. The decode steps' spread about their mean (per
             worker, window and batch size; pooled) becomes the profile's `step_cv`.
 
@@ -385,7 +387,7 @@ def scale_to_steps(profile: Profile, windows: Sequence[StepWindow]
         raise ValueError("serving calibration: no prompt step was measured")
     measured = {b: (seconds / steps, tokens / steps)
                 for b, (steps, seconds, tokens) in decode.items()
-                if steps >= _MIN_STEPS and f"b{b}" in profile.decode.features}
+                if steps >= _MIN_STEPS}
     scaled, record = scale_profile(profile, measured, (prefill[1] / prefill[0],
                                                        prefill[2] / prefill[0]))
     record["steps"] = {**{f"decode_b{b}": int(v[0]) for b, v in sorted(decode.items())},
@@ -435,16 +437,19 @@ def scale_profile(profile: Profile, decode: dict[int, tuple[float, float]],
     """The profile with its step models scaled to reproduce measured steps.
 
     Decode: the drift need not slow every batch size alike (measured here: a batch-4 step
-    1.9x the profile's while a batch-1 step was 0.95x), so each measured batch size gets its
-    own factor. The context term (the KV read) takes the largest batch's factor, measured
-    over modelled; each measured batch's table entry then takes the factor that makes its
-    step exact, and the other entries the factor interpolated linearly between the measured
-    sizes (the nearest one's beyond them). Prefill: one factor, measured over modelled.
-    The transfer model, role factor and neighbour slowdown stay the profile's.
+    1.9x the profile's while a batch-1 step was 0.95x), and on this machine's BLAS a step
+    is not smooth in the batch size either (measured in one replay: batch 3 100 ms, batch 4
+    70 ms, batch 8 87 ms, batches 5, 7 and 9-11 about 130 ms), so each measured batch size
+    gets its own table entry, added where the profile's table has none (its value there
+    interpolated first). The context term (the KV read) takes the largest batch's factor,
+    measured over modelled; each measured batch's entry then takes the factor that makes
+    its step exact, and the profile's other entries the factor interpolated linearly
+    between the measured sizes (the nearest one's beyond them). Prefill: one factor,
+    measured over modelled. The transfer model, role factor and neighbour slowdown stay
+    the profile's.
 
     Args:
-        profile: the profile as measured, with a decode table (`bN` features) holding
-            every measured batch size.
+        profile: the profile as measured, with a decode table (`bN` features).
         decode: per batch size, (the measured step in seconds, its tokens attended to).
         prefill: (measured seconds, the profile's modelled seconds) of prompt steps.
 
@@ -454,29 +459,31 @@ def scale_profile(profile: Profile, decode: dict[int, tuple[float, float]],
         the profile's `profile_ms`.
 
     Raises:
-        ValueError: no decode step, or the profile's decode model has no table entry for a
-            measured batch.
+        ValueError: no decode step, or the profile's decode model has no batch table.
     """
-    features = profile.decode.features
-    missing = [b for b in decode if f"b{b}" not in features]
-    if missing or not decode:
-        raise ValueError(f"the profile's decode model ({', '.join(features)}) has no entry "
-                         f"for batch {missing or 'none measured'}: profile again with this "
-                         "version")
+    features, coef = profile.decode.features, profile.decode.coef
+    table = {int(f[1:]): c for f, c in zip(features, coef, strict=True) if f[0] == "b"}
+    if not table or not decode:
+        raise ValueError(f"the profile's decode model ({', '.join(features)}) has no batch "
+                         "table: profile again with this version" if not table
+                         else "no decode step was measured")
     modelled = {b: _decode_parts(profile.decode, b, tokens) for b, (_, tokens) in decode.items()}
     largest = max(decode)
     factors = {"decode_context": decode[largest][0] / sum(modelled[largest])}
     for batch in sorted(decode):
-        table, context = modelled[batch]
+        part, context = modelled[batch]
         rest = decode[batch][0] - factors["decode_context"] * context
-        factors[f"decode_b{batch}"] = rest / table if table > 0 and rest > 0 \
+        factors[f"decode_b{batch}"] = rest / part if part > 0 and rest > 0 \
             else factors["decode_context"]
     probed = sorted(decode)
     table_factor = [factors[f"decode_b{b}"] for b in probed]
-    scaled_decode = LinearModel(features, tuple(
-        c * (float(np.interp(int(f[1:]), probed, table_factor)) if f[0] == "b"
-             else factors["decode_context"]) for f, c in zip(features, profile.decode.coef,
-                                                               strict=True)))
+    table |= {b: modelled[b][0] for b in probed if b not in table}
+    sizes = sorted(table)
+    others = [(f, c) for f, c in zip(features, coef, strict=True) if f[0] != "b"]
+    scaled_decode = LinearModel(
+        (*(f"b{b}" for b in sizes), *(f for f, _ in others)),
+        (*(table[b] * float(np.interp(b, probed, table_factor)) for b in sizes),
+         *(c * factors["decode_context"] for _, c in others)))
     factors["prefill"] = prefill[0] / prefill[1]
     scaled = replace(profile, decode=scaled_decode, prefill=LinearModel(
         profile.prefill.features, tuple(c * factors["prefill"] for c in profile.prefill.coef)))
