@@ -348,9 +348,9 @@ def scale_to_steps(profile: Profile, windows: Sequence[StepWindow]
             size's mean step (sizes with fewer than `_MIN_STEPS` steps are left out,
             sizes the profile's table lacks are added to it); prompt steps give measured
             over modelled time, a prefill worker's modelled with the profile's role
-            factor. Measured seconds are divided
-            by the window's slowdown. The decode steps' spread about their mean (per
-            worker, window and batch size; pooled) becomes the profile's `step_cv`.
+            factor. Measured seconds are divided by the window's slowdown. The decode
+            steps' spread about their mean (per worker, window and batch size; pooled)
+            becomes the profile's `step_cv`.
 
     Returns:
         As `scale_profile`, the record with the decode `steps` counted per batch size
@@ -438,9 +438,9 @@ def scale_profile(profile: Profile, decode: dict[int, tuple[float, float]],
 
     Decode: the drift need not slow every batch size alike (measured here: a batch-4 step
     1.9x the profile's while a batch-1 step was 0.95x), and on this machine's BLAS a step
-    is not smooth in the batch size either (measured in one replay: batch 3 100 ms, batch 4
-    70 ms, batch 8 87 ms, batches 5, 7 and 9-11 about 130 ms), so each measured batch size
-    gets its own table entry, added where the profile's table has none (its value there
+    is not smooth in the batch size either (one serving probe: batch 3 104 ms, 4 71 ms,
+    7 129 ms, 8 87 ms, 11 143 ms, 12 100 ms), so each measured batch size gets its own
+    table entry, added where the profile's table has none (its value there
     interpolated first). The context term (the KV read) takes the largest batch's factor,
     measured over modelled; each measured batch's entry then takes the factor that makes
     its step exact, and the profile's other entries the factor interpolated linearly
