@@ -132,7 +132,7 @@ def predict_point(profile: Profile, shape: ClusterShape, name: str, level: float
     Returns:
         The point (JSON-ready) and its trace.
     """
-    slo = slo or workload_slo(profile, shape, name, seed)
+    slo = slo if slo is not None else workload_slo(profile, shape, name, seed)
     shaped = workload(name, num, 1.0, seed + 1)
     top = max_rate(PlanRequest(profile, profile, shaped, slo), shape)
     rate = level * top
@@ -463,10 +463,11 @@ def scale_profile(profile: Profile, decode: dict[int, tuple[float, float]],
     """
     features, coef = profile.decode.features, profile.decode.coef
     table = {int(f[1:]): c for f, c in zip(features, coef, strict=True) if f[0] == "b"}
-    if not table or not decode:
+    if not table:
         raise ValueError(f"the profile's decode model ({', '.join(features)}) has no batch "
-                         "table: profile again with this version" if not table
-                         else "no decode step was measured")
+                         "table: profile again with this version")
+    if not decode:
+        raise ValueError("no decode step was measured")
     modelled = {b: _decode_parts(profile.decode, b, tokens) for b, (_, tokens) in decode.items()}
     largest = max(decode)
     factors = {"decode_context": decode[largest][0] / sum(modelled[largest])}

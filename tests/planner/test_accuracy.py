@@ -27,7 +27,7 @@ from planner.accuracy import (
     workload_slo,
 )
 from planner.plan import PlanRequest, SloSpec, predict
-from planner.profile import LinearModel, Profile, decode_features
+from planner.profile import LinearModel, Profile
 from tests.planner.synthetic import synthetic_profile
 
 PREFILL = (0.01, 0.002, 0.001, 0.0005)
@@ -75,11 +75,9 @@ def reproduces(profile: Profile, samples: dict[str, list[dict[str, Any]]]) -> No
 
 
 def table_value(profile: Profile, batch: int) -> float:
-    """The profile's decode table at `batch` (interpolated between its sizes)."""
-    features = profile.decode.features
-    x = decode_features([0] * batch, features)
-    return sum(c * v for f, c, v in zip(features, profile.decode.coef, x, strict=True)
-               if f[0] == "b")
+    """The profile's decode table at `batch` (interpolated between its sizes): a step
+    attending to nothing has no context term."""
+    return profile.step_time([(0, 0, False)] * batch)
 
 
 def test_a_uniformly_slower_machine_scales_each_model_by_its_slowdown() -> None:
