@@ -149,8 +149,8 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     (above `above`) at which `good` is predicted to meet the SLO and `bad` to miss it on
     every one of the `RATE_SEEDS` traces of `num` requests. One trace is not enough: on
     the ninth run's calibrated profile, 240 phase-A requests at its rate gave 1P+1D 92 %
-    with seed 5 (the one it was chosen on) and 87 % and 85 % with seeds 6 and 7, and the
-    run's own trace (seed 21) then attained 70 % in the simulator as on the machine.
+    with seed 5 (the one it was chosen on) and 87 % and 85 % with seeds 6 and 7; on the
+    run's own phase-A trace (seed 21) the simulator gave 1P+1D 77 % and the machine 73 %.
 
     Raises:
         ValueError: no such rate.
