@@ -236,8 +236,8 @@ class ServingCalibrator:
     generator and Ray share the cores; workers run at Ray's lower priority). So before
     each point this sends a probe stream through the router (fresh random prompts, no
     prefix hits): for each batch size in `PROBE_BATCHES`, that many requests per decoding
-    worker at once, then prompts of each `prefill_prompts` length one at a time; and it reads the
-    workers' own step totals (`EngineLoop.step_totals`, in `Status`) before and after each
+    worker at once, then prompts of each `prefill_prompts` length one at a time; and it
+    reads the workers' own step totals (`EngineLoop.step_totals`, in `Status`) before and after each
     group: the mean measured step of every batch size and the prompt steps' measured and
     modelled time (a prefill worker's with the profile's role factor) feed
     `scale_profile`. Steps taken while host-mates were stepping too (every decoding

@@ -155,16 +155,14 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     Raises:
         ValueError: no such rate.
     """
-    window = []
-    for rate in _CANDIDATE_RATES[above < _CANDIDATE_RATES]:
-        def separates(seed: int, rate: float = float(rate)) -> bool:
-            requests = phase_requests(name, num, rate, 0.0, seed)
-            request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
-            return meets(predict(request, shape(good)), slo) \
-                and not meets(predict(request, shape(bad)), slo)
+    def separates(rate: float, seed: int) -> bool:
+        requests = phase_requests(name, num, rate, 0.0, seed)
+        request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
+        return meets(predict(request, shape(good)), slo) \
+            and not meets(predict(request, shape(bad)), slo)
 
-        if all(separates(seed) for seed in RATE_SEEDS):
-            window.append(float(rate))
+    window = [float(rate) for rate in _CANDIDATE_RATES[above < _CANDIDATE_RATES]
+              if all(separates(float(rate), seed) for seed in RATE_SEEDS)]
     if not window:
         raise ValueError(f"{name}: no rate above {above:g} req/s where {good} meets the SLO "
                          f"and {bad} misses it")
