@@ -2,7 +2,7 @@
 
     python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR \
         [--calibrate engine|serving] [--pilot-requests N]
-    python -m planner.accuracy table --out DIR
+    python -m planner.accuracy table --out DIR [--during] [--resimulate]
 
 `run` serves one configuration (`1P+1D`: disaggregated; `2C`: colocated) once and replays
 two workloads at two load levels on it: a prefill-heavy one (longer prompts, few output
@@ -23,7 +23,9 @@ the workload's last replay, or of a pilot replay before its first point);
 nothing measured from a point's own trace feeds its prediction. After the replay each
 point is also predicted from the machine's speed *during* it (`predict_during`: not a
 forecast, the simulator's error apart from the machine's drift). `table` prints the
-markdown table of every `run` in DIR with the error summary (`--during`: of those).
+markdown table of every `run` in DIR with the error summary (`--during`: of those;
+`--resimulate`: every point predicted again by this version's simulator from the
+calibration the run kept).
 """
 
 from __future__ import annotations
@@ -469,11 +471,7 @@ def scale_profile(profile: Profile, decode: dict[int, tuple[float, float]],
     Raises:
         ValueError: no decode step, or the profile's decode model has no batch table.
     """
-    features, coef = profile.decode.features, profile.decode.coef
-    table = {int(f[1:]): c for f, c in zip(features, coef, strict=True) if f[0] == "b"}
-    if not table:
-        raise ValueError(f"the profile's decode model ({', '.join(features)}) has no batch "
-                         "table: profile again with this version")
+    _check_table(profile)
     if not decode:
         raise ValueError("no decode step was measured")
     modelled = {b: _decode_parts(profile.decode, b, tokens) for b, (_, tokens) in decode.items()}
@@ -484,25 +482,46 @@ def scale_profile(profile: Profile, decode: dict[int, tuple[float, float]],
         rest = decode[batch][0] - factors["decode_context"] * context
         factors[f"decode_b{batch}"] = rest / part if part > 0 and rest > 0 \
             else factors["decode_context"]
-    probed = sorted(decode)
-    table_factor = [factors[f"decode_b{b}"] for b in probed]
-    table |= {b: modelled[b][0] for b in probed if b not in table}
-    sizes = sorted(table)
-    others = [(f, c) for f, c in zip(features, coef, strict=True) if f[0] != "b"]
-    scaled_decode = LinearModel(
-        (*(f"b{b}" for b in sizes), *(f for f, _ in others)),
-        (*(table[b] * float(np.interp(b, probed, table_factor)) for b in sizes),
-         *(c * factors["decode_context"] for _, c in others)))
     factors["prefill"] = prefill[0] / prefill[1]
-    scaled = replace(profile, decode=scaled_decode, prefill=LinearModel(
-        profile.prefill.features, tuple(c * factors["prefill"] for c in profile.prefill.coef)))
+    probed = sorted(decode)
     record = {"factors": factors,
               "measured_ms": {**{f"decode_b{b}": round(1e3 * decode[b][0], 2) for b in probed},
                               "prefill": round(1e3 * prefill[0], 2)},
               "profile_ms": {**{f"decode_b{b}": round(1e3 * sum(modelled[b]), 2)
                                 for b in probed},
                              "prefill": round(1e3 * prefill[1], 2)}}
-    return scaled, record
+    return scaled_by(profile, factors), record
+
+
+def scaled_by(profile: Profile, factors: dict[str, float]) -> Profile:
+    """The profile scaled by `scale_profile`'s factors (as its record keeps them): each
+    measured batch size's table entry by its factor (added, interpolated, where the table
+    has none), the other entries by the factor interpolated between the measured sizes,
+    the context term by `decode_context`, the prompt model by `prefill`."""
+    features, coef = _check_table(profile)
+    table = {int(f[1:]): c for f, c in zip(features, coef, strict=True) if f[0] == "b"}
+    probed = sorted(int(k.removeprefix("decode_b")) for k in factors
+                    if k.startswith("decode_b"))
+    table_factor = [factors[f"decode_b{b}"] for b in probed]
+    table |= {b: _decode_parts(profile.decode, b, float(b))[0] for b in probed
+              if b not in table}
+    sizes = sorted(table)
+    others = [(f, c) for f, c in zip(features, coef, strict=True) if f[0] != "b"]
+    decode = LinearModel(
+        (*(f"b{b}" for b in sizes), *(f for f, _ in others)),
+        (*(table[b] * float(np.interp(b, probed, table_factor)) for b in sizes),
+         *(c * factors["decode_context"] for _, c in others)))
+    return replace(profile, decode=decode, prefill=LinearModel(
+        profile.prefill.features, tuple(c * factors["prefill"] for c in profile.prefill.coef)))
+
+
+def _check_table(profile: Profile) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """The decode model's features and coefficients, which must include a batch table."""
+    features, coef = profile.decode.features, profile.decode.coef
+    if not any(f[0] == "b" for f in features):
+        raise ValueError(f"the profile's decode model ({', '.join(features)}) has no batch "
+                         "table: profile again with this version")
+    return features, coef
 
 
 def _decode_parts(model: LinearModel, batch: int, tokens: float) -> tuple[float, float]:
@@ -524,7 +543,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"--workloads: unknown {sorted(unknown)}; known: {list(WORKLOADS)}")
     file_name = name if set(workloads) == set(WORKLOADS) else f"{name}-{'-'.join(workloads)}"
-    doc: dict[str, Any] = {"config": name, "profile": str(args.profile),
+    doc: dict[str, Any] = {"config": name, "profile": str(args.profile), "seed": args.seed,
                            "calibrated": args.calibrate, "model": profile.model,
                            "threads": profile.torch_threads,
                            "num_requests": args.num_requests,
@@ -594,6 +613,36 @@ def predict_during(profile: Profile, shape: ClusterShape, point: dict[str, Any],
     return {"predicted": predicted, "calibration": record, "slowdown": window[2]}
 
 
+def resimulate(doc: dict[str, Any]) -> dict[str, Any]:
+    """A run's measured points predicted again by this version's simulator: each point's
+    trace (its seed and rate), SLO and calibration records (`scaled_by`, with their step
+    spread) as the run kept them, so a change to the simulator is scored on runs already
+    measured. The forecast's and the during-speed predictions and errors are replaced."""
+    profile = Profile.load(Path(doc["profile"]))
+    shape = parse_config(doc["config"].rsplit("-t", 1)[0])
+    seed = doc.get("seed", 0)
+
+    def again(point: dict[str, Any], record: dict[str, Any] | None,
+              requests: list[SimRequest]) -> dict[str, Any]:
+        scaled = profile if record is None else scaled_by(profile, record["factors"])
+        if record is not None and "step_cv" in record:
+            scaled = replace(scaled, step_cv=record["step_cv"])
+        predicted = predict(PlanRequest(scaled, scaled, requests, SloSpec(point["slo"])), shape)
+        return {"predicted": predicted, "error": errors(predicted, point["measured"])}
+
+    points = []
+    for point in (p for p in doc["points"] if "measured" in p):
+        w_index = list(WORKLOADS).index(point["workload"])
+        requests = workload(point["workload"], doc["num_requests"], point["rate_rps"],
+                            seed + 100 * w_index + 10 + LEVELS.index(point["level"]))
+        new = {**point, **again(point, point["calibration"], requests)}
+        if "predicted" in point.get("during", {}):
+            new["during"] = {**point["during"],
+                             **again(point, point["during"]["calibration"], requests)}
+        points.append(new)
+    return {**doc, "points": points}
+
+
 def _cell(point: dict[str, Any], key: str) -> str:
     p, m, e = point["predicted"][key], point["measured"][key], point["error"][key]
     if key == "attainment":
@@ -661,11 +710,16 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--during", action="store_true",
                    help="the predictions from the machine's speed during each point")
+    t.add_argument("--resimulate", action="store_true",
+                   help="predict each measured point again with this version's simulator "
+                        "from the calibration the run kept (`resimulate`)")
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args)
     else:
         docs = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
+        if args.resimulate:
+            docs = [resimulate(doc) for doc in docs]
         print(table(docs, during=args.during))
     return 0
 

@@ -195,7 +195,8 @@ class Autoscaler:
                            c.max_workers, (c.mode,), max_num_seqs=c.max_num_seqs,
                            cost_per_hour={"prefill": c.cost_per_hour_prefill,
                                           "decode": c.cost_per_hour_decode},
-                           find_max_rate=False)
+                           find_max_rate=False,
+                           simulated_requests=1)  # one run: `trace_requests` sets its precision
 
     def trace(self, window: Window, rate: float) -> list[SimRequest]:
         """A Poisson trace at `rate` whose (prompt, output) lengths are drawn from the window."""

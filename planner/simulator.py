@@ -115,6 +115,8 @@ class SimResult:
         num_preemptions: preemptions over all workers.
         num_local_prefills: requests prefilled on their decode worker.
         num_failed: requests that found no decode KV within the router's reserve timeout.
+        runs: simulations laid end to end in this result (`end_to_end`); the counts above
+            are over all of them.
     """
 
     arrival: np.ndarray
@@ -126,6 +128,24 @@ class SimResult:
     num_preemptions: int = 0
     num_local_prefills: int = 0
     num_failed: int = 0
+    runs: int = 1
+
+    @classmethod
+    def end_to_end(cls, results: Sequence[SimResult]) -> SimResult:
+        """Several runs as one, laid end to end on the clock: each starts where the one
+        before it ended, so the whole's percentiles are over every run's requests and its
+        duration is the sum of theirs (goodput and throughput stay per second)."""
+        shifted, start = [], 0.0
+        for r in results:
+            offset = start - float(r.arrival.min())
+            shifted.append((r.arrival + offset, r.first_token + offset, r.finish + offset))
+            start += r.duration
+        arrival, first, finish = (np.concatenate(parts) for parts in zip(*shifted, strict=True))
+        return cls(arrival, first, finish, np.concatenate([r.output_len for r in results]),
+                   sum(r.num_steps for r in results), sum(r.busy_s for r in results),
+                   sum(r.num_preemptions for r in results),
+                   sum(r.num_local_prefills for r in results),
+                   sum(r.num_failed for r in results), sum(r.runs for r in results))
 
     @property
     def ttft(self) -> np.ndarray:

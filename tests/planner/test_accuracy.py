@@ -4,6 +4,7 @@ from the calibration taken just before it."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,12 +23,14 @@ from planner.accuracy import (
     predict_during,
     predict_point,
     predicted_points,
+    resimulate,
     scale_to_probes,
     scale_to_steps,
     workload_slo,
 )
 from planner.plan import PlanRequest, SloSpec, predict
 from planner.profile import LinearModel, Profile
+from planner.validate import errors
 from tests.planner.synthetic import synthetic_profile
 
 PREFILL = (0.01, 0.002, 0.001, 0.0005)
@@ -370,3 +373,41 @@ def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -
     true = replace(true, step_cv=spread)
     expected = predict(PlanRequest(true, true, requests, SloSpec(point["slo"])), shape)
     assert during["predicted"] == pytest.approx(expected)
+
+
+def test_a_run_is_resimulated_from_the_calibration_it_kept(tmp_path: Path) -> None:
+    """`resimulate`: the profile scaled by each kept calibration record (`scaled_by`: the
+    record's factors, including the batch sizes the table lacked, and its spread) and each
+    point's regenerated trace give back the run's own predictions exactly; a point never
+    measured is left out."""
+    profile = table_profile()
+    profile.save(tmp_path / "profile.json")
+    shape = parse_config("1C")
+    scaled, record = scale_to_probes(profile, probes(machine(
+        profile, {1: 1.3, 2: 0.8, 4: 1.1, 8: 1.0, 16: 1.2, 32: 1.2}, 1.1, 1.4)))
+    during_profile, during_record = scale_to_probes(profile, probes(uniform(profile, 1.2)))
+    # A spread in the during-speed record only: with one in the forecast's, each of the
+    # maximum-rate search's simulations of a 20-request trace would run 80 times.
+    during_record["step_cv"] = 0.1
+    during_profile = replace(during_profile, step_cv=0.1)
+    points = []
+    for point, requests in predicted_points(profile, shape, 20, 3, lambda _: (scaled, record)):
+        during = predict(PlanRequest(during_profile, during_profile, requests,
+                                     SloSpec(point["slo"])), shape)
+        measured = {**during, "ttft_p50_ms": 2 * during["ttft_p50_ms"]}
+        points.append({**point, "measured": measured, "error": {},
+                       "during": {"predicted": during, "calibration": during_record}})
+    unmeasured = {k: v for k, v in points[0].items() if k != "measured"}
+    doc = {"config": "1C-t1", "profile": str(tmp_path / "profile.json"), "seed": 3,
+           "num_requests": 20, "points": [*points, unmeasured]}
+
+    again = resimulate(doc)
+
+    assert len(again["points"]) == len(points) == 4
+    for point, new in zip(points, again["points"], strict=True):
+        assert new["predicted"] == pytest.approx(point["predicted"])
+        assert new["error"] == errors(point["predicted"], point["measured"])
+        assert new["error"]["ttft_p50_ms"] == pytest.approx(
+            point["predicted"]["ttft_p50_ms"] / point["measured"]["ttft_p50_ms"] - 1)
+        assert new["during"]["predicted"] == pytest.approx(point["during"]["predicted"])
+        assert new["during"]["error"]["ttft_p50_ms"] == pytest.approx(-0.5)

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cluster.cli import main
-from planner.plan import PlanRequest, SloSpec, at_rate, load_trace, plan, trace_rate
+from planner.plan import (
+    PlanRequest,
+    SloSpec,
+    at_rate,
+    load_trace,
+    plan,
+    predict,
+    simulate,
+    trace_rate,
+)
 from planner.profile import Profile
+from planner.simulator import ClusterShape, Simulation
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
 
 # A 1000-token prompt takes 1 s to prefill, a 32-token one 34 ms; a decode step 10 ms.
@@ -111,6 +122,34 @@ def test_rate_rescales_the_trace() -> None:
     assert [r.arrival for r in faster] == pytest.approx(np.arange(11) * 0.5)
     with pytest.raises(ValueError, match="all arrive at once"):
         at_rate(trace(np.zeros(3), random_prompts(3, 20, seed=9), 4), 1.0)
+
+
+def test_a_spread_profile_is_simulated_until_enough_requests_and_the_runs_pooled() -> None:
+    """With a step spread, 25 requests and `simulated_requests=60` make three runs (seeds
+    0, 1, 2) laid end to end: each run's latencies unchanged, the duration their sum, the
+    counts summed and the predicted preemptions per run; without a spread, one run."""
+    requests = trace(poisson_arrivals(25, 4.0, seed=13), random_prompts(25, 300, seed=14), 8)
+    spread = replace(PROFILE, step_cv=0.3)
+    shape = ClusterShape("colocated", 0, 1, 512, 64)
+    slo = SloSpec.parse("ttft_p90_ms=1000")
+
+    pooled = simulate(PlanRequest(spread, spread, requests, slo, simulated_requests=60), shape)
+
+    runs = [Simulation(shape, spread, spread, seed).run(requests) for seed in range(3)]
+    assert pooled.runs == 3
+    np.testing.assert_allclose(pooled.ttft, np.concatenate([r.ttft for r in runs]))
+    np.testing.assert_allclose(pooled.tpot, np.concatenate([r.tpot for r in runs]))
+    assert pooled.duration == pytest.approx(sum(r.duration for r in runs))
+    assert pooled.num_steps == sum(r.num_steps for r in runs)
+    assert len({r.duration for r in runs}) == 3  # the seeds differ
+    predicted = predict(PlanRequest(spread, spread, requests, slo, simulated_requests=60),
+                        shape)
+    assert predicted["attainment"] == pytest.approx(
+        np.mean([(r.ttft <= 1.0).mean() for r in runs]))
+    exact = simulate(PlanRequest(PROFILE, PROFILE, requests, slo, simulated_requests=60), shape)
+    assert exact.runs == 1
+    with pytest.raises(ValueError, match="simulated_requests must be >= 1"):
+        PlanRequest(PROFILE, PROFILE, requests, slo, simulated_requests=0)
 
 
 def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
