@@ -239,9 +239,9 @@ class ServingCalibrator:
     each point this sends a probe stream through the router (fresh random prompts, no
     prefix hits): for each batch size in `PROBE_BATCHES`, that many requests per decoding
     worker at once, then prompts of each `prefill_prompts` length one at a time; and it
-    reads the workers' own step totals (`EngineLoop.step_totals`, in `Status`) before and after each
-    group: the mean measured step of every batch size and the prompt steps' measured and
-    modelled time (a prefill worker's with the profile's role factor) feed
+    reads the workers' own step totals (`EngineLoop.step_totals`, in `Status`) before and
+    after each group: the mean measured step of every batch size and the prompt steps'
+    measured and modelled time (a prefill worker's with the profile's role factor) feed
     `scale_profile`. Steps taken while host-mates were stepping too (every decoding
     worker is busy in a decode group) are divided by the profile's neighbour slowdown
     for them, which the simulator applies again where it happens.
@@ -624,9 +624,8 @@ def resimulate(doc: dict[str, Any]) -> dict[str, Any]:
 
     def again(point: dict[str, Any], record: dict[str, Any] | None,
               requests: list[SimRequest]) -> dict[str, Any]:
-        scaled = profile if record is None else scaled_by(profile, record["factors"])
-        if record is not None and "step_cv" in record:
-            scaled = replace(scaled, step_cv=record["step_cv"])
+        scaled = profile if record is None else replace(
+            scaled_by(profile, record["factors"]), step_cv=record.get("step_cv", profile.step_cv))
         predicted = predict(PlanRequest(scaled, scaled, requests, SloSpec(point["slo"])), shape)
         return {"predicted": predicted, "error": errors(predicted, point["measured"])}
 

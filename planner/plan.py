@@ -254,7 +254,7 @@ def simulate(request: PlanRequest, shape: ClusterShape,
     runs = -(-request.simulated_requests // len(trace)) if spread else 1
     return SimResult.end_to_end([
         Simulation(shape, request.prefill_profile, request.decode_profile, seed).run(trace)
-        for seed in range(max(runs, 1))])
+        for seed in range(runs)])
 
 
 def predict(request: PlanRequest, shape: ClusterShape) -> dict[str, Any]:

@@ -146,6 +146,7 @@ def test_a_spread_profile_is_simulated_until_enough_requests_and_the_runs_pooled
                         shape)
     assert predicted["attainment"] == pytest.approx(
         np.mean([(r.ttft <= 1.0).mean() for r in runs]))
+    assert predicted["num_preemptions"] == sum(r.num_preemptions for r in runs) / 3
     exact = simulate(PlanRequest(PROFILE, PROFILE, requests, slo, simulated_requests=60), shape)
     assert exact.runs == 1
     with pytest.raises(ValueError, match="simulated_requests must be >= 1"):
