@@ -1,7 +1,7 @@
 """The autoscaling experiment: a mix that shifts from prefill-heavy to decode-heavy while its
 rate steps up, served by the SLO autoscaler and by every fixed split of its size.
 
-    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 150] [--arms ...]
+    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 300,150] [--arms ...]
     python -m planner.autoscale_run --profile P.json --out DIR --more --arms ...
 
 Phase A sends documents to summarise (768-1280 prompt tokens, above the local-prefill
@@ -13,19 +13,24 @@ of this machine: the splits are 1P+1D and 0P+2D (no prefill pool: the decode wor
 prefill every prompt). In phase A 1P+1D keeps the multi-second prefills away from the
 answers decoding (on 0P+2D each one stalls every answer decoding beside it); in phase B its
 prefill worker idles while one decode worker carries every answer, and 0P+2D has two.
+Phase A lasts 300 s and phase B 150 s: phase B's rate is about three times phase A's, and
+with equal lengths (the twelfth run and before) three requests in four were phase B's, so
+the overall attainment weighed mostly the mix the autoscaler must first notice.
 
 The profile is first scaled to the steps a 1P+1D server runs now (`ServingCalibrator`, as
 the accuracy runs do: the VM drifts, and serving workers step slower than a bare engine)
 and saved; the SLO and phase A's rate come from it (`experiment_slo`, `choose_rate`).
-Phase B's rate is measured on the same server (`measure_rate_b`): sqrt(2) times the lowest
-rate at which 1P+1D misses the SLO on short probes of phase B's mix (fresh requests, not
-the trace's), midway between that and where 0P+2D misses. Twice the predicted rate did not
-separate the splits (one decode worker carried it), and the experiment is about a mix the
-fixed splits serve differently, not about the prediction; the autoscaler still decides
-from its own predictions. The same trace (same prompts, arrivals and lengths) is then served on
-local Ray by each arm, in the order autoscale, 0P+2D, 1P+1D, 0P+2D, autoscale (the
-machine's speed drifts within minutes; in this order every arm's runs have the same mean
-position in time, and each arm's requests are pooled):
+Phase B's rate is measured (`calibrate`): on short probes of phase B's mix (fresh
+requests, not the trace's), the lowest rate at which 1P+1D misses the SLO and the lowest at
+which 0P+2D does, each on its own server; phase B runs geometrically midway between them,
+where each split is as far from its turn as the other. (Twice the predicted rate did not
+separate the splits, and sqrt(2) times 1P+1D's miss alone put phase B where 0P+2D itself
+barely met the SLO.) The experiment is about a mix the fixed splits serve differently, not
+about the prediction; the autoscaler still decides from its own predictions. The same
+trace (same prompts, arrivals and lengths) is then served on local Ray by each arm, in the
+order autoscale, 0P+2D, 1P+1D, 0P+2D, autoscale (the machine's speed drifts within
+minutes; in this order every arm's runs have the same mean position in time, and each
+arm's requests are pooled):
 
 - `autoscale`: `pdcluster serve --autoscale --min-prefill 0` starting at 1P+1D, 2 workers;
 - `1P+1D` and `0P+2D`: the fixed splits of the same size.
@@ -42,7 +47,8 @@ import argparse
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -52,7 +58,14 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.experiments import report_records
-from bench.runner import RunSettings, Target, bench_run, markdown_table, pdcluster_serve
+from bench.runner import (
+    Endpoints,
+    RunSettings,
+    Target,
+    bench_run,
+    markdown_table,
+    pdcluster_serve,
+)
 from bench.traces import arrival_times
 from cluster.autoscaler import serving
 from planner.accuracy import PROBE_PREFILL, ServingCalibrator, random_request
@@ -76,10 +89,9 @@ PHASES = {"prefill-heavy": [(DOCUMENT, 0.35), (SHORT_CHAT, 0.65)],
 # costs about the same from batch 4 to 16 here, so one decode worker carried the load the
 # simulator, with its narrower spread of per-request TPOT, had it miss).
 RATE_POSITION = {"prefill-heavy": 0.35, "decode-heavy": 0.5}
-# Phase B's rate probes (`measure_rate_b`): seconds per rate, the step between rates, the
-# attainment below which 1P+1D misses, at most this many rates, and phase B's rate over
-# the first that 1P+1D misses at.
-_PROBE_S, _PROBE_STEP, _PROBE_MISS, _PROBE_MAX, _BEYOND = 45.0, 1.15, 0.85, 8, 2 ** 0.5
+# Phase B's rate probes (`calibrate`, `rate_probe`): seconds per rate, the step between rates, the
+# attainment below which a split misses, at most this many rates per split.
+_PROBE_S, _PROBE_STEP, _PROBE_MISS, _PROBE_MAX = 45.0, 1.15, 0.85, 8
 # Requests per prediction while choosing the rates: fewer leave a percentile of a few
 # dozen requests, which moves by 10 points between seeds.
 RATE_REQUESTS = 240
@@ -96,8 +108,9 @@ AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill",
                     "--autoscale-interval", "5", "--autoscale-window", "20",
                     "--autoscale-cooldown", "20", "--autoscale-reuse", "0.2"]
 _BIN_S = 15.0
-# Decode batch sizes whose chat TPOT the experiment's TPOT bound averages (`experiment_slo`).
-_SLO_BATCHES = range(2, 7)
+# Decode batch sizes whose chat TPOT the experiment's TPOT bound averages, and the bound
+# over that mean (`experiment_slo`).
+_SLO_BATCHES, _TPOT_HEADROOM = range(2, 7), 1.7
 _CANDIDATE_RATES = np.round(np.geomspace(0.1, 8.0, 40), 3)
 
 
@@ -119,15 +132,21 @@ def shape(split: tuple[int, int]) -> ClusterShape:
 
 def experiment_slo(profile: Profile) -> SloSpec:
     """TTFT p90 4x a document's predicted unloaded p50 TTFT (one at a time on 1P+1D), TPOT
-    p90 1.3x a chat turn's p50 TPOT averaged over 2 to 6 decoding together
-    (`_SLO_BATCHES`). One SLO for every request, as the autoscaler takes one: a chat turn's
-    first token has the documents' bound too. The TPOT bound is set from batches, not one
-    request alone: a batch-2 decode step costs 1.8-2.6x a batch-1 step on this machine's
-    BLAS, and a bound from batch 1 would forbid the batching a decode worker exists for.
-    From a mean over several, not one batch size: the step is jagged in the batch size
-    (calibrated on the serving workers: batch 4 71 ms, 2, 3, 5 and 6 85-105 ms), and a
-    bound from one size would land on whichever entry that is (the ninth run's, from batch
-    4, 99 ms, lay below the steps of batches 3, 5 and 6, and every arm attained 57-71 %)."""
+    p90 `_TPOT_HEADROOM` (1.7) x a chat turn's p50 TPOT averaged over 2 to 6 decoding
+    together (`_SLO_BATCHES`). One SLO for every request, as the autoscaler takes one: a
+    chat turn's first token has the documents' bound too. The TPOT bound is set from
+    batches, not one request alone: a batch-2 decode step costs 1.8-2.6x a batch-1 step on
+    this machine's BLAS, and a bound from batch 1 would forbid the batching a decode worker
+    exists for. From a mean over several, not one batch size: the step is jagged in the
+    batch size (calibrated on the serving workers: batch 4 71 ms, 2, 3, 5 and 6 85-105 ms).
+
+    The headroom keeps a decode worker's ordinary steps inside the bound, so that what
+    misses it is what the splits differ in: a prefill beside the decoding answers (0P+2D in
+    phase A) and a decode worker whose batch climbs past the flat part of its step curve
+    (about 24 here; 1P+1D in phase B). With 1.3x (113 ms in the twelfth run) every split's
+    phase-B chat TPOT p50 lay at 102-136 ms, astride the bound: a few per cent of drift
+    moved an arm's phase-B attainment by 40 points, and two runs of one arm differed by
+    more than the arms did."""
     base = SloSpec({"ttft_p90_ms": 1e9})
 
     def probe(kind: tuple[tuple[int, int], tuple[int, int]], together: int, num: int
@@ -140,7 +159,7 @@ def experiment_slo(profile: Profile) -> SloSpec:
 
     tpot = np.mean([probe(CHAT, b, 60)["tpot_p50_ms"] for b in _SLO_BATCHES])
     return SloSpec({"ttft_p90_ms": round(4 * probe(DOCUMENT, 1, 20)["ttft_p50_ms"], 1),
-                    "tpot_p90_ms": round(1.3 * float(tpot), 1)})
+                    "tpot_p90_ms": round(_TPOT_HEADROOM * float(tpot), 1)})
 
 
 def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int],
@@ -170,20 +189,9 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     return round(float(window[0] ** (1 - position) * window[-1] ** position), 3)
 
 
-def measure_rate_b(target: Target, profile: Profile, slo: SloSpec, rate_a: float
-                   ) -> tuple[float, list[dict[str, float]]]:
-    """Phase B's rate, measured on a 1P+1D server: `_PROBE_S` of phase B's mix per rate
-    (its own seed), from the middle of the predicted window (`first_miss`); phase B's
-    rate is `_BEYOND` times the lowest rate at which 1P+1D attains below `_PROBE_MISS`.
-    Returns the rate and every probe.
-
-    Measured (SmolLM2, this machine, one afternoon): one decode worker met the SLO at
-    1.0 req/s (97 %) and missed it at 1.4 (61 %) and 2.0 (5 %); 0P+2D met it at 1.0 (90 %)
-    and 1.4 (99 %) and missed at 2.0 (45 %). Two decode workers carry about twice one's
-    rate, and sqrt(2) times the first miss sits geometrically midway between that and
-    twice it: the split a minute's drift moves least across. (The sixth run used the first
-    miss itself, 1.0 req/s, where the trace's 1P+1D then measured 94-95 %.)
-    """
+def rate_probe(target: Target, slo: SloSpec) -> Callable[[float], float]:
+    """A probe of phase B's mix on `target`: `_PROBE_S` seconds of fresh requests (their
+    own seed) at a rate, answering the fraction that met the SLO."""
     check = bench_slo(slo)
     settings = RunSettings(config={"experiment": "autoscale", "arm": "rate probe"})
 
@@ -194,17 +202,14 @@ def measure_rate_b(target: Target, profile: Profile, slo: SloSpec, rate_a: float
                            out=None, settings=settings, slo=check)
         return float(np.mean([check.met(r) for r in report_records(report)]))
 
-    start = choose_rate(profile, slo, "decode-heavy", SPLITS["0P+2D"], SPLITS["1P+1D"],
-                        RATE_REQUESTS, above=rate_a)
-    rate, probes = first_miss(start, probe)
-    return round(rate * _BEYOND, 3), probes
+    return probe
 
 
-def first_miss(start: float, probe: Callable[[float], float]
+def first_miss(name: str, start: float, probe: Callable[[float], float]
                ) -> tuple[float, list[dict[str, float]]]:
     """The lowest rate, on a grid of `_PROBE_STEP` steps through `start`, whose `probe`
-    (attainment) is below `_PROBE_MISS` while the next lower one's is not: up from `start`
-    while it meets, down while it misses. Returns it and every probe.
+    (split `name`'s attainment) is below `_PROBE_MISS` while the next lower one's is not:
+    up from `start` while it meets, down while it misses. Returns it and every probe.
 
     Raises:
         RuntimeError: no turn within `_PROBE_MAX` probes.
@@ -224,15 +229,19 @@ def first_miss(start: float, probe: Callable[[float], float]
             return missed[-1], probes
         else:
             rate = round(rate * _PROBE_STEP, 3)
-    raise RuntimeError(f"no rate where 1P+1D turns from meeting the SLO to missing it: {probes}")
+    raise RuntimeError(f"no rate where {name} turns from meeting the SLO to missing it: "
+                       f"{probes}")
 
 
-def build_trace(phase_s: float, slo: SloSpec, rate_a: float, rate_b: float) -> dict[str, Any]:
-    """The whole trace at the phases' rates."""
-    first = phase_requests("prefill-heavy", max(int(rate_a * phase_s), 1), rate_a, 0.0, 21)
-    first = [r for r in first if r.arrival < phase_s]
-    second = phase_requests("decode-heavy", max(int(rate_b * phase_s), 1), rate_b, phase_s, 22)
-    second = [r for r in second if r.arrival < 2 * phase_s]
+def build_trace(phase_s: tuple[float, float], slo: SloSpec, rate_a: float, rate_b: float
+                ) -> dict[str, Any]:
+    """The whole trace at the phases' rates, phase A lasting `phase_s[0]` seconds and phase
+    B `phase_s[1]`."""
+    a_s, b_s = phase_s
+    first = phase_requests("prefill-heavy", max(int(rate_a * a_s), 1), rate_a, 0.0, 21)
+    first = [r for r in first if r.arrival < a_s]
+    second = phase_requests("decode-heavy", max(int(rate_b * b_s), 1), rate_b, a_s, 22)
+    second = [r for r in second if r.arrival < a_s + b_s]
     return {"slo": slo, "rates": {"prefill-heavy": rate_a, "decode-heavy": rate_b},
             "requests": first + second, "phases": ["prefill-heavy"] * len(first)
             + ["decode-heavy"] * len(second)}
@@ -282,46 +291,75 @@ class Poller:
         return out
 
 
+@contextmanager
+def server(flags: list[str], profile: Profile, log: Path) -> Iterator[Endpoints]:
+    """A warmed-up `pdcluster serve` with `flags`."""
+    with pdcluster_serve("smollm2", flags, log) as endpoints:
+        target = grpc_target(endpoints)
+        warm = warmup_requests({"local_prefill_threshold": LOCAL_PREFILL_THRESHOLD}, profile)
+        bench_run(target, warm, ["warm-up"] * len(warm), label="warm-up", out=None,
+                  settings=RunSettings(config={"experiment": "autoscale", "arm": "warm-up"}),
+                  max_concurrency=1)
+        yield endpoints
+
+
+def grpc_target(endpoints: Endpoints) -> Target:
+    return Target("grpc", endpoints.grpc, endpoints.grpc)
+
+
 def run_arm(name: str, flags: list[str], trace: dict[str, Any], profile: Profile, out: Path
             ) -> dict[str, Any]:
     """Serve one arm, replay the trace, return its report and timeline."""
-    slo, requests = trace["slo"], trace["requests"]
-    sent = trace_requests(requests)
     settings = RunSettings(config={"experiment": "autoscale", "arm": name})
-    with pdcluster_serve("smollm2", flags, out / name / "serve.log") as endpoints:
-        target = Target("grpc", endpoints.grpc, endpoints.grpc)
-        warm_up(target, settings, profile)
-        with Poller(endpoints.grpc, endpoints.http) as poller:
-            report = bench_run(target, sent, trace["phases"], label=name, out=out / name,
-                               settings=settings, slo=bench_slo(slo))
+    with server(flags, profile, out / name / "serve.log") as endpoints, \
+            Poller(endpoints.grpc, endpoints.http) as poller:
+        report = bench_run(grpc_target(endpoints), trace_requests(trace["requests"]),
+                           trace["phases"], label=name, out=out / name, settings=settings,
+                           slo=bench_slo(trace["slo"]))
     return {"report": report, "timeline": poller.samples}
 
 
-def warm_up(target: Target, settings: RunSettings, profile: Profile) -> None:
-    """A few requests on a fresh server, local and remote prefills both (`warmup_requests`)."""
-    warm = warmup_requests({"local_prefill_threshold": LOCAL_PREFILL_THRESHOLD}, profile)
-    bench_run(target, warm, ["warm-up"] * len(warm), label="warm-up", out=None,
-              settings=settings, max_concurrency=1)
-
-
-def calibrate(profile: Profile, flags: list[str], phase_s: float, out: Path
+def calibrate(profile: Profile, flags: list[str], phase_s: tuple[float, float], out: Path
               ) -> tuple[Profile, dict[str, Any], dict[str, Any]]:
-    """On one 1P+1D server: the profile scaled to the steps it runs now
-    (`ServingCalibrator`), the SLO and phase A's rate from that profile, phase B's rate
-    measured (`measure_rate_b`). Returns the profile, the calibration with the rate
-    probes, and the trace."""
-    with pdcluster_serve("smollm2", [*flags, "--prefill", "1", "--decode", "1"],
-                         out / "calibration" / "serve.log") as endpoints:
-        target = Target("grpc", endpoints.grpc, endpoints.grpc)
-        warm_up(target, RunSettings(config={"experiment": "autoscale", "arm": "calibration"}),
-                profile)
+    """On a 1P+1D server: the profile scaled to the steps it runs now
+    (`ServingCalibrator`), the SLO and phase A's rate from that profile, and the lowest
+    rate of phase B's mix at which 1P+1D misses the SLO (`first_miss` on `rate_probe`s
+    from the middle of the predicted window); then on a 0P+2D server the lowest at which
+    it misses (from twice 1P+1D's). Phase B runs at the geometric mean of the two misses,
+    as far from each split's turn as from the other's. Returns the profile, the
+    calibration with the rate probes, and the trace.
+
+    Measured (SmolLM2, this machine, one afternoon, a 1.3x TPOT bound): one decode worker
+    met the SLO at 1.0 req/s (97 %) and missed it at 1.4 (61 %) and 2.0 (5 %); 0P+2D met it
+    at 1.0 (90 %) and 1.4 (99 %) and missed at 2.0 (45 %). In the twelfth run phase B ran at
+    sqrt(2) times 1P+1D's miss (1.07 req/s), and 0P+2D attained 61-76 % there: two decode
+    workers on two cores carry less than twice one's rate, and only a probe of 0P+2D says
+    how much.
+
+    Raises:
+        ValueError: 0P+2D misses phase B's mix at no higher rate than 1P+1D.
+    """
+    def split_flags(name: str) -> list[str]:
+        prefill, decode = SPLITS[name]
+        return [*flags, "--prefill", str(prefill), "--decode", str(decode)]
+
+    with server(split_flags("1P+1D"), profile, out / "calibration" / "serve.log") as endpoints:
+        target = grpc_target(endpoints)
         scaled, calibration = ServingCalibrator(profile, shape(SPLITS["1P+1D"]), target,
                                                 prefill_prompts=CALIBRATION_PROMPTS)()
         slo = experiment_slo(scaled)
         rate_a = choose_rate(scaled, slo, "prefill-heavy", SPLITS["1P+1D"], SPLITS["0P+2D"],
                              RATE_REQUESTS)
-        rate_b, probes = measure_rate_b(target, scaled, slo, rate_a)
-    calibration["rate_probes"] = probes
+        start = choose_rate(scaled, slo, "decode-heavy", SPLITS["0P+2D"], SPLITS["1P+1D"],
+                            RATE_REQUESTS, above=rate_a)
+        one, one_probes = first_miss("1P+1D", start, rate_probe(target, slo))
+    with server(split_flags("0P+2D"), profile, out / "probe-0P+2D" / "serve.log") as endpoints:
+        two, two_probes = first_miss("0P+2D", 2 * one, rate_probe(grpc_target(endpoints), slo))
+    if two <= one:
+        raise ValueError(f"phase B: 0P+2D misses the SLO at {two:g} req/s, no higher than "
+                         f"1P+1D ({one:g}); nothing to separate")
+    calibration["rate_probes"] = {"1P+1D": one_probes, "0P+2D": two_probes}
+    rate_b = round(float(np.sqrt(one * two)), 3)
     return scaled, calibration, build_trace(phase_s, slo, rate_a, rate_b)
 
 
@@ -349,7 +387,8 @@ def binned_attainment(reports: list[dict[str, Any]], slo: SloSpec
     return [(k * _BIN_S, float(np.mean(v))) for k, v in sorted(bins.items())]
 
 
-def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, phase_s: float) -> None:
+def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, shift_s: float
+         ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,18 +420,25 @@ def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, phase_s: 
     bottom.set_xlabel("seconds (arrival)")
     bottom.legend(loc="lower left", fontsize=8)
     for ax in (top, bottom):
-        ax.axvline(phase_s, color="black", linewidth=0.8)
+        ax.axvline(shift_s, color="black", linewidth=0.8)
     top.set_title("documents + chat (prefill-heavy)  |  chat (decode-heavy, higher rate)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def phase_durations(text: str) -> tuple[float, float]:
+    """`A,B` (or one number for both) as the seconds of phase A and phase B."""
+    a, _, b = text.partition(",")
+    return float(a), float(b or a)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phase-s", type=float, default=150.0, help="seconds per phase")
+    parser.add_argument("--phase-s", type=phase_durations, default=(300.0, 150.0),
+                        help="seconds of phase A and of phase B (A,B; one number for both)")
     parser.add_argument("--more", action="store_true",
                         help="serve more arms on the trace of the run already in --out (its "
                              "calibrated profile, SLO and rates; no new calibration) and pool "
@@ -416,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.more:
         before = json.loads((args.out / "summary.json").read_text())
         profile, calibration = Profile.load(profile_path), before["calibration"]
-        args.phase_s, order = before["phase_s"], before["order"]
+        durations, order = before["phase_s"], before["order"]  # one number before two
+        args.phase_s = tuple(durations) if isinstance(durations, list) else (durations,) * 2
         trace = build_trace(args.phase_s, SloSpec(**before["slo"]),
                             before["rates"]["prefill-heavy"], before["rates"]["decode-heavy"])
         for index, name in enumerate(order):
@@ -462,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                         for name, r in results.items()}}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if "autoscale" in results:
-        plot(args.out / "timeline.png", results, slo, args.phase_s)
+        plot(args.out / "timeline.png", results, slo, args.phase_s[0])
     return 0
 
 

@@ -14,6 +14,7 @@ from planner.autoscale_run import (
     choose_rate,
     experiment_slo,
     first_miss,
+    phase_durations,
     phase_requests,
     shape,
 )
@@ -25,14 +26,15 @@ PROFILE = Path(__file__).parents[2] / "bench" / "results" / "planner" / "smollm2
 
 def test_the_phases_rates_favour_opposite_splits() -> None:
     """Phase A's rate: 1P+1D is predicted to meet the SLO and 0P+2D to miss it; phase B's
-    first probe (higher): the reverse. The trace holds phase A's requests, then phase B's."""
+    first probe (higher): the reverse. The trace holds phase A's requests for its 80 s, then
+    phase B's for 40."""
     profile = Profile.load(PROFILE)
     one, none = SPLITS["1P+1D"], SPLITS["0P+2D"]
     slo = experiment_slo(profile)
 
     rate_a = choose_rate(profile, slo, "prefill-heavy", one, none, RATE_REQUESTS)
     rate_b = choose_rate(profile, slo, "decode-heavy", none, one, RATE_REQUESTS, above=rate_a)
-    trace = build_trace(60, slo, rate_a, rate_b)
+    trace = build_trace((80, 40), slo, rate_a, rate_b)
 
     rates = trace["rates"]
     assert rates == {"prefill-heavy": rate_a, "decode-heavy": rate_b} and rate_b > rate_a
@@ -45,7 +47,7 @@ def test_the_phases_rates_favour_opposite_splits() -> None:
     assert arrivals == sorted(arrivals) and arrivals[-1] < 120
     phases = trace["phases"]
     assert phases == sorted(phases, key=lambda p: p != "prefill-heavy")
-    assert all((r.arrival < 60) == (p == "prefill-heavy")
+    assert all((r.arrival < 80) == (p == "prefill-heavy")
                for r, p in zip(trace["requests"], phases, strict=True))
 
 
@@ -56,7 +58,7 @@ def test_phase_bs_probes_find_the_lowest_rate_that_misses(start: float) -> None:
     def probe(rate: float) -> float:
         return 0.95 if rate < 1.2 else 0.6
 
-    rate, probes = first_miss(start, probe)
+    rate, probes = first_miss("1P+1D", start, probe)
 
     rates = [p["rate"] for p in probes]
     assert rate >= 1.2 and rate / 1.15 < 1.2 + 1e-3
@@ -66,5 +68,12 @@ def test_phase_bs_probes_find_the_lowest_rate_that_misses(start: float) -> None:
 
 
 def test_phase_bs_probes_fail_clearly_without_a_turn() -> None:
-    with pytest.raises(RuntimeError, match="no rate where 1P\\+1D turns"):
-        first_miss(1.0, lambda rate: 1.0)
+    with pytest.raises(RuntimeError, match="no rate where 0P\\+2D turns"):
+        first_miss("0P+2D", 1.0, lambda rate: 1.0)
+
+
+def test_phase_lengths_are_read_as_a_then_b_or_one_for_both() -> None:
+    assert phase_durations("300,150") == (300.0, 150.0)
+    assert phase_durations("150") == (150.0, 150.0)
+    with pytest.raises(ValueError):
+        phase_durations("long")
