@@ -73,7 +73,7 @@ def _autoscaler(args: argparse.Namespace) -> Any:
         max_workers=args.max_workers or max(low, 2), min_prefill=args.min_prefill,
         interval_s=args.autoscale_interval,
         window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown,
-        reuse_tolerance=args.autoscale_reuse,
+        min_requests=args.autoscale_min_requests, reuse_tolerance=args.autoscale_reuse,
         local_prefill_threshold=args.local_prefill_threshold,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     return Autoscaler(config, profile, profile)
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--autoscale-interval", type=float, default=10.0, help="seconds")
     auto.add_argument("--autoscale-window", type=float, default=60.0, help="seconds")
     auto.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds")
+    auto.add_argument("--autoscale-min-requests", type=int, default=10,
+                      help="fewest requests a decision looks at: while the window holds "
+                           "fewer, it reaches back by whole windows")
     auto.add_argument("--autoscale-reuse", type=float, default=0.1,
                       help="hold without simulating while the window's rate and mean "
                            "lengths stay within this fraction of the last simulated hold's "

@@ -13,7 +13,9 @@ bounds, and decides:
 - **scale down** only when a cheaper split meets the SLO at the observed rate times
   `1 + headroom` (hysteresis: a rate hovering at a boundary does not flap);
 - **hold** otherwise, during the cool-down after a change, or when the window holds too
-  few requests to estimate a rate;
+  few requests to estimate a rate (the router's window reaches back by whole window
+  lengths until it holds `min_requests`, so this happens only when the whole history
+  kept does not);
 - **hold without simulating** when the window's rate and mean prompt and output lengths
   are each within `reuse_tolerance` of the last simulated hold on the same split: the
   simulations are the policy's whole cost, and on a machine whose cores all serve they
@@ -51,10 +53,12 @@ class AutoscalerConfig:
             the prefill pool when the load is better served by decode workers that
             prefill every prompt themselves (a decode-heavy mix).
         interval_s: seconds between decisions.
-        window_s: seconds of history each decision looks at.
+        window_s: seconds of history each decision looks at (whole multiples of it while
+            that holds fewer than `min_requests`; `RecordingBackend.window`).
         cooldown_s: seconds after a change during which nothing changes.
         headroom: scale down only if the smaller split holds at rate x (1 + headroom).
-        min_requests: fewest requests in a window to act on.
+        min_requests: fewest requests in a window to act on; the router's window reaches
+            back until it holds this many.
         reuse_tolerance: hold without simulating while the window's rate and mean lengths
             are within this relative distance of the last simulated hold's (0: simulate
             every decision).

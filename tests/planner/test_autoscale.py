@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
-from cluster.cli import main
+from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend, _Seen
+from cluster.cli import _autoscaler, build_parser, main
 from engine import SamplingParams
 from planner.autoscale import Autoscaler, AutoscalerConfig, Window
 from planner.plan import SloSpec
@@ -239,7 +239,7 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
             request = GenerateRequest(f"r{i}", [5] * 1000, SamplingParams(max_tokens=9), 0.0)
             assert len([d async for d in front.generate(request)]) == 3
         now = front._seen[-1].arrival + 1e-3
-        recorded = front.window(now - 60.0, now)
+        recorded = front.window(now, 60.0)
         first = await loop.step(now)
         # The policy process keeps its state: the next step is in the cool-down.
         return recorded, first, await loop.step(now + 1.0)
@@ -263,6 +263,26 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
                                      {"role": "prefill"}) == decision.prefill
     assert registry.get_sample_value("pdcluster:autoscaler_estimated_rate_rps") == \
         pytest.approx(1.0)
+
+
+def test_a_slow_streams_window_reaches_back_by_whole_lengths_to_hold_enough_requests(
+        ) -> None:
+    """The last 10 s, or 20, 30, ... s: the shortest holding `min_requests`, within the
+    horizon (45 s: arrivals before 15 s are forgotten); the last 10 s when even the whole
+    history holds fewer."""
+    front = RecordingBackend(FakeCluster(output=1), horizon_s=45.0)
+    front._seen.extend(_Seen(float(t), 100 + t, 5) for t in (1, 5, 16, 30, 45, 52, 58))
+
+    def seen(min_requests: int) -> tuple[float, list[float], list[int]]:
+        window = front.window(60.0, 10.0, min_requests)
+        assert window.end == 60.0 and window.rate == len(window.arrivals) / (60 - window.start)
+        return window.start, list(window.arrivals), list(window.prompt_lens)
+
+    assert seen(0) == seen(2) == (50.0, [52.0, 58.0], [152, 158])
+    assert seen(3) == (40.0, [45.0, 52.0, 58.0], [145, 152, 158])
+    assert seen(4) == (30.0, [30.0, 45.0, 52.0, 58.0], [130, 145, 152, 158])
+    assert seen(5) == (15.0, [16.0, 30.0, 45.0, 52.0, 58.0], [116, 130, 145, 152, 158])
+    assert seen(6) == seen(2)
 
 
 def test_the_policy_runs_in_a_low_priority_process_that_is_replaced_if_it_dies() -> None:
@@ -304,6 +324,19 @@ def test_serve_autoscale_refuses_a_profile_of_another_model(
     assert main(["serve", "--model", "tiny", "--autoscale", "--grpc-port", "0",
                  "--http-port", "0"]) == 2
     assert "--autoscale needs --profile and --slo" in capsys.readouterr().err
+
+
+def test_serve_autoscale_flags_reach_the_policy(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    replace(PROFILE, model="tiny").save(path)
+    args = build_parser().parse_args(
+        ["serve", "--model", "tiny", "--autoscale", "--profile", str(path), "--slo",
+         "ttft_p90_ms=100,tpot_p90_ms=20", "--autoscale-window", "20",
+         "--autoscale-min-requests", "25", "--autoscale-reuse", "0.2", "--min-prefill", "0"])
+    config = _autoscaler(args).config
+    assert (config.window_s, config.min_requests, config.reuse_tolerance, config.min_prefill) \
+        == (20.0, 25, 0.2, 0)
+    assert config.slo.bounds == {"ttft_p90_ms": 100.0, "tpot_p90_ms": 20.0}
 
 
 def test_a_slow_worker_still_counts_in_the_current_split() -> None:
