@@ -66,8 +66,7 @@ class RecordingBackend(Backend):
         """The requests that arrived in the last `length_s` seconds before `end` (monotonic
         seconds), or in the last 2, 3, ... times that: the shortest such window holding
         `min_requests` requests, within `horizon_s`. A slow stream is judged on enough
-        requests to tell its mix, a fast one on its last `length_s` (in eleven requests of
-        a mix with 35 % documents, six or more are documents in one window in seven)."""
+        requests to tell its mix, a fast one still on its last `length_s`."""
         while self._seen and self._seen[0].arrival < end - self.horizon_s:
             self._seen.popleft()
         span = length_s
