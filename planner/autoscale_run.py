@@ -104,14 +104,16 @@ RATE_SEEDS = (5, 6, 7, 8)
 CALIBRATION_PROMPTS = (PROBE_PREFILL, sum(DOCUMENT[0]) // 2)
 LOCAL_PREFILL_THRESHOLD = 64
 SPLITS = {"1P+1D": (1, 1), "0P+2D": (0, 2)}
-# The policy's window: 20 s, reaching back by whole windows to hold 20 requests. Phase A's
+# The policy's window: 10 s, reaching back by whole windows to hold 15 requests. Phase A's
 # 0.5-0.6 req/s leaves about 11 in 20 s: in the thirteenth run's first autoscale run a 20 s
 # window of 10 requests, 7 of them documents, moved it to 0P+2D in phase A (40 s held 25,
-# 12 of them documents).
+# 12 of them documents). A 20 s window reaching back to 20 requests (the fourteenth run)
+# made no false move, but at the shift it held 40 s of phase A and moved 21-22 s late;
+# phase B's 1.6 req/s fills 10 s with 15 requests.
 AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill", "0",
-                    "--autoscale-interval", "5", "--autoscale-window", "20",
+                    "--autoscale-interval", "5", "--autoscale-window", "10",
                     "--autoscale-cooldown", "20", "--autoscale-reuse", "0.2",
-                    "--autoscale-min-requests", "20"]
+                    "--autoscale-min-requests", "15"]
 _BIN_S = 15.0
 # Decode batch sizes whose chat TPOT the experiment's TPOT bound averages, and the bound
 # over that mean (`experiment_slo`).
