@@ -242,7 +242,7 @@ class Autoscaler:
         if meets(now_predicted, c.slo) and c.min_workers <= sum(current) <= c.max_workers:
             decision = self._maybe_down(now, window, current, now_predicted["attainment"])
         else:
-            decision = self._up(now, window, trace, current, now_predicted["attainment"])
+            decision = self._up(now, window, trace, current, now_predicted)
         self._held = (window.load(), current, decision) if decision.action == "hold" else None
         return decision
 
@@ -261,11 +261,13 @@ class Autoscaler:
                         f"{held.reason}", window.rate, held.predicted_attainment)
 
     def _up(self, now: float, window: Window, trace: list[SimRequest], current: tuple[int, int],
-            attainment: float) -> Decision:
-        rate = window.rate
+            now_predicted: dict[str, Any]) -> Decision:
+        rate, attainment = window.rate, now_predicted["attainment"]
         scored = []
         for split in self.splits():
-            predicted = self.predict(trace, split)
+            # The current split's figures on this trace are known: the policy's simulations
+            # share the cores with the workers it serves.
+            predicted = now_predicted if split == current else self.predict(trace, split)
             if meets(predicted, self.config.slo) and (
                     sum(split) != sum(current) or self._holds_with_headroom(window, split)):
                 return self._change(now, rate, current, split, predicted["attainment"],

@@ -191,6 +191,22 @@ def test_a_hold_is_not_simulated_again_while_the_load_stays_within_tolerance() -
         replace(autoscaler().config, reuse_tolerance=-0.1)
 
 
+def test_a_split_that_misses_is_not_simulated_again_in_the_search_for_a_better_one(
+        ) -> None:
+    """The policy's simulations share the cores with the workers it serves: far beyond
+    capacity, each of the three splits within 3 workers is simulated once per decision,
+    the current one included (before, the search simulated the current split again)."""
+    config = autoscaler(max_workers=3).config
+    scaler = Counting(config, PROFILE, PROFILE)
+    up = scaler.decide(0.0, window(3.0), (1, 1))
+    assert (up.action, up.prefill + up.decode) == ("scale_up", 3)
+    assert scaler.simulations == 3  # 1P+1D, then 1P+2D and 2P+1D
+    again = Counting(config, PROFILE, PROFILE)
+    held = again.decide(0.0, window(3.0), (up.prefill, up.decode))
+    assert held.action == "hold" and "already the best" in held.reason
+    assert again.simulations == 3
+
+
 def test_a_window_with_too_few_requests_holds() -> None:
     decision = autoscaler().decide(0.0, window(5 / 60), (1, 1))
     assert decision.action == "hold" and "5 requests in the window" in decision.reason
