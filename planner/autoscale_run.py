@@ -109,7 +109,8 @@ SPLITS = {"1P+1D": (1, 1), "0P+2D": (0, 2)}
 # window of 10 requests, 7 of them documents, moved it to 0P+2D in phase A (40 s held 25,
 # 12 of them documents). A 20 s window reaching back to 20 requests (the fourteenth run)
 # made no false move, but at the shift it held 40 s of phase A and moved 21-22 s late;
-# phase B's 1.6 req/s fills 10 s with 15 requests.
+# phase B's 1.6-1.75 req/s fills 10 s with 15 requests (the fifteenth run: moved 12 s
+# after the shift, but also to 0P+2D and back once in phase A, at little cost).
 AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill", "0",
                     "--autoscale-interval", "5", "--autoscale-window", "10",
                     "--autoscale-cooldown", "20", "--autoscale-reuse", "0.2",
