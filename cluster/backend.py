@@ -6,7 +6,9 @@ router PUSHes `protocol` commands to each worker and PULLs their steps, replies 
 A worker is dead only when Ray says its actor died (its process is gone); late stats make
 it `slow`, never dead. A dead or drained worker's requests are placed again: a decode
 request resumes on another decode worker from its prompt plus the tokens already
-streamed, so the client's stream continues. A failed KV transfer is retried once.
+streamed, so the client's stream continues. A worker that joins the decode pool (started,
+moved in from the prefill pool, or a replacement) takes running requests from the busier
+ones the same way. A failed KV transfer is retried once.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from protocol import (
 from protocol.secure import ClusterKey, SocketGuard
 from router.auth import is_loopback
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
-from router.placement import Placement, PrefixIndex, WorkerLoad, place_request
+from router.placement import Placement, PrefixIndex, WorkerLoad, place_request, spread_onto
 
 log = logging.getLogger(__name__)
 # The longest a worker may take to change its role once drained (it waits up to 10 s for
@@ -57,6 +59,9 @@ CHANGE_ROLE_TIMEOUT_S = 30.0
 # Stats older than this many intervals mark a worker `slow` in status (never dead).
 SLOW_AFTER_INTERVALS = 4
 INTERNAL_AUTH = ("auto", "curve", "off")
+# The least output a running request must have left to be moved onto a worker that joined
+# the pool: a move costs the recompute of its context there and a step's wait.
+MIN_TOKENS_LEFT_TO_MOVE = 32
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,21 @@ class _Stream:
     finished: bool = False
 
 
+def _tokens_left(stream: _Stream) -> int:
+    return stream.request.params.max_tokens - len(stream.generated)
+
+
+def _movable(stream: _Stream, worker_id: str) -> bool:
+    """Decoding on `worker_id` (a token streamed, no placement pending) with enough left,
+    and not a seeded sample: a move restarts its random stream, so its tokens would differ
+    from an undisturbed run's."""
+    params = stream.request.params
+    return (stream.decode == worker_id and bool(stream.generated) and not stream.finished
+            and (stream.reply is None or stream.reply.done())
+            and _tokens_left(stream) >= MIN_TOKENS_LEFT_TO_MOVE
+            and (params.seed is None or params.temperature == 0))
+
+
 class ClusterBackend(Backend):
     """Starts and owns the worker pools; places, streams and migrates requests.
 
@@ -251,7 +271,8 @@ class ClusterBackend(Backend):
         self._starting = 0  # workers being started (a request may wait for one)
         self._worker_ready = asyncio.Event()  # set (and replaced) whenever one is ready
         self.transfer_registry, self.transfer_seconds, self.transfer_bytes = transfer_metrics()
-        self.migrations, self.transfer_retries = resilience_metrics(self.transfer_registry)
+        self.migrations, self.transfer_retries, self.spread_moves = resilience_metrics(
+            self.transfer_registry)
 
     # ---- lifecycle ----
 
@@ -323,6 +344,7 @@ class ClusterBackend(Backend):
         log.info("worker %s ready at %s (pid %s)", worker_id, info["endpoint"], info["pid"])
         self._worker_ready.set()
         self._worker_ready = asyncio.Event()
+        self._spread(handle)
         return handle
 
     async def _stop_worker(self, handle: _Handle) -> None:
@@ -453,6 +475,7 @@ class ClusterBackend(Backend):
         log.info("worker %s is now %s", handle.worker_id, role)
         self._worker_ready.set()
         self._worker_ready = asyncio.Event()
+        self._spread(handle)
         return True
 
     def _least_busy(self, role: Role, n: int) -> list[_Handle]:
@@ -602,7 +625,7 @@ class ClusterBackend(Backend):
     # ---- migration ----
 
     async def _migrate(self, stream: _Stream, why: str, exclude: frozenset[str] = frozenset(),
-                       count: bool = True) -> None:
+                       count: bool = True, level: int = logging.WARNING) -> None:
         """End the stream's current attempt and place it again; the client sees no seam."""
         self._send_abort(stream)
         self._release(stream)
@@ -612,8 +635,8 @@ class ClusterBackend(Backend):
             stream.queue.put_nowait(TokenDelta(stream.request.request_id, [], "error",
                                                error=why))
             return
-        log.warning("request %s placed again after %d tokens: %s",
-                    stream.request.request_id, len(stream.generated), why)
+        log.log(level, "request %s placed again after %d tokens: %s",
+                stream.request.request_id, len(stream.generated), why)
         if count:
             self.migrations.inc()
         try:
@@ -621,6 +644,29 @@ class ClusterBackend(Backend):
         except RuntimeError as e:
             stream.queue.put_nowait(TokenDelta(stream.request.request_id, [], "error",
                                                error=f"{why}; placing it again failed: {e}"))
+
+    def _spread(self, joined: _Handle) -> None:
+        """Move running requests from the busier workers of the pool onto `joined`, which
+        just joined it, until the pool's counts are even (`spread_onto`).
+
+        Without this, the requests placed before the pool grew stay at the batch that made
+        it grow until they finish. Each moves like a migration (`_migrate`): it is placed
+        again away from its worker (onto `joined` unless another is less loaded), which
+        recomputes its prompt and the tokens already streamed; the client's stream goes on.
+        Only decoding requests move (`_movable`), those with the most output left first.
+        """
+        if not self.config.migrate or not joined.role.decodes:
+            return
+        counts = {h.worker_id: len(h.in_flight) for h in self._active(joined.role)}
+        for source, n in spread_onto(counts, joined.worker_id).items():
+            streams = (self._streams.get(rid) for rid in self.workers[source].in_flight)
+            movable = sorted((s for s in streams if s is not None and _movable(s, source)),
+                             key=_tokens_left, reverse=True)
+            for stream in movable[:n]:
+                self.spread_moves.inc()
+                self._spawn(self._migrate(stream, f"moved to even the load as worker "
+                                          f"{joined.worker_id} joined",
+                                          frozenset({source}), count=False, level=logging.INFO))
 
     def _evacuate(self, handle: _Handle) -> None:
         """Move the requests a dead (or drained) worker still holds to other workers."""

@@ -153,12 +153,13 @@ class VllmCompatCollector(Collector):
 
 # ---- resilience (issue 10): faults the cluster absorbed -------------------------------
 
-def resilience_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter]:
-    """Counters of requests the cluster saved from a fault, in the backend's registry.
+def resilience_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
+    """Counters of requests the cluster placed again, in the backend's registry.
 
     Returns:
         (requests placed again after their worker died or was drained,
-        KV transfers retried after a failure).
+        KV transfers retried after a failure,
+        running requests moved onto a worker that joined the decode pool).
     """
     migrations = Counter("pdcluster:migrations",
                          "Requests placed again because their worker died or was drained.",
@@ -166,4 +167,7 @@ def resilience_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter]:
     retries = Counter("pdcluster:transfer_retries",
                       "Failed KV transfers retried on another prefill worker or locally.",
                       registry=registry)
-    return migrations, retries
+    spread = Counter("pdcluster:spread_moves",
+                     "Running requests moved onto a worker that joined the decode pool, to "
+                     "even the pool's load.", registry=registry)
+    return migrations, retries, spread

@@ -147,3 +147,30 @@ def place_request(index: PrefixIndex, prompt_token_ids: list[int], decode: list[
         if placement.prefill_worker:
             index.record(hashes, "prefill", placement.prefill_worker)
     return placement
+
+
+def spread_onto(counts: dict[str, int], joined: str) -> dict[str, int]:
+    """How many requests each worker hands to `joined`, a worker that just joined the pool,
+    so that the pool's counts end as even as whole requests allow.
+
+    Takes one request at a time from the busiest worker while it holds at least two more
+    than `joined`; each move lowers the spread, so the loop ends.
+
+    Args:
+        counts: running requests per worker of the pool, `joined` included.
+        joined: the worker that receives them.
+
+    Returns:
+        The number to move from each worker that gives any.
+    """
+    counts = dict(counts)
+    moves: dict[str, int] = {}
+    others = [w for w in counts if w != joined]
+    while others:
+        source = max(others, key=lambda w: counts[w])
+        if counts[source] - counts[joined] <= 1:
+            break
+        counts[source] -= 1
+        counts[joined] += 1
+        moves[source] = moves.get(source, 0) + 1
+    return moves

@@ -185,6 +185,60 @@ def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, referenc
     wait_pools_free(loop_thread, disagg)
 
 
+def test_a_worker_that_joins_the_decode_pool_takes_half_its_running_requests(
+        disagg, loop_thread, reference):
+    """1P+1D -> 0P+2D with 9 answers decoding on the one decode worker: the worker moved in
+    takes 4 of them (each recomputes its prompt and the tokens already streamed), every
+    stream ends with the engine's tokens, and both pools end free. A seeded sample with the
+    most output left stays (a move would restart its random stream): its tokens are those
+    of an undisturbed run on the same path. The busy worker is stopped (SIGSTOP) from the
+    first token of every stream until the move is done, so no stream can finish before it
+    and the counts are exact."""
+    import os
+    import signal
+
+    prompts = random_prompts(9, seed=36, low=20, high=40)
+    greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=300, ignore_eos=True)
+    params = [greedy] * 8 + [seeded]
+    spread_before = disagg.transfer_registry.get_sample_value("pdcluster:spread_moves_total")
+    got: dict[str, list[int]] = {f"sp{i}": [] for i in range(len(prompts))}
+
+    async def consume(rid, prompt, params):
+        async for delta in disagg.generate(_request(rid, prompt, params)):
+            got[rid].extend(delta.token_ids)
+        return delta.finish_reason
+
+    async def go():
+        (busy,) = [h for h in disagg.workers.values() if h.role == "decode"]
+        jobs = [asyncio.ensure_future(consume(*job))
+                for job in zip(got, prompts, params, strict=True)]
+        while not all(got.values()):
+            await asyncio.sleep(0.001)
+        os.kill(busy.info["pid"], signal.SIGSTOP)
+        try:
+            await disagg.scale(num_prefill=0, num_decode=2)
+            (joined,) = [h for h in disagg.workers.values() if h is not busy]
+            deadline = asyncio.get_running_loop().time() + 30
+            while len(joined.in_flight) < 4 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.001)
+            held = len(busy.in_flight), len(joined.in_flight), "sp8" in busy.in_flight
+        finally:
+            os.kill(busy.info["pid"], signal.SIGCONT)
+        return held, await asyncio.gather(*jobs)
+    held, reasons = loop_thread.run(go())
+    assert held == (5, 4, True)
+    assert disagg.transfer_registry.get_sample_value("pdcluster:spread_moves_total") \
+        - spread_before == 4
+    assert reasons == ["length"] * len(prompts)
+    assert list(got.values())[:8] == expected_tokens(reference, prompts[:8], greedy)
+    wait_pools_free(loop_thread, disagg)
+    loop_thread.run(disagg.scale(num_prefill=1, num_decode=1))
+    alone, _ = loop_thread.run(collect(disagg, "sp8-alone", prompts[8], seeded))
+    assert got["sp8"] == alone
+    wait_pools_free(loop_thread, disagg)
+
+
 def _request(rid, prompt, params):
     import time
 
