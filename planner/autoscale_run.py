@@ -256,7 +256,8 @@ def build_trace(phase_s: tuple[float, float], slo: SloSpec, rate_a: float, rate_
 
 
 class Poller:
-    """Every second: serving workers per role and the autoscaler's targets (from /metrics)."""
+    """Every second: serving workers per role, the autoscaler's targets and the running
+    requests moved so far onto workers that joined the decode pool (from /metrics)."""
 
     def __init__(self, grpc: str, http: str) -> None:
         self.grpc, self.metrics_url = grpc, http.removesuffix("/v1") + "/metrics"
@@ -296,6 +297,8 @@ class Poller:
             for s in family.samples:
                 if s.name == "pdcluster:autoscaler_target_workers":
                     out[f"target_{s.labels['role']}"] = s.value
+                elif s.name == "pdcluster:spread_moves_total":
+                    out["spread_moves"] = s.value
         return out
 
 
