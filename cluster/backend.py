@@ -384,7 +384,7 @@ class ClusterBackend(Backend):
                     stream.finished = True
                     delta.timings.update(stream.timings)
                 yield delta
-                if stream.finished:
+                if delta.finish_reason is not None:
                     return
         finally:
             self._streams.pop(request.request_id, None)
@@ -736,6 +736,10 @@ class ClusterBackend(Backend):
         stream.queue.put_nowait(TokenDelta(
             stream.request.request_id, record.token_ids, record.finish_reason, record.logprobs,
             record.num_cached_tokens, error=record.error))
+        if record.finish_reason is not None:
+            # The worker let go of it. Finished now, not when the client reads this: a move
+            # or migration in between would start an attempt past its end.
+            stream.finished = True
 
     def _retry_transfer(self, stream: _Stream, error: str) -> None:
         """Once per request: prefill again on another prefill worker, or locally."""

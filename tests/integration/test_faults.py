@@ -109,6 +109,42 @@ def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
     wait_pools_free(loop_thread, cluster)
 
 
+def test_a_finished_stream_its_client_has_not_read_is_not_placed_again(
+        cluster, loop_thread, reference):
+    """The decode worker dies after the last token reached the router but before the client
+    read it: the stream ends as it was (the worker had let it go), and no second attempt
+    starts (it would decode past the end on another worker, its tokens thrown away)."""
+    prompt = random_prompts(1, seed=14, low=40, high=120)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = _count(cluster, "migrations")
+
+    async def go():
+        stream_out = cluster.generate(GenerateRequest("unread", prompt, params,
+                                                      time.monotonic()))
+        first = await anext(stream_out)
+        stream = cluster._streams["unread"]
+
+        async def all_tokens_in():
+            return len(stream.generated) == params.max_tokens
+        await _until(all_tokens_in, "the last token at the router")
+        victim = cluster.workers[stream.decode]
+        os.kill(victim.info["pid"], signal.SIGKILL)
+
+        async def death_seen():  # and its requests evacuated: both happen together
+            return victim.worker_id not in cluster.workers
+        await _until(death_seen, "the death seen")
+        await _pool_restored(cluster, "decode", 2)
+        deltas = [first] + [delta async for delta in stream_out]
+        return deltas, victim.worker_id
+    deltas, victim = loop_thread.run(go())
+    assert [t for d in deltas for t in d.token_ids] == expected_tokens(reference, [prompt],
+                                                                       params)[0]
+    assert deltas[-1].finish_reason == "length"
+    assert _count(cluster, "migrations") == before
+    assert victim not in cluster.workers
+    wait_pools_free(loop_thread, cluster)
+
+
 def test_prefill_sigkill_places_its_requests_again(cluster, loop_thread, reference):
     prompts = random_prompts(4, seed=12, low=40, high=120)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
