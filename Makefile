@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
-.PHONY: install serve test lint check-install setup-vllm bench-engine bench-kv soak
+.PHONY: install serve test lint check-install setup-vllm bench-engine bench-kv bench-spread soak
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ bench-engine: install setup-vllm
 
 bench-kv: install
 	$(PY) -m bench.kv_bench
+
+# 1P+1D -> 0P+2D under 16 decoding answers, with and without spreading them onto the
+# worker that joins (alternating rounds on one cluster): time per token after the move.
+bench-spread: install
+	$(PY) -m bench.spread_bench --out bench/results/spread/spread.json
 
 # A few minutes of mixed load on a loopback tiny-model cluster while a decode and a prefill
 # worker are killed and the decode pool is resized: prints sent / completed / aborted /
