@@ -48,7 +48,7 @@ bench-kv: install
 # 1P+1D -> 0P+2D under 16 decoding answers, with and without spreading them onto the
 # worker that joins (alternating rounds on one cluster): time per token after the move.
 bench-spread: install
-	$(PY) -m bench.spread_bench --out bench/results/spread/spread.json
+	$(PY) -m bench.spread_bench
 
 # A few minutes of mixed load on a loopback tiny-model cluster while a decode and a prefill
 # worker are killed and the decode pool is resized: prints sent / completed / aborted /

@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--after", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/spread.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/spread/spread.json"))
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
