@@ -232,12 +232,11 @@ def _tokens_left(stream: _Stream) -> int:
 
 
 def _movable(stream: _Stream, worker_id: str) -> bool:
-    """Decoding on `worker_id` (a token streamed, no placement pending) with enough left,
-    and not a seeded sample: a move restarts its random stream, so its tokens would differ
-    from an undisturbed run's."""
+    """Decoding on `worker_id` (a token streamed: no reservation can be pending, a placement
+    after the first token prefills locally) with enough left, and not a seeded sample: a
+    move restarts its random stream, so its tokens would differ from an undisturbed run's."""
     params = stream.request.params
     return (stream.decode == worker_id and bool(stream.generated) and not stream.finished
-            and (stream.reply is None or stream.reply.done())
             and _tokens_left(stream) >= MIN_TOKENS_LEFT_TO_MOVE
             and (params.seed is None or params.temperature == 0))
 

@@ -151,7 +151,7 @@ class VllmCompatCollector(Collector):
             yield renamed
 
 
-# ---- resilience (issue 10): faults the cluster absorbed -------------------------------
+# ---- resilience (issue 10) and spreading: requests placed again -----------------------
 
 def resilience_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
     """Counters of requests the cluster placed again, in the backend's registry.
