@@ -125,17 +125,24 @@ def worker_cost(policy: Autoscaler, window: Window, seconds: float, rounds: int
                 time.sleep(2.0)  # torch imported, steady
                 with steps.get_lock():
                     steps.value = 0
-                end, decisions = time.monotonic() + seconds, 0
-                while time.monotonic() < end:
+                end, decisions, pending = time.monotonic() + seconds, 0, None
+                while (left := end - time.monotonic()) > 0:
                     if arm == "none":
-                        time.sleep(0.1)
+                        time.sleep(min(left, 0.1))
                         continue
-                    processes[arm].submit(decide, 100.0 * (decisions + 1), window,
-                                          (1, 1)).result()
-                    decisions += 1
-                stop.set()
+                    if pending is None:
+                        pending = processes[arm].submit(decide, 100.0 * (decisions + 1),
+                                                        window, (1, 1))
+                    try:
+                        pending.result(timeout=left)
+                    except TimeoutError:
+                        break  # the deadline, mid-decision: not counted
+                    decisions, pending = decisions + 1, None
+                stop.set()  # each worker adds its count as it stops, within one step
                 for w in workers:
                     w.join()
+                if pending is not None:
+                    pending.result()
                 results[arm].append((steps.value, decisions))
     finally:
         for process in processes.values():
@@ -145,7 +152,8 @@ def worker_cost(policy: Autoscaler, window: Window, seconds: float, rounds: int
     for arm, runs in results.items():
         ratios = ", ".join(f"{n / b:.3f}" for (n, _), b in zip(runs, base, strict=True))
         made = ", ".join(str(d) for _, d in runs)
-        lines.append(f"{arm:10s} worker steps vs none: {ratios}; decisions: {made}")
+        steps = ", ".join(str(n) for n, _ in runs)
+        lines.append(f"{arm:10s} worker steps {steps} ({ratios} x none); decisions: {made}")
     return lines
 
 
