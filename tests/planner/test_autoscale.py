@@ -141,8 +141,8 @@ def test_a_rebalance_between_splits_near_the_boundary_needs_a_clear_gain() -> No
     held = decide({(1, 1): 0.85, (0, 2): 0.92}, {(1, 1): 0.8, (0, 2): 0.88})
     assert (held.action, held.prefill, held.decode) == ("hold", 1, 1)
     assert "would not gain 25%" in held.reason
-    # Neither meets, 0P+2D 21 points closer: a burst of documents predicted so in the
-    # measured experiment, where the move cost a drain and 1P+1D carried the burst.
+    # Neither meets, 0P+2D 21 points closer: a burst of documents was predicted so in the
+    # measured experiment, where the move drained 1P+1D's queued documents for 15 s.
     burst = decide({(1, 1): 0.37, (0, 2): 0.58}, {(1, 1): 0.3, (0, 2): 0.5})
     assert (burst.action, burst.prefill, burst.decode) == ("hold", 1, 1)
     assert burst.reason == ("1P+1D is predicted at 37% at 1.00 req/s; rebalancing to 0P+2D "
