@@ -327,9 +327,9 @@ class Autoscaler:
 # near the boundary would otherwise swap on every noisy estimate. In a burst of long
 # prompts both 2-worker splits are predicted to miss (the replayed trace holds the burst's
 # mix for 200 requests), within about 20 points of each other, where a real mix shift put
-# them 90 apart: with 0.1 the policy left 1P+1D for 0P+2D in 8 of 18 offline replays of the
-# prefill-heavy phase (six traces), each move costing a drain; with 0.25 in none, and the
-# decode-heavy shift was met at the same decision (docs/planner.md).
+# them 90 apart: with 0.1 the policy left 1P+1D for 0P+2D (and came back) in 4 of 18 offline
+# replays of the prefill-heavy phase (six traces), each move costing a drain; with 0.25 in
+# none, and the decode-heavy shift was met at the same decision (docs/planner.md).
 REBALANCE_MARGIN = 0.25
 
 
