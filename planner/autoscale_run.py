@@ -98,6 +98,8 @@ RATE_REQUESTS = 240
 # The traces a rate must separate the splits on (`choose_rate`); the experiment's own trace
 # has other seeds (`build_trace`).
 RATE_SEEDS = (5, 6, 7, 8)
+# The experiment's trace (`--seed`): runs one to nineteen all served seed 21.
+TRACE_SEED = 21
 # The calibration's prefill probe: the accuracy runs' prompt length and a document's (the
 # prefill worker's load in phase A; measured, a document's prefill ran 14-19 % slower than
 # the tenth run's 128-token calibration predicted).
@@ -241,14 +243,14 @@ def first_miss(name: str, start: float, probe: Callable[[float], float]
                        f"{probes}")
 
 
-def build_trace(phase_s: tuple[float, float], slo: SloSpec, rate_a: float, rate_b: float
-                ) -> dict[str, Any]:
+def build_trace(phase_s: tuple[float, float], slo: SloSpec, rate_a: float, rate_b: float,
+                seed: int = TRACE_SEED) -> dict[str, Any]:
     """The whole trace at the phases' rates, phase A lasting `phase_s[0]` seconds and phase
-    B `phase_s[1]`."""
+    B `phase_s[1]`; phase A drawn with `seed`, phase B with the next."""
     a_s, b_s = phase_s
-    first = phase_requests("prefill-heavy", max(int(rate_a * a_s), 1), rate_a, 0.0, 21)
+    first = phase_requests("prefill-heavy", max(int(rate_a * a_s), 1), rate_a, 0.0, seed)
     first = [r for r in first if r.arrival < a_s]
-    second = phase_requests("decode-heavy", max(int(rate_b * b_s), 1), rate_b, a_s, 22)
+    second = phase_requests("decode-heavy", max(int(rate_b * b_s), 1), rate_b, a_s, seed + 1)
     second = [r for r in second if r.arrival < a_s + b_s]
     return {"slo": slo, "rates": {"prefill-heavy": rate_a, "decode-heavy": rate_b},
             "requests": first + second, "phases": ["prefill-heavy"] * len(first)
@@ -330,15 +332,15 @@ def run_arm(name: str, flags: list[str], trace: dict[str, Any], profile: Profile
     return {"report": report, "timeline": poller.samples}
 
 
-def calibrate(profile: Profile, flags: list[str], phase_s: tuple[float, float], out: Path
-              ) -> tuple[Profile, dict[str, Any], dict[str, Any]]:
+def calibrate(profile: Profile, flags: list[str], phase_s: tuple[float, float], out: Path,
+              seed: int = TRACE_SEED) -> tuple[Profile, dict[str, Any], dict[str, Any]]:
     """On a 1P+1D server: the profile scaled to the steps it runs now
     (`ServingCalibrator`), the SLO and phase A's rate from that profile, and the lowest
     rate of phase B's mix at which 1P+1D misses the SLO (`first_miss` on `rate_probe`s
     from the middle of the predicted window); then on a 0P+2D server the lowest at which
     it misses (from twice 1P+1D's). Phase B runs at the geometric mean of the two misses,
     as far from each split's turn as from the other's. Returns the profile, the
-    calibration with the rate probes, and the trace.
+    calibration with the rate probes, and the trace (drawn with `seed`).
 
     Measured (SmolLM2, this machine, one afternoon, a 1.3x TPOT bound): one decode worker
     met the SLO at 1.0 req/s (97 %) and missed it at 1.4 (61 %) and 2.0 (5 %); 0P+2D met it
@@ -371,7 +373,7 @@ def calibrate(profile: Profile, flags: list[str], phase_s: tuple[float, float], 
                          f"1P+1D ({one:g}); nothing to separate")
     calibration["rate_probes"] = {"1P+1D": one_probes, "0P+2D": two_probes}
     rate_b = round(float(np.sqrt(one * two)), 3)
-    return scaled, calibration, build_trace(phase_s, slo, rate_a, rate_b)
+    return scaled, calibration, build_trace(phase_s, slo, rate_a, rate_b, seed)
 
 
 def attainment(reports: list[dict[str, Any]], slo: SloSpec, phases: list[str]
@@ -450,10 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phase-s", type=phase_durations, default=(300.0, 150.0),
                         help="seconds of phase A and of phase B (A,B; one number for both)")
+    parser.add_argument("--seed", type=int, default=TRACE_SEED,
+                        help="the trace's seed (phase A's; phase B draws with the next)")
     parser.add_argument("--more", action="store_true",
                         help="serve more arms on the trace of the run already in --out (its "
-                             "calibrated profile, SLO and rates; no new calibration) and pool "
-                             "them with its runs")
+                             "calibrated profile, SLO, rates and seed; no new calibration) and "
+                             "pool them with its runs")
     parser.add_argument("--arms", default="autoscale,0P+2D,1P+1D,0P+2D,autoscale",
                         help="the order the arms are served in; an arm named twice is served "
                              "twice and its requests pooled (in the default order every arm's "
@@ -475,14 +479,17 @@ def main(argv: list[str] | None = None) -> int:
         profile, calibration = Profile.load(profile_path), before["calibration"]
         durations, order = before["phase_s"], before["order"]  # one number before two
         args.phase_s = tuple(durations) if isinstance(durations, list) else (durations,) * 2
+        args.seed = before.get("seed", TRACE_SEED)  # runs before the flag drew seed 21
         trace = build_trace(args.phase_s, SloSpec(**before["slo"]),
-                            before["rates"]["prefill-heavy"], before["rates"]["decode-heavy"])
+                            before["rates"]["prefill-heavy"], before["rates"]["decode-heavy"],
+                            args.seed)
         for index, name in enumerate(order):
             run = before["arms"][name]["runs"][sum(n == name for n in order[:index])]
             report = json.loads((args.out / f"run{index}" / name / "report.json").read_text())
             runs.setdefault(name, []).append({**run, "report": report})
     else:  # the machine's speed now, and the rates
-        profile, calibration, trace = calibrate(measured, common, args.phase_s, args.out)
+        profile, calibration, trace = calibrate(measured, common, args.phase_s, args.out,
+                                                args.seed)
         profile.save(profile_path)
         print(f"calibration {calibration}", flush=True)
     slo = trace["slo"]
@@ -510,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(["arm", "runs", "all", *PHASES, "each run"], rows)
     print(table)
     summary = {"slo": asdict(slo), "rates": trace["rates"], "phase_s": args.phase_s,
+               "seed": args.seed,
                "calibration": calibration, "order": order + args.arms.split(","),
                "num_requests": len(trace["requests"]),
                "arms": {name: {"attainment": r["attainment"],

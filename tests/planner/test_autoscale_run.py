@@ -77,3 +77,17 @@ def test_phase_lengths_are_read_as_a_then_b_or_one_for_both() -> None:
     assert phase_durations("150") == (150.0, 150.0)
     with pytest.raises(ValueError):
         phase_durations("long")
+
+
+def test_the_traces_seed_draws_another_trace_at_the_same_rates() -> None:
+    """`--seed` draws other arrivals and lengths; the same seed draws the same trace."""
+    slo = experiment_slo(Profile.load(PROFILE))
+
+    def key(trace: dict) -> list[tuple[float, int, int]]:
+        return [(r.arrival, len(r.prompt_token_ids), r.output_len) for r in trace["requests"]]
+
+    first, again = build_trace((80, 40), slo, 0.6, 1.6), build_trace((80, 40), slo, 0.6, 1.6, 21)
+    other = build_trace((80, 40), slo, 0.6, 1.6, 31)
+    assert key(first) == key(again)
+    assert key(other) != key(first) and other["rates"] == first["rates"]
+    assert {r.arrival < 80 for r in other["requests"]} == {True, False}
