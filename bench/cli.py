@@ -20,23 +20,13 @@ import math
 import os
 import sys
 from contextlib import aclosing
-from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.serving_metrics import VLLM_METRICS, Slo, summarize
-from bench.traces import (
-    ARRIVALS,
-    DEFAULT_VOCAB_RANGE,
-    WORKLOADS,
-    TraceRequest,
-    WorkloadSpec,
-    arrival_times,
-    make_workload,
-    read_trace,
-    write_trace,
-)
+from bench.serving_metrics import VLLM_METRICS, summarize
+from bench.traces import ARRIVALS, WORKLOADS, WorkloadSpec, arrival_times, make_workload
+from protocol.serving import DEFAULT_VOCAB_RANGE, Slo, TraceRequest, read_trace, write_trace
 
 if TYPE_CHECKING:
     from bench.loadgen import LoadResult
@@ -281,7 +271,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     skip = ("func", "command", "compare", "api_key")
     config = {key: value for key, value in vars(args).items() if key not in skip}
     config["workload"] = None if args.trace else args.workload or "synthetic"
-    config["slo"] = None if args.slo is None else asdict(args.slo)
+    config["slo"] = None if args.slo is None else args.slo.as_dict()
     config["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
     return config
 

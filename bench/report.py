@@ -27,11 +27,13 @@ from bench.loadgen import LoadResult, RequestRecord
 from bench.serving_metrics import (
     e2e,
     itls,
+    met,
     succeeded,
     token_throughput_over_time,
     tpot,
     ttft,
 )
+from protocol.serving import Slo
 
 SCHEMA = "pdcluster.bench/1"
 THROUGHPUT_BIN_S = 1.0
@@ -164,8 +166,8 @@ def print_summary(label: str, summary: dict[str, Any], console: Console | None =
         for stat, value in summary[key].items():
             table.add_row(f"{name} {stat} (ms)", fmt(value))
     if summary["slo"] is not None:
-        table.add_row("SLO (ms)", ", ".join(f"{k.removesuffix('_ms')} <= {v:g}"
-                                            for k, v in summary["slo"].items() if v))
+        table.add_row("SLO", ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms"
+                                       for k, v in summary["slo"].items() if k != "attainment"))
         table.add_row("goodput (req/s)", fmt(summary["goodput"]))
         table.add_row("SLO attainment", f"{summary['slo_attainment']:.1%}")
     (console or Console()).print(table)
@@ -242,7 +244,7 @@ def fmt(value: float | None, suffix: str = "") -> str:
 
 
 def vllm_result(result: LoadResult, settings: dict[str, Any], percentile_metrics: Sequence[str],
-                percentiles: Sequence[float], goodput: Any) -> dict[str, Any]:
+                percentiles: Sequence[float], goodput: Slo | None) -> dict[str, Any]:
     """The run as `vllm bench serve --save-result` writes it, field for field, so the two
     tools' files compare directly. Latency statistics cover successful requests, in ms.
 
@@ -275,7 +277,7 @@ def vllm_result(result: LoadResult, settings: dict[str, Any], percentile_metrics
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration,
-        "request_goodput": (sum(goodput.met(r) for r in records) / duration
+        "request_goodput": (sum(met(goodput, r) for r in records) / duration
                             if goodput is not None else None),
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,

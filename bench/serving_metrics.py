@@ -18,93 +18,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from protocol.serving import Slo, distribution
+
 if TYPE_CHECKING:
     from bench.loadgen import RequestRecord
 
-PERCENTILES = (50, 90, 99)
 # `vllm bench serve --percentile-metrics` names: TTFT, TPOT, ITL, end-to-end latency.
 VLLM_METRICS = ("ttft", "tpot", "itl", "e2el")
 _OK_FINISH_REASONS = ("stop", "length")
 
 
-@dataclass(frozen=True)
-class Slo:
-    """Latency objectives in milliseconds; None leaves one unconstrained.
-
-    Args:
-        ttft_ms: time to first token at most this.
-        tpot_ms: time per output token at most this.
-        e2e_ms: end-to-end latency at most this.
-    """
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float | None = None
-
-    @classmethod
-    def from_goodput(cls, pairs: Sequence[str]) -> Slo:
-        """Parse `vllm bench serve --goodput` pairs: `ttft:MS`, `tpot:MS`, `e2el:MS`.
-
-        Raises:
-            ValueError: an unknown key or a value that is not a number >= 0.
-        """
-        names = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
-        fields: dict[str, float] = {}
-        for pair in pairs:
-            key, sep, value = pair.partition(":")
-            if not sep or key not in names:
-                raise ValueError(f"goodput: expected KEY:MS with KEY one of ttft, tpot, e2el, "
-                                 f"got {pair!r}")
-            try:
-                number = float(value)
-            except ValueError:
-                raise ValueError(f"goodput: {key} must be a number of ms, got {value!r}") from None
-            if not number >= 0:
-                raise ValueError(f"goodput: {key} must be >= 0 ms, got {value}")
-            fields[names[key]] = number
-        if not fields:
-            raise ValueError("goodput: give at least one of ttft:MS, tpot:MS, e2el:MS")
-        return cls(**fields)
-
-    @classmethod
-    def parse(cls, text: str) -> Slo:
-        """Parse `ttft=MS,tpot=MS` (either part may be left out).
-
-        Raises:
-            ValueError: an unknown key or a value that is not a positive number.
-        """
-        fields: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            if key not in ("ttft", "tpot"):
-                raise ValueError(f"slo: unknown objective {key!r}; use ttft=MS,tpot=MS")
-            try:
-                number = float(value)
-            except ValueError:
-                raise ValueError(f"slo: {key} must be a number of ms, got {value!r}") from None
-            if not number > 0:
-                raise ValueError(f"slo: {key} must be > 0 ms, got {value}")
-            fields[f"{key}_ms"] = number
-        if not fields:
-            raise ValueError("slo: give ttft=MS, tpot=MS or both")
-        return cls(**fields)
-
-    def met(self, record: RequestRecord) -> bool:
-        """Whether a request succeeded within every objective."""
-        if not succeeded(record):
-            return False
-        if self.ttft_ms is not None and ttft(record) * 1e3 > self.ttft_ms:
-            return False
-        if self.e2e_ms is not None and e2e(record) * 1e3 > self.e2e_ms:
-            return False
-        record_tpot = tpot(record)
-        return self.tpot_ms is None or record_tpot is None or record_tpot * 1e3 <= self.tpot_ms
+def met(slo: Slo, record: RequestRecord) -> bool:
+    """Whether a request succeeded within every per-request bound of `slo`."""
+    return succeeded(record) and slo.met(ttft(record), tpot(record), e2e(record))
 
 
 def succeeded(record: RequestRecord) -> bool:
@@ -138,24 +69,6 @@ def itls(record: RequestRecord) -> list[float]:
     return values
 
 
-def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
-    """Mean and percentiles (linear interpolation), each times `scale`; None when empty.
-
-    Args:
-        values: the samples.
-        scale: e.g. 1e3 to turn seconds into milliseconds.
-
-    Returns:
-        `{"mean", "p50", "p90", "p99"}`.
-    """
-    keys = ("mean", *(f"p{p}" for p in PERCENTILES))
-    if not values:
-        return dict.fromkeys(keys)
-    array = np.asarray(values, dtype=np.float64) * scale
-    stats = [array.mean(), *np.percentile(array, PERCENTILES)]
-    return {key: float(value) for key, value in zip(keys, stats, strict=True)}
-
-
 def summarize(records: Sequence[RequestRecord], duration: float,
               slo: Slo | None = None) -> dict[str, Any]:
     """The run's summary metrics.
@@ -175,7 +88,7 @@ def summarize(records: Sequence[RequestRecord], duration: float,
     ok = [r for r in records if succeeded(r)]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
-    good = sum(slo.met(r) for r in records) if slo else 0
+    good = sum(met(slo, r) for r in records) if slo else 0
     return {
         "num_requests": len(records),
         "completed": len(ok),
@@ -190,7 +103,7 @@ def summarize(records: Sequence[RequestRecord], duration: float,
         "tpot_ms": distribution([t for r in ok if (t := tpot(r)) is not None], 1e3),
         "itl_ms": distribution([t for r in ok for t in itls(r)], 1e3),
         "e2e_ms": distribution([e2e(r) for r in ok], 1e3),
-        "slo": None if slo is None else asdict(slo),
+        "slo": None if slo is None else slo.as_dict(),
         "goodput": good / duration if slo else None,
         "slo_attainment": good / len(records) if slo and records else None,
     }

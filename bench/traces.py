@@ -1,29 +1,20 @@
-"""What a serving benchmark sends and when: synthetic workloads, arrival processes, JSONL traces.
+"""What a serving benchmark sends and when: synthetic workloads and arrival processes.
 
-A trace line is one request:
-
-    {"timestamp": 0.25, "prompt_len": 512, "output_len": 128}
-
-`timestamp` is the arrival in seconds (a trace is shifted so its first request arrives at 0),
-`output_len` the exact number of output tokens asked for, and the prompt is one of `prompt`
-(text), `prompt_token_ids` (exact ids; what `write_trace` writes, so a run replays byte for
-byte) or `prompt_len` (random ids of that length are drawn, seeded).
+The requests are `protocol.serving.TraceRequest`s, the JSONL trace format is read and
+written there (the planner reads the same traces).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from protocol.serving import DEFAULT_VOCAB_RANGE, TraceRequest, random_ids
+
 WORKLOADS = ("synthetic", "shared-prefix", "long-prompt", "long-output", "mixed")
 ARRIVALS = ("poisson", "gamma", "fixed")
-# Token ids outside this range are mostly special or rarely trained tokens (SmolLM2, Llama).
-DEFAULT_VOCAB_RANGE = (100, 49000)
 
 # (prompt_len, output_len) ranges, inclusive, of each single workload; for shared-prefix the
 # prompt range is the part after the shared prefix.
@@ -35,37 +26,8 @@ _DEFAULT_LENGTHS = {
 }
 _SINGLE_WORKLOADS = tuple(_DEFAULT_LENGTHS)
 # Independent random streams from one user seed.
-_PROMPT_STREAM, _ARRIVAL_STREAM, _TRACE_STREAM = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    """One request of a run.
-
-    Args:
-        timestamp: arrival, in seconds after the run starts.
-        output_len: output tokens asked for (greedy, EOS ignored, so exact).
-        prompt_token_ids: the prompt as token ids; or
-        prompt: the prompt as text.
-    """
-
-    timestamp: float
-    output_len: int
-    prompt_token_ids: list[int] | None = None
-    prompt: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.prompt_token_ids is None) == (self.prompt is None):
-            raise ValueError("a request needs exactly one of prompt_token_ids or prompt")
-        if self.output_len < 1:
-            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
-        if self.timestamp < 0:
-            raise ValueError(f"timestamp must be >= 0, got {self.timestamp}")
-
-    @property
-    def prompt_len(self) -> int | None:
-        """Prompt tokens when the prompt is token ids; None for text (the server counts)."""
-        return None if self.prompt_token_ids is None else len(self.prompt_token_ids)
+# (protocol.serving.read_trace draws `prompt_len` lines' ids from stream 2.)
+_PROMPT_STREAM, _ARRIVAL_STREAM = 0, 1
 
 
 @dataclass(frozen=True)
@@ -126,13 +88,13 @@ def make_workload(spec: WorkloadSpec, timestamps: Sequence[float]) -> list[Trace
         The requests, in the order of `timestamps`; the same for the same spec.
     """
     rng = np.random.default_rng((spec.seed, _PROMPT_STREAM))
-    prefixes = [_random_ids(rng, spec.prefix_len, spec.vocab_range)
+    prefixes = [random_ids(rng, spec.prefix_len, spec.vocab_range)
                 for _ in range(spec.num_prefix_groups)]
     requests = []
     for timestamp in timestamps:
         kind = spec.kind if spec.kind != "mixed" else str(rng.choice(_SINGLE_WORKLOADS))
         prompt_len, output_len = spec.lengths(kind)
-        ids = _random_ids(rng, _uniform_int(rng, prompt_len), spec.vocab_range)
+        ids = random_ids(rng, _uniform_int(rng, prompt_len), spec.vocab_range)
         if kind == "shared-prefix":
             ids = prefixes[int(rng.integers(len(prefixes)))] + ids
         requests.append(TraceRequest(float(timestamp), _uniform_int(rng, output_len), ids))
@@ -175,73 +137,5 @@ def arrival_times(num_requests: int, rate: float, process: str = "poisson",
     return np.concatenate(([0.0], np.cumsum(gaps)))
 
 
-def read_trace(path: Path, vocab_range: tuple[int, int] = DEFAULT_VOCAB_RANGE,
-               seed: int = 0) -> list[TraceRequest]:
-    """Read a JSONL trace (see the module docstring).
-
-    Args:
-        path: the file.
-        vocab_range: where random ids for `prompt_len` lines come from.
-        seed: seeds those ids.
-
-    Returns:
-        The requests sorted by arrival, the first at 0.
-
-    Raises:
-        ValueError: a line is not a valid request; the message names the line.
-    """
-    rng = np.random.default_rng((seed, _TRACE_STREAM))
-    requests = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            requests.append(_trace_request(json.loads(line), rng, vocab_range))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"{path}:{number}: {e}") from e
-    if not requests:
-        raise ValueError(f"{path}: the trace has no requests")
-    start = min(r.timestamp for r in requests)
-    shifted = [TraceRequest(r.timestamp - start, r.output_len, r.prompt_token_ids, r.prompt)
-               for r in requests]
-    return sorted(shifted, key=lambda r: r.timestamp)
-
-
-def write_trace(path: Path, requests: Sequence[TraceRequest]) -> None:
-    """Write requests as a JSONL trace with their exact prompts.
-
-    Args:
-        path: the file (overwritten).
-        requests: what to write.
-    """
-    lines = []
-    for r in requests:
-        line: dict[str, Any] = {"timestamp": r.timestamp, "output_len": r.output_len}
-        if r.prompt is not None:
-            line["prompt"] = r.prompt
-        else:
-            line["prompt_token_ids"] = r.prompt_token_ids
-        lines.append(json.dumps(line))
-    path.write_text("".join(f"{line}\n" for line in lines))
-
-
-def _trace_request(line: dict[str, Any], rng: np.random.Generator,
-                   vocab_range: tuple[int, int]) -> TraceRequest:
-    if "timestamp" not in line or "output_len" not in line:
-        raise ValueError("a trace line needs timestamp and output_len")
-    prompt, ids = line.get("prompt"), line.get("prompt_token_ids")
-    if prompt is None and ids is None:
-        if "prompt_len" not in line:
-            raise ValueError("a trace line needs one of prompt, prompt_token_ids, prompt_len")
-        ids = _random_ids(rng, int(line["prompt_len"]), vocab_range)
-    return TraceRequest(float(line["timestamp"]), int(line["output_len"]), ids, prompt)
-
-
 def _uniform_int(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
     return int(rng.integers(bounds[0], bounds[1] + 1))
-
-
-def _random_ids(rng: np.random.Generator, n: int, vocab_range: tuple[int, int]) -> list[int]:
-    if n < 1:
-        raise ValueError(f"prompt_len must be >= 1, got {n}")
-    return rng.integers(vocab_range[0], vocab_range[1], size=n).tolist()

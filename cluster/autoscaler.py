@@ -2,7 +2,7 @@
 
 `RecordingBackend` wraps the cluster backend the router talks to and keeps the recent
 window of requests (arrival, prompt tokens, output tokens). `AutoscalerLoop` asks the
-policy (`planner.autoscale.Autoscaler`) every interval and resizes through the backend's
+policy (`planner.autoscale_policy.Autoscaler`) every interval and resizes through the backend's
 live scale path (removed workers drain; in a rebalance once their replacements are
 ready). The policy's simulations run in a child process scheduled only on CPU the rest
 leaves idle (`SCHED_IDLE`), not in the router's: there they held the GIL against the
@@ -20,36 +20,31 @@ import multiprocessing
 import os
 import signal
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from planner.autoscale import Autoscaler, Decision, Window
+from planner.autoscale_policy import Autoscaler, Decision, Window
+from protocol.serving import TraceRequest
+from protocol.status import workers
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 
 log = logging.getLogger(__name__)
 
 
-def serving(pools: dict[str, list[dict[str, Any]]], role: str) -> int:
-    """Workers of `role` serving in a status's `pools`: ready, or `slow` (a busy worker
-    whose stats are late, mid-step, is still there); draining ones are leaving."""
-    return sum(1 for w in pools.get(role, []) if w.get("state") in ("ready", "slow"))
-
-
-@dataclass
-class _Seen:
-    arrival: float
-    prompt_len: int
-    output_len: int
+def serving(status: dict[str, Any], role: str) -> int:
+    """Workers of `role` serving in a `Status`: ready, or `slow` (a busy worker whose stats
+    are late, mid-step, is still there); draining ones are leaving."""
+    return sum(1 for w in workers(status) if w.role == role and w.state in ("ready", "slow"))
 
 
 class RecordingBackend(Backend):
-    """Delegates to `inner` and remembers each request's arrival and lengths.
+    """Delegates to `inner` and remembers each request as a trace request: its arrival
+    (monotonic seconds), prompt and output length.
 
     A request's output length is what it asked for until it finishes, then what it got.
 
@@ -61,32 +56,38 @@ class RecordingBackend(Backend):
     def __init__(self, inner: Backend, horizon_s: float = 600.0) -> None:
         self.inner = inner
         self.horizon_s = horizon_s
-        self._seen: deque[_Seen] = deque()
+        self.seen: dict[str, TraceRequest] = {}  # by request id, in arrival order
 
     def window(self, end: float, length_s: float, min_requests: int = 0) -> Window:
         """The requests that arrived in the last `length_s` seconds before `end` (monotonic
         seconds), or in the last 2, 3, ... times that: the shortest such window holding
         `min_requests` requests, within `horizon_s`. A slow stream is judged on enough
         requests to tell its mix, a fast one still on its last `length_s`."""
-        while self._seen and self._seen[0].arrival < end - self.horizon_s:
-            self._seen.popleft()
+        while self.seen:
+            oldest = next(iter(self.seen))
+            if self.seen[oldest].timestamp >= end - self.horizon_s:
+                break
+            del self.seen[oldest]
+        seen = list(self.seen.values())
         span = length_s
-        if 0 < min_requests <= len(self._seen):
-            oldest = self._seen[-min_requests].arrival
-            span = min(length_s * max(math.ceil((end - oldest) / length_s), 1),
+        if 0 < min_requests <= len(seen):
+            oldest_needed = seen[-min_requests].timestamp
+            span = min(length_s * max(math.ceil((end - oldest_needed) / length_s), 1),
                        self.horizon_s)
-        chosen = [s for s in self._seen if end - span <= s.arrival < end]
-        return Window(end - span, end, [s.arrival for s in chosen],
-                      [s.prompt_len for s in chosen], [s.output_len for s in chosen])
+        chosen = [r for r in seen if end - span <= r.timestamp < end]
+        return Window(end - span, end, [r.timestamp for r in chosen],
+                      [len(r.prompt_token_ids or ()) for r in chosen],
+                      [r.output_len for r in chosen])
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        seen = _Seen(time.monotonic(), len(request.prompt_token_ids), request.params.max_tokens)
-        self._seen.append(seen)
+        rid = request.request_id
+        self.seen[rid] = TraceRequest(time.monotonic(), request.params.max_tokens,
+                                      request.prompt_token_ids)
         produced = 0
         async for delta in self.inner.generate(request):
             produced += len(delta.token_ids)
-            if delta.finish_reason is not None and produced:
-                seen.output_len = produced
+            if delta.finish_reason is not None and produced and rid in self.seen:
+                self.seen[rid] = replace(self.seen[rid], output_len=produced)
             yield delta
 
     def model_info(self) -> ModelInfo:
@@ -152,8 +153,8 @@ class AutoscalerLoop:
 
     async def current(self) -> tuple[int, int]:
         """(prefill, decode) workers serving (`serving`)."""
-        pools = (await self.backend.status())["pools"]
-        return serving(pools, "prefill"), serving(pools, "decode") + serving(pools, "mixed")
+        status = await self.backend.status()
+        return serving(status, "prefill"), serving(status, "decode") + serving(status, "mixed")
 
     async def step(self, now: float) -> Decision:
         """Take one decision and carry it out."""

@@ -1,4 +1,4 @@
-"""The `pdcluster` command line: serve, generate, status, scale."""
+"""The `pdcluster` command line: serve, generate, status, scale, bench, profile, plan."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine import defaults as engine_defaults
+from protocol import defaults
+
 # `docker run IMAGE serve ...` must listen on every interface; the image sets this.
 HOST_ENV = "PDCLUSTER_HOST"
 
@@ -17,8 +20,8 @@ HOST_ENV = "PDCLUSTER_HOST"
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from cluster.backend import ClusterConfig
-    from cluster.serve import TRANSPORTS, ServeOptions, run
+    from cluster.config import TRANSPORTS, ClusterConfig
+    from cluster.serve import ServeOptions, run
     from router.auth import SecurityConfig
     from router.frontend import RouterConfig
 
@@ -58,9 +61,9 @@ def _autoscaler(args: argparse.Namespace) -> Any:
     """The autoscaling policy `serve --autoscale` asked for, or None."""
     if not args.autoscale:
         return None
-    from planner.autoscale import Autoscaler, AutoscalerConfig
-    from planner.plan import SloSpec
+    from planner.autoscale_policy import Autoscaler, AutoscalerConfig
     from planner.profile import Profile, check_same_model
+    from protocol.serving import Slo
 
     if args.profile is None or args.slo is None:
         raise ValueError("--autoscale needs --profile and --slo")
@@ -68,7 +71,7 @@ def _autoscaler(args: argparse.Namespace) -> Any:
     check_same_model([profile], args.model)
     low = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
     config = AutoscalerConfig(
-        SloSpec.parse(args.slo, args.attainment), args.mode,
+        Slo.parse(args.slo, args.attainment), args.mode,
         min_workers=args.min_workers or (2 if args.mode == "disaggregated" else 1),
         max_workers=args.max_workers or max(low, 2), min_prefill=args.min_prefill,
         interval_s=args.autoscale_interval,
@@ -121,6 +124,8 @@ def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from protocol.status import workers
+
     with _client(args) as client:
         status = client.status()
     if args.json:
@@ -130,14 +135,11 @@ def _status(args: argparse.Namespace) -> int:
     for column in ("worker", "role", "state", "node", "pid", "running", "waiting", "KV used",
                    "prefix hits", "busy"):
         table.add_column(column)
-    for workers in status.get("pools", {}).values():
-        for w in workers:
-            busy = w.get("busy_seconds", 0) / max(w.get("uptime_s", 1), 1e-9)
-            table.add_row(str(w.get("worker_id")), str(w.get("role")), str(w.get("state")),
-                          str(w.get("node", ""))[:12], str(w.get("pid", "")),
-                          str(w.get("num_running", 0)), str(w.get("num_waiting", 0)),
-                          f"{w.get('kv_usage', 0):.0%}", f"{w.get('prefix_hit_rate', 0):.0%}",
-                          f"{busy:.0%}")
+    for w in workers(status):
+        busy = w.busy_seconds / max(w.uptime_s, 1e-9)
+        table.add_row(w.worker_id, w.role, w.state, w.node[:12], str(w.pid),
+                      str(w.num_running), str(w.num_waiting), f"{w.kv_usage:.0%}",
+                      f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
     Console().print(table)
     return 0
 
@@ -184,21 +186,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest prompt + output (default: the model's and the KV "
                             "pool's limit)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       default="float32",
+                       default=engine_defaults.DTYPE,
                        help="auto: float32 on CPU, bfloat16 on CUDA")
     serve.add_argument("--num-cpus-per-worker", type=float, default=1.0)
     serve.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     serve.add_argument("--torch-threads", type=int, default=1)
-    serve.add_argument("--kv-cache-gb", type=float, default=1.0)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--local-prefill-threshold", type=int, default=256,
+    serve.add_argument("--kv-cache-gb", type=float, default=engine_defaults.KV_CACHE_GB)
+    serve.add_argument("--max-num-batched-tokens", type=int,
+                       default=engine_defaults.MAX_NUM_BATCHED_TOKENS)
+    serve.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS)
+    serve.add_argument("--local-prefill-threshold", type=int,
+                       default=defaults.LOCAL_PREFILL_THRESHOLD,
                        help="uncached prompts this short prefill on the decode worker")
     serve.add_argument("--policy", choices=["continuous", "static"], default="continuous",
                        help="batching policy of every worker (static: for comparison)")
     serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--max-running", type=int, default=256)
-    serve.add_argument("--max-queue", type=int, default=1024)
+    serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING)
+    serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE)
     serve.add_argument("--metrics-compat", choices=["vllm"], default=None,
                        help="also export vLLM's metric names (vllm:num_requests_waiting, "
                             "vllm:kv_cache_usage_perc, ...) for existing dashboards and "
@@ -232,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--local", action="store_true",
                      help="run the engine in this process instead of asking a cluster")
     gen.add_argument("--model", default="smollm2", help="with --local")
-    gen.add_argument("--dtype", default="float32", help="with --local")
+    gen.add_argument("--dtype", default=engine_defaults.DTYPE, help="with --local")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -246,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
-    from planner.cli import add_parsers as add_planner_parsers
+    from cluster.cli_planner import add_parsers as add_planner_parsers
 
     add_planner_parsers(sub)
     for command, func in ((gen, _generate), (status, _status), (scale, _scale)):
@@ -271,7 +275,7 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls-key", default=None, help="its private key (PEM)")
     serve.add_argument("--tls-client-ca", default=None,
                        help="CA (PEM) client certificates must chain to: mutual TLS")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
+    serve.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
                        help="seconds running requests get to finish on SIGTERM or when their "
                             "worker is scaled away (then they move or are aborted)")
     serve.add_argument("--request-timeout", type=float, default=None,

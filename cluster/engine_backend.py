@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from engine import EngineOutput, LLMEngine
 from engine.engine_loop import EngineLoop
+from protocol import WorkerStatus
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 
 
@@ -69,7 +73,8 @@ class EngineBackend(Backend):
 
     async def status(self) -> dict[str, Any]:
         stats = await asyncio.to_thread(self.loop.call, lambda e: e.stats())
-        return {"mode": "engine", "pools": {"mixed": [{"worker_id": "engine-0", **stats}]}}
+        worker = WorkerStatus(**stats, worker_id="engine-0", role="mixed", pid=os.getpid())
+        return {"mode": "engine", "pools": {"mixed": [msgspec.to_builtins(worker)]}}
 
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:
         raise NotImplementedError("a single in-process engine cannot be resized")

@@ -65,28 +65,50 @@ _VLLM_ROUTER_NAMES = {
 }
 
 
-def transfer_metrics() -> tuple[CollectorRegistry, Histogram, Counter]:
-    """The cluster's KV transfer metrics, in a registry of their own that `WorkerCollector`
-    re-exports (a backend owns one; tests build the same one).
+class ClusterMetrics:
+    """The cluster's own series, in a registry of their own that `WorkerCollector`
+    re-exports: KV transfers, and requests placed again.
 
-    Returns:
-        (registry, seconds per transfer: end of prefill to KV landed on the decode worker,
-        bytes shipped from prefill to decode workers).
+    Attributes:
+        registry: where they live.
+        transfer_seconds: end of prefill to KV landed on the decode worker, per transfer.
+        transfer_bytes: KV bytes shipped from prefill to decode workers.
+        migrations: requests placed again because their worker died or was drained.
+        transfer_retries: failed KV transfers retried on another prefill worker or locally.
+        spread_moves: running requests moved onto a worker that joined the decode pool.
     """
-    registry = CollectorRegistry()
-    seconds = Histogram("pdcluster:kv_transfer_seconds",
-                        "End of prefill to KV landed on the decode worker.",
-                        buckets=_TRANSFER_BUCKETS, registry=registry)
-    nbytes = Counter("pdcluster:kv_transfer_bytes",
-                     "KV bytes shipped from prefill to decode workers.", registry=registry)
-    return registry, seconds, nbytes
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.transfer_seconds = Histogram(
+            "pdcluster:kv_transfer_seconds", "End of prefill to KV landed on the decode worker.",
+            buckets=_TRANSFER_BUCKETS, registry=self.registry)
+        self.transfer_bytes = Counter("pdcluster:kv_transfer_bytes",
+                                      "KV bytes shipped from prefill to decode workers.",
+                                      registry=self.registry)
+        self.migrations = Counter(
+            "pdcluster:migrations",
+            "Requests placed again because their worker died or was drained.",
+            registry=self.registry)
+        self.transfer_retries = Counter(
+            "pdcluster:transfer_retries",
+            "Failed KV transfers retried on another prefill worker or locally.",
+            registry=self.registry)
+        self.spread_moves = Counter(
+            "pdcluster:spread_moves",
+            "Running requests moved onto a worker that joined the decode pool, to even the "
+            "pool's load.", registry=self.registry)
+
+    def value(self, name: str) -> float:
+        """A counter's total (`migrations`, `transfer_retries`, `spread_moves`, ...)."""
+        return self.registry.get_sample_value(f"pdcluster:{name}_total") or 0.0
 
 
 class WorkerCollector(Collector):
     """Exports every worker's latest stats and the cluster's KV transfer totals.
 
     Args:
-        backend: the `ClusterBackend` whose workers are reported.
+        backend: the `ClusterBackend` whose workers are reported (`workers`, `metrics`).
         model_name: the served model's name (the `model_name` label).
     """
 
@@ -103,12 +125,13 @@ class WorkerCollector(Collector):
             for name, (key, doc) in table.items():
                 metric = family(f"pdcluster:{name}", doc, labels=labels)
                 for h in workers:
-                    values = h.stats if source == "stats" else h.stats.get("utilization", {})
-                    if key in values:
+                    values = None if h.stats is None else \
+                        h.stats if source == "stats" else h.stats.utilization
+                    if values is not None:
                         metric.add_metric([self.model_name, h.worker_id, h.role],
-                                          values[key])
+                                          getattr(values, key))
                 yield metric
-        yield from self.backend.transfer_registry.collect()
+        yield from self.backend.metrics.registry.collect()
 
 
 class VllmCompatCollector(Collector):
@@ -134,8 +157,8 @@ class VllmCompatCollector(Collector):
             for name, (key, doc) in table.items():
                 metric = family(name, doc, labels=labels)
                 for h in workers:
-                    if key in h.stats:
-                        metric.add_metric([model, h.worker_id], h.stats[key])
+                    if h.stats is not None:
+                        metric.add_metric([model, h.worker_id], getattr(h.stats, key))
                 if name == "vllm:num_requests_waiting":
                     metric.add_metric([model, "router"],
                                       self.router_metrics.admission.num_waiting)
@@ -149,25 +172,3 @@ class VllmCompatCollector(Collector):
                 renamed.add_sample(new_name + sample.name[len(family.name):], sample.labels,
                                    sample.value, sample.timestamp, sample.exemplar)
             yield renamed
-
-
-# ---- resilience (issue 10) and spreading: requests placed again -----------------------
-
-def resilience_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
-    """Counters of requests the cluster placed again, in the backend's registry.
-
-    Returns:
-        (requests placed again after their worker died or was drained,
-        KV transfers retried after a failure,
-        running requests moved onto a worker that joined the decode pool).
-    """
-    migrations = Counter("pdcluster:migrations",
-                         "Requests placed again because their worker died or was drained.",
-                         registry=registry)
-    retries = Counter("pdcluster:transfer_retries",
-                      "Failed KV transfers retried on another prefill worker or locally.",
-                      registry=registry)
-    spread = Counter("pdcluster:spread_moves",
-                     "Running requests moved onto a worker that joined the decode pool, to "
-                     "even the pool's load.", registry=registry)
-    return migrations, retries, spread

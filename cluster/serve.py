@@ -13,17 +13,17 @@ import ray
 from rich.console import Console
 
 from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
-from cluster.backend import ClusterBackend, ClusterConfig
+from cluster.config import ClusterConfig
 from cluster.metrics import VllmCompatCollector, WorkerCollector
+from cluster.ray_backend import ClusterBackend
 from engine.model_loader import cache_dir, resolve_model_dir
-from planner.autoscale import Autoscaler
+from planner.autoscale_policy import Autoscaler
 from router.auth import SecurityConfig, check_bind, is_loopback
 from router.backend import Backend
 from router.frontend import RouterConfig
 from router.servers import Servers, start_servers
 
 console = Console(stderr=True)
-TRANSPORTS = {"shm": ("shm", "zmq"), "zmq": ("zmq",), "torch": ("torch_dist", "zmq")}
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,8 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
     with console.status(f"Preparing model {options.cluster.model!r}"):
         resolve_model_dir(options.cluster.model)  # convert once here, not in every worker
     cfg = options.cluster
-    num_workers = cfg.num_decode + (cfg.num_prefill if cfg.mode == "disaggregated" else 0)
-    with console.status(f"Starting Ray and {num_workers} workers ({cfg.mode})"):
-        init_ray(options.address, num_workers)
+    with console.status(f"Starting Ray and {cfg.num_workers} workers ({cfg.mode})"):
+        init_ray(options.address, cfg.num_workers)
         # After ray.init, whose native signal handlers would otherwise replace ours.
         stop = stop or _signal_event()
         backend = ClusterBackend(cfg)

@@ -19,17 +19,28 @@ import torch
 import zmq
 
 from decode_worker import DecodeRole
-from engine import CacheConfig, EngineOutput, LLMEngine, SchedulerConfig
+from engine import CacheConfig, EngineOutput, LLMEngine, SchedulerConfig, defaults
 from engine.engine_loop import EngineLoop
 from engine.hardware import measure_peaks
 from kv_transfer import CompatRecord, KVReceiver, KVSender, SharedKVPool, TransferConfig
 from prefill_worker import PrefillRole
-from protocol import Abort, Command, Failed, Reply, Role, Stats, decode_command, encode
+from protocol import (
+    Abort,
+    Command,
+    Failed,
+    Reply,
+    Role,
+    Stats,
+    Utilization,
+    WorkerStats,
+    decode_command,
+    encode,
+)
+from protocol.defaults import STATS_INTERVAL_S
 from protocol.secure import ClusterKey, SocketGuard
 from protocol.worker_role import WorkerRole
 
 log = logging.getLogger(__name__)
-STATS_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -65,12 +76,12 @@ class WorkerSpec:
     model: str
     router_endpoint: str
     host: str = "127.0.0.1"
-    dtype: str = "float32"
+    dtype: str = defaults.DTYPE
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    kv_cache_memory_gb: float = defaults.KV_CACHE_GB
+    block_size: int = defaults.BLOCK_SIZE
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     transports: tuple[str, ...] = ("shm", "zmq")
     torch_threads: int | None = None
     policy: str = "continuous"
@@ -106,7 +117,7 @@ class Worker:
         self.endpoint = self._sockets.bind(self._cmd, f"tcp://{spec.host}:0")
         self.engine = self._build_engine()
         self.peaks = measure_peaks(self.engine.device, self.engine.dtype, size=512, read_mb=64)
-        self.utilization: dict[str, float] = {}
+        self.utilization: Utilization | None = None
         self._last_sample: tuple[float, ...] | None = None
         self.role = self._build_role()
         self.loop = EngineLoop(self.engine, self._on_outputs, self.role.layer_hook)
@@ -256,18 +267,15 @@ class Worker:
 
     # ---- control ----
 
-    def stats(self, engine: LLMEngine) -> dict[str, Any]:
+    def stats(self, engine: LLMEngine) -> WorkerStats:
         """Load, memory and utilization figures; call on the engine thread only."""
-        stats = dict(engine.stats())
-        uptime = time.monotonic() - self.started
-        stats.update(worker_id=self.spec.worker_id, role=str(self.spec.role),
-                     busy_seconds=self.loop.busy_seconds, uptime_s=uptime,
-                     num_steps=self.loop.num_steps,
-                     step_totals={k: list(v) for k, v in self.loop.step_totals.items()},
-                     pid=os.getpid(), transfer_wait_seconds=self.loop.transfer_wait_seconds,
-                     peak_flops=self.peaks["flops"], peak_bandwidth=self.peaks["bandwidth"],
-                     utilization=self.utilization, **self.role.load(engine))
-        return stats
+        return WorkerStats(
+            **engine.stats(), busy_seconds=self.loop.busy_seconds,
+            uptime_s=time.monotonic() - self.started, num_steps=self.loop.num_steps,
+            step_totals={k: list(v) for k, v in self.loop.step_totals.items()},
+            transfer_wait_seconds=self.loop.transfer_wait_seconds,
+            peak_flops=self.peaks["flops"], peak_bandwidth=self.peaks["bandwidth"],
+            utilization=self.utilization, **self.role.load(engine))
 
     def _tick_stats(self) -> None:
         """Every interval, ask the engine thread for a snapshot and push it.
@@ -293,10 +301,10 @@ class Worker:
         dt = max(sample[0] - last[0], 1e-9)
         busy, wait, flops, nbytes = ((now - then) / dt for now, then in
                                      zip(sample[1:], last[1:], strict=True))
-        self.utilization = {
-            "busy": busy, "idle": max(1.0 - busy - wait, 0.0), "transfer_wait": wait,
-            "flops_utilization": flops / self.peaks["flops"],
-            "bandwidth_utilization": nbytes / self.peaks["bandwidth"]}
+        self.utilization = Utilization(
+            busy=busy, idle=max(1.0 - busy - wait, 0.0), transfer_wait=wait,
+            flops_utilization=flops / self.peaks["flops"],
+            bandwidth_utilization=nbytes / self.peaks["bandwidth"])
 
     def info(self) -> dict[str, Any]:
         """What the router needs: endpoints, role, model facts, KV peer info, pid."""

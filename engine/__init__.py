@@ -1,17 +1,36 @@
 """pdcluster's model runtime: paged KV cache, continuous batching, one Llama implementation.
 
 The public surface other packages may use: `LLM`, `LLMEngine`, `SamplingParams`,
-`RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs, the tokenizer helpers and
-`check_request`.
+`RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs, the tokenizer helpers,
+`check_request` and `defaults`. Names load on first use, so reading `engine.defaults`
+(the CLI does, for its help text) does not import torch.
 """
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.llm import LLM
-from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, LLMEngine
-from engine.request import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
-from engine.validation import check_request, fit_context
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from engine.llm import LLM
+    from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, LLMEngine
+    from engine.request import CompletionOutput, RequestOutput
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+    from engine.validation import check_request, fit_context
+
+_WHERE = {
+    "CacheConfig": "engine.config", "ModelConfig": "engine.config",
+    "SchedulerConfig": "engine.config", "LLM": "engine.llm",
+    "EngineOutput": "engine.llm_engine", "EngineStepError": "engine.llm_engine",
+    "KVCacheFullError": "engine.llm_engine", "LLMEngine": "engine.llm_engine",
+    "CompletionOutput": "engine.request", "RequestOutput": "engine.request",
+    "SamplingParams": "engine.sampling_params",
+    "IncrementalDetokenizer": "engine.tokenizer", "apply_chat_template": "engine.tokenizer",
+    "load_tokenizer": "engine.tokenizer", "check_request": "engine.validation",
+    "fit_context": "engine.validation",
+}
 
 __all__ = [
     "LLM",
@@ -31,3 +50,11 @@ __all__ = [
     "fit_context",
     "load_tokenizer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from engine import defaults
+
 Role = Literal["mixed", "prefill", "decode"]
 Policy = Literal["continuous", "static"]
 
@@ -71,9 +73,9 @@ class CacheConfig:
         enable_prefix_caching: reuse full blocks whose chained token hash matches.
     """
 
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = defaults.KV_CACHE_GB
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -99,8 +101,8 @@ class SchedulerConfig:
             comparison benchmarks).
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     enable_chunked_prefill: bool = True
     role: Role = "mixed"
     policy: Policy = "continuous"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -294,7 +293,6 @@ class LLMEngine:
             "prefix_cache_queries": pool.num_queries,
             "num_waiting_for_kv": sum(1 for r in self.scheduler.parked.values()
                                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
-            "time": time.monotonic(),
             **self.runner.counters,
         }
 

@@ -22,136 +22,76 @@ from typing import Any
 
 import numpy as np
 
-from bench.serving_metrics import distribution
-from bench.traces import TraceRequest, read_trace
+from engine import defaults
 from planner.profile import Profile, check_same_model
-from planner.simulator import ClusterShape, SimRequest, SimResult, Simulation
+from planner.simulator import ClusterShape, SimResult, Simulation
+from protocol.defaults import LOCAL_PREFILL_THRESHOLD
+from protocol.serving import PERCENTILES, Slo, TraceRequest, distribution, read_trace
 
 SCHEMA = "pdcluster.plan/1"
 MODES = ("disaggregated", "colocated")
-_METRICS = ("ttft", "tpot")
-_PERCENTILES = (50, 90, 99)
-SLO_KEYS = tuple(f"{m}_p{q}_ms" for m in _METRICS for q in _PERCENTILES)
 
 
-@dataclass(frozen=True)
-class SloSpec:
-    """Latency bounds by name (`ttft_p90_ms`, `tpot_p50_ms`, ...) and the attainment target.
+def figures(result: SimResult, slo: Slo) -> dict[str, float | None]:
+    """Latency percentiles (ms), attainment and goodput of a simulation, defined as
+    `pdcluster bench` defines them for a measured run.
 
-    Args:
-        bounds: key -> milliseconds.
-        attainment: fraction of requests that must meet the per-request SLO.
+    Failed requests (NaN first token) count against attainment; a one-token answer has no
+    TPOT and meets any TPOT bound.
     """
-
-    bounds: dict[str, float]
-    attainment: float = 0.9
-
-    @classmethod
-    def parse(cls, text: str, attainment: float = 0.9) -> SloSpec:
-        """Parse `ttft_p90_ms=X,tpot_p90_ms=Y`.
-
-        Raises:
-            ValueError: an unknown key, a non-positive value, or a target outside (0, 1].
-        """
-        bounds: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            key = key.strip()
-            if key not in SLO_KEYS:
-                raise ValueError(f"slo: unknown key {key!r}; use any of {', '.join(SLO_KEYS)}")
-            try:
-                bounds[key] = float(value)
-            except ValueError:
-                raise ValueError(f"slo: {key} must be a number of ms, got {value!r}") from None
-            if not bounds[key] > 0:
-                raise ValueError(f"slo: {key} must be > 0 ms, got {value}")
-        if not bounds:
-            raise ValueError("slo: give at least one bound, e.g. ttft_p90_ms=500,tpot_p90_ms=50")
-        if not 0 < attainment <= 1:
-            raise ValueError(f"attainment must be in (0, 1], got {attainment}")
-        return cls(bounds, attainment)
-
-    def bound(self, metric: str) -> float | None:
-        """The tightest bound on `ttft` or `tpot` in ms (the per-request SLO), or None."""
-        values = [v for k, v in self.bounds.items() if k.startswith(f"{metric}_")]
-        return min(values) if values else None
-
-    def text(self) -> str:
-        return ",".join(f"{k}={v:g}" for k, v in self.bounds.items())
-
-
-def figures(ttft_s: np.ndarray, tpot_s: np.ndarray, duration_s: float,
-            slo: SloSpec) -> dict[str, float | None]:
-    """Latency percentiles (ms), attainment and goodput, defined as `pdcluster bench` does.
-
-    Args:
-        ttft_s: per request (failed requests as NaN count against attainment).
-        tpot_s: per request, NaN where undefined (one output token) or failed.
-        duration_s: first arrival to last token.
-        slo: the objectives.
-    """
-    ok = np.isfinite(ttft_s)
+    ttft, tpot, e2e = result.ttft, result.tpot, result.finish - result.arrival
+    ok = np.isfinite(ttft)
     out: dict[str, float | None] = {}
-    for metric, values in (("ttft", ttft_s[ok]), ("tpot", tpot_s[np.isfinite(tpot_s)])):
+    for metric, values in (("ttft", ttft[ok]), ("tpot", tpot[np.isfinite(tpot)]),
+                           ("e2e", e2e[ok])):
         dist = distribution(values.tolist(), 1e3)
-        for q in _PERCENTILES:
+        for q in PERCENTILES:
             out[f"{metric}_p{q}_ms"] = dist[f"p{q}"]
     good = ok.copy()
-    if (bound := slo.bound("ttft")) is not None:
-        good &= ttft_s * 1e3 <= bound
-    if (bound := slo.bound("tpot")) is not None:
-        good &= ~(tpot_s * 1e3 > bound)  # NaN (no TPOT) meets it
+    for metric, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        if (bound := slo.bound(metric)) is not None:
+            good &= ~(values * 1e3 > bound)  # NaN (no TPOT) meets it; failures are not ok
     out["attainment"] = float(good.mean())
-    out["goodput_rps"] = float(good.sum() / duration_s) if duration_s > 0 else 0.0
+    duration = result.duration
+    out["goodput_rps"] = float(good.sum() / duration) if duration > 0 else 0.0
     return out
-
-
-def meets(predicted: dict[str, Any], slo: SloSpec) -> bool:
-    """Attainment reaches the target and every named percentile is within its bound."""
-    if predicted["attainment"] < slo.attainment:
-        return False
-    return all(predicted.get(k) is None or predicted[k] <= v for k, v in slo.bounds.items())
 
 
 # ---- traces ----
 
-def load_trace(path: Path, model: str) -> list[SimRequest]:
-    """Read a `pdcluster bench` JSONL trace; text prompts are tokenized with `model`'s
-    tokenizer.
+def load_trace(path: Path, model: str) -> list[TraceRequest]:
+    """Read a JSONL trace (`protocol.serving`) with every prompt as token ids (text prompts
+    tokenized with `model`'s tokenizer).
 
     Raises:
         ValueError: a bad line, or an empty trace.
     """
-    requests = read_trace(Path(path))
-    return to_sim_requests(requests, model)
+    return tokenized(read_trace(Path(path)), model)
 
 
-def to_sim_requests(requests: Sequence[TraceRequest], model: str) -> list[SimRequest]:
-    """Bench trace requests as simulator requests."""
+def tokenized(requests: Sequence[TraceRequest], model: str) -> list[TraceRequest]:
+    """The requests with text prompts replaced by their token ids (the simulator hashes
+    prompt blocks for prefix hits)."""
     if not requests:
         raise ValueError("the trace has no requests")
-    tokenizer = None
-    out = []
-    for r in requests:
-        ids = r.prompt_token_ids
-        if ids is None:
-            if tokenizer is None:
-                from engine.model_loader import resolve_model_dir
-                from engine.tokenizer import load_tokenizer
+    if all(r.prompt_token_ids is not None for r in requests):
+        return list(requests)
+    from engine.model_loader import resolve_model_dir
+    from engine.tokenizer import load_tokenizer
 
-                tokenizer = load_tokenizer(resolve_model_dir(model))
-            ids = tokenizer.encode(r.prompt)
-        out.append(SimRequest(r.timestamp, list(ids), r.output_len))
-    return out
+    tokenizer = load_tokenizer(resolve_model_dir(model))
+    return [r if r.prompt is None else
+            TraceRequest(r.timestamp, r.output_len, tokenizer.encode(r.prompt))
+            for r in requests]
 
 
-def trace_rate(requests: Sequence[SimRequest]) -> float:
+def trace_rate(requests: Sequence[TraceRequest]) -> float:
     """The trace's mean arrival rate (requests/s), `inf` when they all arrive at once."""
-    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    span = max(r.timestamp for r in requests) - min(r.timestamp for r in requests)
     return (len(requests) - 1) / span if span > 0 else float("inf")
 
 
-def at_rate(requests: Sequence[SimRequest], rate: float) -> list[SimRequest]:
+def at_rate(requests: Sequence[TraceRequest], rate: float) -> list[TraceRequest]:
     """The same requests with their arrivals scaled to a mean rate of `rate`.
 
     Raises:
@@ -163,7 +103,7 @@ def at_rate(requests: Sequence[SimRequest], rate: float) -> list[SimRequest]:
     if len(requests) > 1 and np.isinf(current):
         raise ValueError("the trace's requests all arrive at once: --rate cannot rescale them")
     scale = current / rate if len(requests) > 1 else 1.0
-    return [replace(r, arrival=r.arrival * scale) for r in requests]
+    return [replace(r, timestamp=r.timestamp * scale) for r in requests]
 
 
 # ---- search ----
@@ -192,13 +132,13 @@ class PlanRequest:
 
     prefill_profile: Profile
     decode_profile: Profile
-    requests: list[SimRequest]
-    slo: SloSpec
+    requests: list[TraceRequest]
+    slo: Slo
     max_workers: int = 4
     modes: tuple[str, ...] = MODES
-    thresholds: tuple[int, ...] = (256,)
-    budgets: tuple[int, ...] = (2048,)
-    max_num_seqs: int = 64
+    thresholds: tuple[int, ...] = (LOCAL_PREFILL_THRESHOLD,)
+    budgets: tuple[int, ...] = (defaults.MAX_NUM_BATCHED_TOKENS,)
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     cost_per_hour: dict[str, float] = field(
         default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
     find_max_rate: bool = True
@@ -239,7 +179,7 @@ def shapes(request: PlanRequest) -> list[list[ClusterShape]]:
 
 
 def simulate(request: PlanRequest, shape: ClusterShape,
-             requests: Sequence[SimRequest] | None = None) -> SimResult:
+             requests: Sequence[TraceRequest] | None = None) -> SimResult:
     """`shape` on the request's trace (or on `requests`), run with seeds 0, 1, ... until
     `request.simulated_requests` requests are simulated, the runs laid end to end.
 
@@ -260,7 +200,7 @@ def simulate(request: PlanRequest, shape: ClusterShape,
 def predict(request: PlanRequest, shape: ClusterShape) -> dict[str, Any]:
     """The predicted figures of one configuration at the planned rate."""
     result = simulate(request, shape)
-    predicted = figures(result.ttft, result.tpot, result.duration, request.slo)
+    predicted = figures(result, request.slo)
     served = np.isfinite(result.finish)
     tokens_per_s = float(result.output_len[served].sum()) / result.duration
     predicted["cost_per_mtok"] = cost_per_hour(request, shape) / (tokens_per_s * 3600) * 1e6
@@ -287,8 +227,7 @@ def max_rate(request: PlanRequest, shape: ClusterShape, iterations: int = 6) -> 
 
     def ok(rate: float) -> bool:
         result = simulate(request, shape, at_rate(request.requests, rate))
-        return meets(figures(result.ttft, result.tpot, result.duration, request.slo),
-                     request.slo)
+        return request.slo.meets(figures(result, request.slo))
 
     low, high = 0.0, base
     for _ in range(8):
@@ -312,7 +251,7 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     configs = []
     for group in shapes(request):
         scored = [(shape, predict(request, shape)) for shape in group]
-        shape, predicted = max(scored, key=lambda sp: (meets(sp[1], request.slo),
+        shape, predicted = max(scored, key=lambda sp: (request.slo.meets(sp[1]),
                                                        sp[1]["attainment"],
                                                        sp[1]["goodput_rps"]))
         if request.find_max_rate:
@@ -322,7 +261,7 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     recommended = min(good, key=lambda c: (c["cost_per_hour"], -c["predicted"]["goodput_rps"],
                                            c["prefill"] + c["decode"]), default=None)
     return {"schema": SCHEMA, "model": request.decode_profile.model,
-            "slo": {**request.slo.bounds, "attainment": request.slo.attainment},
+            "slo": request.slo.as_dict(),
             "rate_rps": trace_rate(request.requests), "num_requests": len(request.requests),
             "recommended": recommended, "configs": configs}
 
@@ -341,10 +280,11 @@ def config_entry(request: PlanRequest, shape: ClusterShape, predicted: dict[str,
     """One configuration as the plan file lists it."""
     return {**shape_entry(shape, request.decode_profile.torch_threads),
             "cost_per_hour": cost_per_hour(request, shape),
-            "meets_slo": meets(predicted, request.slo), "predicted": predicted}
+            "meets_slo": request.slo.meets(predicted), "predicted": predicted}
 
 
-def shape_of(config: dict[str, Any], max_num_seqs: int = 64) -> ClusterShape:
+def shape_of(config: dict[str, Any],
+             max_num_seqs: int = defaults.MAX_NUM_SEQS) -> ClusterShape:
     """The simulator shape of a plan file's configuration entry."""
     return ClusterShape(config["mode"], config["prefill"], config["decode"],
                         config["max_num_batched_tokens"], max_num_seqs,

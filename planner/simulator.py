@@ -8,7 +8,7 @@ Only the model is missing: a step's duration comes from the profile's step-time 
 (drawn about it with the measured spread, `Profile.step_cv`, from a seeded generator), a
 KV transfer's from its transfer model.
 
-It follows the real request path (cluster/backend.py, cluster/worker.py, the roles):
+It follows the real request path (cluster/dispatch.py, cluster/worker.py, the roles):
 
 - commands reach a worker's engine between steps (`EngineLoop`): a new request, a KV
   reservation, a finished transfer;
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine import defaults
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -41,13 +42,15 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from planner.profile import Profile
+from protocol.defaults import (
+    LOCAL_PREFILL_THRESHOLD,
+    RESERVE_RETRY_S,
+    RESERVE_TIMEOUT_S,
+    STATS_INTERVAL_S,
+)
+from protocol.serving import TraceRequest
 from router.placement import PrefixIndex, WorkerLoad, place_request
 
-# cluster/worker.py pushes stats every 0.5 s; cluster/backend.py retries a rejected
-# reservation after 0.05 s and fails the request after `reserve_timeout_s` (60 s).
-STATS_INTERVAL_S = 0.5
-RESERVE_RETRY_S = 0.05
-RESERVE_TIMEOUT_S = 60.0
 _TOKEN = 1  # every simulated output token
 
 
@@ -68,9 +71,9 @@ class ClusterShape:
     mode: str
     num_prefill: int
     num_decode: int
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    local_prefill_threshold: int = 256
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -84,21 +87,6 @@ class ClusterShape:
     @property
     def num_workers(self) -> int:
         return self.num_prefill + self.num_decode
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    """One request of a simulated trace.
-
-    Args:
-        arrival: seconds after the start.
-        prompt_token_ids: the prompt (its blocks' hashes drive prefix hits).
-        output_len: output tokens (exact).
-    """
-
-    arrival: float
-    prompt_token_ids: list[int]
-    output_len: int
 
 
 @dataclass
@@ -259,7 +247,7 @@ class Simulation:
     def _at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action))
 
-    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+    def run(self, requests: Sequence[TraceRequest]) -> SimResult:
         """Simulate every request to its last token.
 
         Raises:
@@ -274,7 +262,7 @@ class Simulation:
         self._remaining = n
         for index, r in enumerate(requests):
             self._check(index, r)
-            self._at(r.arrival, lambda i=index, r=r: self._arrive(i, r))
+            self._at(r.timestamp, lambda i=index, r=r: self._arrive(i, r))
         self._at(0.0, self._push_stats)
         while self._events and self._remaining:
             self.now, _, action = heapq.heappop(self._events)
@@ -282,16 +270,17 @@ class Simulation:
         if self._remaining:
             raise RuntimeError(f"simulation stalled with {self._remaining} requests unfinished "
                                "(a prompt larger than a worker's KV pool?)")
-        return SimResult(np.array([r.arrival for r in requests]), self._first, self._finish,
+        return SimResult(np.array([r.timestamp for r in requests]), self._first, self._finish,
                          np.array([r.output_len for r in requests]),
                          sum(w.num_steps for w in self.workers),
                          sum(w.busy_s for w in self.workers), self._num_preemptions,
                          self._local, self._num_failed)
 
-    def _check(self, index: int, r: SimRequest) -> None:
+    def _check(self, index: int, r: TraceRequest) -> None:
+        if not r.prompt_token_ids:
+            raise ValueError(f"request {index}: the simulator needs the prompt's token ids "
+                             "(tokenize text prompts first: planner.plan.tokenized)")
         total = len(r.prompt_token_ids) + r.output_len
-        if not r.prompt_token_ids or r.output_len < 1:
-            raise ValueError(f"request {index}: needs a prompt and output_len >= 1")
         if total > self._max_model_len:
             raise ValueError(f"request {index}: {total} prompt + output tokens exceed the "
                              f"profile's max_model_len {self._max_model_len}")
@@ -305,9 +294,9 @@ class Simulation:
 
     # ---- router ----
 
-    def _arrive(self, index: int, r: SimRequest) -> None:
+    def _arrive(self, index: int, r: TraceRequest) -> None:
         request = Request(str(index), r.prompt_token_ids, self._params(r.output_len),
-                          max_model_len=self._max_model_len, arrival_time=r.arrival)
+                          max_model_len=self._max_model_len, arrival_time=r.timestamp)
         self._dispatch(index, request)
 
     def _params(self, output_len: int) -> SamplingParams:

@@ -1,8 +1,15 @@
-"""The router <-> worker data-plane protocol: typed messages and their one msgpack codec.
+"""The typed messages pdcluster's parts exchange, and nothing else.
 
-It depends on nothing inside pdcluster, so the workers (`prefill_worker`, `decode_worker`,
-`cluster.worker`), the cluster's router side (`cluster.backend`) and client-side tools
-(`bench`) all speak it without importing each other.
+- `messages`: router <-> worker commands and replies, one msgpack codec;
+- `status`: a worker's pushed stats and the router's `Status` view of it;
+- `timing`: the request path's clocks (the simulator waits as the cluster does);
+- `serving`: the trace, SLO and latency summary the load generator and the planner share;
+- `secure`: the internal sockets' CURVE keys;
+- `worker_role`: the one interface a worker's role implements.
+
+It imports nothing of pdcluster but engine types for annotations, so the workers, the
+router, the cluster, the planner and client-side tools (`bench`) all speak it without
+importing each other.
 """
 
 from protocol.messages import (
@@ -23,6 +30,7 @@ from protocol.messages import (
     decode_reply,
     encode,
 )
+from protocol.status import Utilization, WorkerStats, WorkerStatus
 from protocol.worker_role import WorkerRole
 
 __all__ = [
@@ -38,8 +46,11 @@ __all__ = [
     "Stats",
     "Step",
     "TokenRecord",
+    "Utilization",
     "WorkerMessage",
     "WorkerRole",
+    "WorkerStats",
+    "WorkerStatus",
     "decode_command",
     "decode_reply",
     "encode",

@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 
+from protocol.status import WorkerStats
+
 
 class Role(enum.StrEnum):
     """What a worker's engine does: prefill only, decode only, or both (colocated)."""
@@ -157,10 +159,11 @@ class Failed(_Message, tag="failed"):
 
 
 class Stats(_Message, tag="stats"):
-    """Load, memory and utilization figures, read on the engine thread and pushed."""
+    """Load, memory and utilization figures, read on the engine thread and pushed every
+    `protocol.defaults.STATS_INTERVAL_S`."""
 
     worker_id: str
-    stats: dict[str, Any]
+    stats: WorkerStats
 
 
 Reply = Reserved | Rejected | Step | Failed | Stats

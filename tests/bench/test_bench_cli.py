@@ -14,7 +14,8 @@ import pytest
 
 from bench import cli
 from bench.report import compare_reports, load_report
-from bench.traces import TraceRequest, WorkloadSpec, arrival_times, make_workload, write_trace
+from bench.traces import WorkloadSpec, arrival_times, make_workload
+from protocol.serving import TraceRequest, write_trace
 from router.servers import Servers
 
 WORKLOAD = ["--num-requests", "8", "--rate", "20", "--prompt-len", "16:48",

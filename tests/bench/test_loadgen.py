@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench.loadgen import LoadOptions, LoadResult, StreamEvent, run_load
-from bench.traces import TraceRequest
+from protocol.serving import TraceRequest
 
 
 class ScriptedBackend:

@@ -8,14 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.traces import (
-    TraceRequest,
-    WorkloadSpec,
-    arrival_times,
-    make_workload,
-    read_trace,
-    write_trace,
-)
+from bench.traces import WorkloadSpec, arrival_times, make_workload
+from protocol.serving import TraceRequest, read_trace, write_trace
 
 
 def gaps(times: np.ndarray) -> np.ndarray:

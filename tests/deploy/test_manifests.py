@@ -29,7 +29,8 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import VllmCompatCollector, WorkerCollector, transfer_metrics
+from cluster.metrics import ClusterMetrics, VllmCompatCollector, WorkerCollector
+from protocol import Utilization, WorkerStats
 from router.admission import AdmissionQueue
 from router.metrics import ModelBoundMetric, RouterMetrics
 
@@ -44,13 +45,11 @@ GRPC_PORT, HTTP_PORT = 50051, 8000
 POOLS = {"prefill": "pd_prefill", "decode": "pd_decode"}
 
 # What WorkerCollector reads of one worker's pushed stats (`Worker.stats` in cluster/worker.py).
-WORKER_STATS: dict[str, Any] = {
-    "kv_usage": 0.25, "num_running": 2, "num_waiting": 1, "prefix_hit_rate": 0.5,
-    "prefill_tokens": 4096, "decode_tokens": 512,
-    "prefix_cache_queries": 8192, "prefix_cache_hits": 2048,
-    "utilization": {"busy": 0.6, "idle": 0.3, "transfer_wait": 0.1,
-                    "flops_utilization": 0.4, "bandwidth_utilization": 0.7},
-}
+WORKER_STATS = WorkerStats(
+    kv_usage=0.25, num_running=2, num_waiting=1, prefix_hit_rate=0.5, prefill_tokens=4096,
+    decode_tokens=512, prefix_cache_queries=8192, prefix_cache_hits=2048,
+    utilization=Utilization(busy=0.6, idle=0.3, transfer_wait=0.1, flops_utilization=0.4,
+                            bandwidth_utilization=0.7))
 # Exported metrics the dashboard leaves out on purpose, and why.
 NOT_ON_DASHBOARD: dict[str, str] = {}
 # Labels Prometheus adds to every scraped series.
@@ -257,11 +256,10 @@ def python_snippets(run: str) -> list[str]:
 
 def stand_in_backend() -> SimpleNamespace:
     """What WorkerCollector reads of a `ClusterBackend`: one prefill and one decode worker
-    and the KV transfer registry, built as the backend builds it."""
+    and the cluster's own metrics, built as the backend builds them."""
     workers = {worker_id: SimpleNamespace(worker_id=worker_id, role=role, stats=WORKER_STATS)
                for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
-    registry, _, _ = transfer_metrics()
-    return SimpleNamespace(workers=workers, transfer_registry=registry)
+    return SimpleNamespace(workers=workers, metrics=ClusterMetrics())
 
 
 @functools.cache

@@ -201,7 +201,7 @@ def test_a_worker_that_joins_the_decode_pool_takes_half_its_running_requests(
     greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=300, ignore_eos=True)
     params = [greedy] * 8 + [seeded]
-    spread_before = disagg.transfer_registry.get_sample_value("pdcluster:spread_moves_total")
+    spread_before = disagg.metrics.value("spread_moves")
     got: dict[str, list[int]] = {f"sp{i}": [] for i in range(len(prompts))}
 
     async def consume(rid, prompt, params):
@@ -228,7 +228,7 @@ def test_a_worker_that_joins_the_decode_pool_takes_half_its_running_requests(
         return held, await asyncio.gather(*jobs)
     held, reasons = loop_thread.run(go())
     assert held == (5, 4, True)
-    assert disagg.transfer_registry.get_sample_value("pdcluster:spread_moves_total") \
+    assert disagg.metrics.value("spread_moves") \
         - spread_before == 4
     assert reasons == ["length"] * len(prompts)
     assert list(got.values())[:8] == expected_tokens(reference, prompts[:8], greedy)
@@ -258,7 +258,7 @@ def test_worker_metrics_are_exported(disagg, loop_thread):
     done = time.monotonic()
 
     async def utilization_reported():  # stats pushed after the run, with an interval's figures
-        while not all(h.stats_at > done and h.stats.get("utilization")
+        while not all(h.stats_at > done and h.stats is not None and h.stats.utilization is not None
                       for h in disagg.workers.values()):
             await asyncio.sleep(0.05)
     loop_thread.run(utilization_reported(), timeout=60)

@@ -84,7 +84,7 @@ async def _pool_restored(backend, role: str, n: int):
 
 
 def _count(backend, name: str) -> float:
-    return backend.transfer_registry.get_sample_value(f"pdcluster:{name}_total")
+    return backend.metrics.value(name)
 
 
 def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
@@ -122,7 +122,7 @@ def test_a_finished_stream_its_client_has_not_read_is_not_placed_again(
         stream_out = cluster.generate(GenerateRequest("unread", prompt, params,
                                                       time.monotonic()))
         first = await anext(stream_out)
-        stream = cluster._streams["unread"]
+        stream = cluster.dispatcher.requests["unread"]
 
         async def all_tokens_in():
             return len(stream.generated) == params.max_tokens

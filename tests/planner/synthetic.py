@@ -11,7 +11,7 @@ from planner.profile import (
     LinearModel,
     Profile,
 )
-from planner.simulator import SimRequest
+from protocol.serving import TraceRequest
 
 
 def synthetic_profile(prefill: tuple[float, float, float, float] = (0.1, 0.0, 0.0, 0.0),
@@ -42,7 +42,7 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
 
 
 def trace(arrivals: np.ndarray, prompts: list[list[int]], output_len: int | list[int]
-          ) -> list[SimRequest]:
+          ) -> list[TraceRequest]:
     outputs = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
-    return [SimRequest(float(a), p, o) for a, p, o in zip(arrivals, prompts, outputs,
-                                                          strict=True)]
+    return [TraceRequest(float(a), o, p) for a, p, o in zip(arrivals, prompts, outputs,
+                                                            strict=True)]

@@ -15,18 +15,18 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend, _Seen
+from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
 from cluster.cli import _autoscaler, build_parser, main
 from engine import SamplingParams
-from planner.autoscale import Autoscaler, AutoscalerConfig, Window
-from planner.plan import SloSpec
+from planner.autoscale_policy import Autoscaler, AutoscalerConfig, Window
+from protocol.serving import Slo, TraceRequest
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 from tests.planner.test_plan import PROFILE
 
 # Long prompts (1 s of prefill each, one output token), TTFT p90 <= 3 s: one prefill worker
 # holds up to about 0.65 req/s, two up to about 1.5 req/s (planner predictions on this
 # profile); the scale-down headroom is 20 %.
-SLO = SloSpec.parse("ttft_p90_ms=3000")
+SLO = Slo.parse("ttft_p90_ms=3000")
 
 
 def autoscaler(min_workers: int = 2, max_workers: int = 4) -> Autoscaler:
@@ -90,7 +90,7 @@ def test_with_min_prefill_zero_a_decode_heavy_load_moves_prefill_to_the_decode_w
     cost, twice the decode workers); without, 1P+1D is the only 2-worker split."""
     n, duration = 180, 60.0
     short = Window(0.0, duration, [i * duration / n for i in range(n)], [200] * n, [20] * n)
-    config = AutoscalerConfig(SloSpec.parse("ttft_p90_ms=600"), "disaggregated", 2, 2,
+    config = AutoscalerConfig(Slo.parse("ttft_p90_ms=600"), "disaggregated", 2, 2,
                               min_prefill=0, trace_requests=200)
     scaler = Autoscaler(config, PROFILE, PROFILE)
     assert scaler.splits() == [(0, 2), (1, 1)]
@@ -219,12 +219,18 @@ def test_a_window_with_too_few_requests_holds() -> None:
     assert decision.action == "hold" and "5 requests in the window" in decision.reason
 
 
+def workers(role: str, *states: str) -> list[dict[str, Any]]:
+    """A pool as `Status` reports it: one worker of `role` per state."""
+    return [{"worker_id": f"{role}-{i}", "role": role, "state": state}
+            for i, state in enumerate(states)]
+
+
 class FakeCluster(Backend):
     """Streams `output` one-token deltas per request; records scale calls."""
 
     def __init__(self, output: int) -> None:
         self.output = output
-        self.pools = {"prefill": [{"state": "ready"}], "decode": [{"state": "ready"}]}
+        self.pools = {role: workers(role, "ready") for role in ("prefill", "decode")}
         self.scaled: list[tuple[int | None, int | None]] = []
 
     def model_info(self) -> ModelInfo:
@@ -244,7 +250,7 @@ class FakeCluster(Backend):
         self.scaled.append((num_prefill, num_decode))
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
             if n is not None:
-                self.pools[role] = [{"state": "ready"}] * n
+                self.pools[role] = workers(role, *["ready"] * n)
         return await self.status()
 
     def healthy(self) -> bool:
@@ -261,7 +267,7 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
         for i in range(60):  # 60 requests in the last few ms: far above capacity
             request = GenerateRequest(f"r{i}", [5] * 1000, SamplingParams(max_tokens=9), 0.0)
             assert len([d async for d in front.generate(request)]) == 3
-        now = front._seen[-1].arrival + 1e-3
+        now = list(front.seen.values())[-1].timestamp + 1e-3
         recorded = front.window(now, 60.0)
         first = await loop.step(now)
         # The policy process keeps its state: the next step is in the cool-down.
@@ -294,7 +300,8 @@ def test_a_slow_streams_window_reaches_back_by_whole_lengths_to_hold_enough_requ
     horizon (45 s: arrivals before 15 s are forgotten); the last 10 s when even the whole
     history holds fewer."""
     front = RecordingBackend(FakeCluster(output=1), horizon_s=45.0)
-    front._seen.extend(_Seen(float(t), 100 + t, 5) for t in (1, 5, 16, 30, 45, 52, 58))
+    front.seen.update((f"r{t}", TraceRequest(float(t), 5, [7] * (100 + t)))
+                      for t in (1, 5, 16, 30, 45, 52, 58))
 
     def seen(min_requests: int) -> tuple[float, list[float], list[int]]:
         window = front.window(60.0, 10.0, min_requests)
@@ -370,8 +377,8 @@ def test_a_slow_worker_still_counts_in_the_current_split() -> None:
     prefill pool between 0 and 1 and made the autoscaler rebalance for nothing); draining
     and dead workers do not count."""
     cluster = FakeCluster(output=1)
-    cluster.pools = {"prefill": [{"state": "slow"}, {"state": "draining"}],
-                     "decode": [{"state": "ready"}, {"state": "dead"}]}
+    cluster.pools = {"prefill": workers("prefill", "slow", "draining"),
+                     "decode": workers("decode", "ready", "dead")}
     loop = AutoscalerLoop(autoscaler(), RecordingBackend(cluster),
                           AutoscalerMetrics(CollectorRegistry()))
 

@@ -13,7 +13,6 @@ import pytest
 from cluster.cli import main
 from planner.plan import (
     PlanRequest,
-    SloSpec,
     at_rate,
     load_trace,
     plan,
@@ -23,6 +22,7 @@ from planner.plan import (
 )
 from planner.profile import Profile
 from planner.simulator import ClusterShape, Simulation
+from protocol.serving import Slo
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
 
 # A 1000-token prompt takes 1 s to prefill, a 32-token one 34 ms; a decode step 10 ms.
@@ -39,7 +39,7 @@ def test_a_prefill_bound_trace_gets_just_enough_prefill_workers() -> None:
     (rho 0.75); the cheapest split meeting TTFT p90 <= 3 s is 2P+1D, and 1P+1D's highest
     sustainable rate lies between rho 0.5 (meets) and 1 (unstable)."""
     requests = trace(poisson_arrivals(200, 1.5, seed=1), random_prompts(200, 1000, seed=2), 1)
-    request = PlanRequest(PROFILE, PROFILE, requests, SloSpec.parse("ttft_p90_ms=3000"),
+    request = PlanRequest(PROFILE, PROFILE, requests, Slo.parse("ttft_p90_ms=3000"),
                           max_workers=4, modes=("disaggregated",), budgets=(1024,))
 
     doc = plan(request)
@@ -64,7 +64,7 @@ def test_interference_makes_the_planner_disaggregate() -> None:
                for p, is_long in zip(random_prompts(n, 1000, seed=4), long, strict=True)]
     outputs = [1 if is_long else 50 for is_long in long]
     requests = trace(poisson_arrivals(n, 2.0, seed=5), prompts, outputs)
-    slo = SloSpec.parse("ttft_p90_ms=5000,tpot_p90_ms=15", attainment=0.99)
+    slo = Slo.parse("ttft_p90_ms=5000,tpot_p90_ms=15", attainment=0.99)
 
     doc = plan(PlanRequest(PROFILE, PROFILE, requests, slo, max_workers=2,
                            find_max_rate=False))
@@ -78,7 +78,7 @@ def test_interference_makes_the_planner_disaggregate() -> None:
 
 def test_nothing_recommended_when_no_config_meets_the_slo() -> None:
     requests = trace(poisson_arrivals(50, 5.0, seed=6), random_prompts(50, 1000, seed=7), 1)
-    doc = plan(PlanRequest(PROFILE, PROFILE, requests, SloSpec.parse("ttft_p90_ms=100"),
+    doc = plan(PlanRequest(PROFILE, PROFILE, requests, Slo.parse("ttft_p90_ms=100"),
                            max_workers=2, find_max_rate=False))
     assert doc["recommended"] is None
     assert not any(c["meets_slo"] for c in doc["configs"])
@@ -119,7 +119,7 @@ def test_rate_rescales_the_trace() -> None:
     requests = trace(np.arange(11) * 2.0, random_prompts(11, 20, seed=8), 4)
     assert trace_rate(requests) == pytest.approx(0.5)
     faster = at_rate(requests, 2.0)
-    assert [r.arrival for r in faster] == pytest.approx(np.arange(11) * 0.5)
+    assert [r.timestamp for r in faster] == pytest.approx(np.arange(11) * 0.5)
     with pytest.raises(ValueError, match="all arrive at once"):
         at_rate(trace(np.zeros(3), random_prompts(3, 20, seed=9), 4), 1.0)
 
@@ -131,7 +131,7 @@ def test_a_spread_profile_is_simulated_until_enough_requests_and_the_runs_pooled
     requests = trace(poisson_arrivals(25, 4.0, seed=13), random_prompts(25, 300, seed=14), 8)
     spread = replace(PROFILE, step_cv=0.3)
     shape = ClusterShape("colocated", 0, 1, 512, 64)
-    slo = SloSpec.parse("ttft_p90_ms=1000")
+    slo = Slo.parse("ttft_p90_ms=1000")
 
     pooled = simulate(PlanRequest(spread, spread, requests, slo, simulated_requests=60), shape)
 
@@ -155,17 +155,17 @@ def test_a_spread_profile_is_simulated_until_enough_requests_and_the_runs_pooled
 
 def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown key 'ttft_p95_ms'"):
-        SloSpec.parse("ttft_p95_ms=100")
+        Slo.parse("ttft_p95_ms=100")
     with pytest.raises(ValueError, match="must be > 0"):
-        SloSpec.parse("tpot_p90_ms=0")
+        Slo.parse("tpot_p90_ms=0")
     with pytest.raises(ValueError, match="attainment must be in"):
-        SloSpec.parse("tpot_p90_ms=10", attainment=1.5)
+        Slo.parse("tpot_p90_ms=10", attainment=1.5)
     with pytest.raises(ValueError, match="no requests"):
         load_trace(write_trace(tmp_path / "empty.jsonl", []), "tiny")
     other = synthetic_profile(model="other")
     requests = trace(np.zeros(1), random_prompts(1, 20, seed=10), 2)
     with pytest.raises(ValueError, match="different models"):
-        PlanRequest(PROFILE, other, requests, SloSpec.parse("ttft_p90_ms=100"))
+        PlanRequest(PROFILE, other, requests, Slo.parse("ttft_p90_ms=100"))
     (tmp_path / "not.json").write_text('{"schema": "something/9"}')
     with pytest.raises(ValueError, match=r"expected 'pdcluster\.profile/1'"):
         Profile.load(tmp_path / "not.json")

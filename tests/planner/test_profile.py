@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cluster.worker_pair import transfer_samples
 from engine import CacheConfig, LLMEngine
 from engine.hardware import cpu_features
+from planner.measure import ProfileSettings, fit_profile, measure
 from planner.profile import (
     LINEAR_DECODE_FEATURES,
     PREFILL_FEATURES,
@@ -22,7 +24,6 @@ from planner.profile import (
     fit_held_out,
     prefill_features,
 )
-from planner.profiler import ProfileSettings, fit_profile, measure
 from tests.planner.synthetic import synthetic_profile
 
 
@@ -134,7 +135,7 @@ def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
     fitted on them and scored on held-out ones, KV capacity as the engine sizes it."""
     settings = ProfileSettings(model="tiny", kv_cache_gb=0.25, repeats=2, quick=True)
 
-    profile = measure(settings)
+    profile = measure(settings, transfer_samples)
 
     engine = LLMEngine("tiny", cache=CacheConfig(kv_cache_memory_gb=0.25))
     assert profile.num_blocks == engine.block_pool.num_blocks

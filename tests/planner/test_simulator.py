@@ -12,7 +12,8 @@ from engine.block_pool import hash_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from planner.simulator import ClusterShape, SimRequest, Simulation
+from planner.simulator import ClusterShape, Simulation
+from protocol.serving import TraceRequest
 from router.placement import PrefixIndex
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
 
@@ -143,7 +144,7 @@ def test_the_disaggregated_path_is_prefill_then_transfer_then_decode() -> None:
                                 transfer=(0.003, 1e-4))
     shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=100)
     long_prompt, short_prompt = random_prompts(2, 320, seed=5)
-    requests = [SimRequest(0.0, long_prompt, 5), SimRequest(10.0, short_prompt[:50], 3)]
+    requests = [TraceRequest(0.0, 5, long_prompt), TraceRequest(10.0, 3, short_prompt[:50])]
 
     result = Simulation(shape, profile, profile).run(requests)
 
@@ -160,7 +161,7 @@ def test_a_repeated_prompt_hits_the_prefix_cache_on_the_same_worker() -> None:
     profile = synthetic_profile(prefill=(0.01, 1e-3, 0.0, 0.0))
     prompt = random_prompts(1, 100, seed=6)[0]  # 6 full blocks + 4 tokens
     shape = ClusterShape("colocated", 0, 4)
-    requests = [SimRequest(0.0, prompt, 1), SimRequest(1.0, prompt, 1)]
+    requests = [TraceRequest(0.0, 1, prompt), TraceRequest(1.0, 1, prompt)]
 
     result = Simulation(shape, profile, profile).run(requests)
 
@@ -196,10 +197,10 @@ def test_bad_traces_are_refused_with_a_clear_error() -> None:
         sim.run([])
     with pytest.raises(ValueError, match="exceed the profile's max_model_len 8192"):
         Simulation(one_worker(2048), profile, profile).run(
-            [SimRequest(0.0, [5] * 8000, 500)])
+            [TraceRequest(0.0, 500, [5] * 8000)])
     small = synthetic_profile(num_blocks=8)  # the engine's limit: the whole pool
     with pytest.raises(ValueError, match="max_model_len 128"):
-        Simulation(one_worker(2048), small, small).run([SimRequest(0.0, [5] * 120, 10)])
+        Simulation(one_worker(2048), small, small).run([TraceRequest(0.0, 10, [5] * 120)])
     with pytest.raises(ValueError, match="same block_size"):
         Simulation(one_worker(2048), profile, synthetic_profile(block_size=32))
 
@@ -212,7 +213,7 @@ def test_a_reservation_that_never_finds_room_fails_after_the_router_timeout() ->
     shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=0)
 
     result = Simulation(shape, profile, profile).run(
-        [SimRequest(0.0, first, 70), SimRequest(0.001, second, 2)])
+        [TraceRequest(0.0, 70, first), TraceRequest(0.001, 2, second)])
 
     assert result.num_failed == 1
     assert np.isfinite(result.ttft[0]) and np.isnan(result.ttft[1])

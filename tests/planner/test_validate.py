@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.validate import errors, neighbours, serve_flags
+from cluster.validate import errors, neighbours, serve_flags
 from tests.planner.synthetic import synthetic_profile
 
 

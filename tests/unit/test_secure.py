@@ -6,7 +6,7 @@ import pytest
 import ray
 import zmq
 
-from cluster.backend import ClusterConfig, uses_curve
+from cluster.config import ClusterConfig, uses_curve
 from protocol.secure import ClusterKey, SocketGuard
 
 

@@ -1,0 +1,142 @@
+"""`pdcluster profile` and `pdcluster plan`: the planner's subcommands.
+
+The planner is a library (`planner/`); these commands add what it must not import: real
+workers for the KV transfer measurement (`cluster.worker_pair`) and, for `--validate`,
+configurations served for real (`cluster.validate`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from engine import defaults as engine_defaults
+from protocol import defaults
+
+console = Console()
+
+
+def add_parsers(sub: Any) -> None:
+    """Add `profile` and `plan` to the `pdcluster` subcommands."""
+    profile = sub.add_parser("profile", help="measure a worker type on the real engine")
+    profile.add_argument("--model", default="smollm2")
+    profile.add_argument("--dtype", default=engine_defaults.DTYPE)
+    profile.add_argument("--torch-threads", type=int, default=1)
+    profile.add_argument("--transport", choices=["shm", "zmq", "torch"], default="shm")
+    profile.add_argument("--kv-cache-gb", type=float, default=engine_defaults.KV_CACHE_GB)
+    profile.add_argument("--block-size", type=int, default=engine_defaults.BLOCK_SIZE)
+    profile.add_argument("--repeats", type=int, default=3, help="timed repetitions a point")
+    profile.add_argument("--quick", action="store_true", help="a smaller grid")
+    profile.add_argument("--out", type=Path, required=True, help="PROFILE.json")
+    profile.set_defaults(func=run_profile)
+
+    plan = sub.add_parser("plan", help="size the prefill and decode pools for a trace and SLOs")
+    plan.add_argument("--profile", type=Path, help="profile of every worker type")
+    plan.add_argument("--prefill-profile", type=Path, help="profile of prefill workers")
+    plan.add_argument("--decode-profile", type=Path, help="profile of decode workers")
+    plan.add_argument("--trace", type=Path, required=True, help="a `pdcluster bench` JSONL trace")
+    plan.add_argument("--rate", type=float, default=None,
+                      help="rescale the trace's arrivals to this mean rate (requests/s)")
+    plan.add_argument("--slo", required=True, help="e.g. ttft_p90_ms=500,tpot_p90_ms=50")
+    plan.add_argument("--attainment", type=float, default=0.9)
+    plan.add_argument("--max-workers", type=int, default=4)
+    plan.add_argument("--modes", default="disaggregated,colocated")
+    plan.add_argument("--local-prefill-thresholds", default=str(defaults.LOCAL_PREFILL_THRESHOLD),
+                      help="comma-separated thresholds to try (disaggregated)")
+    plan.add_argument("--max-num-batched-tokens",
+                      default=str(engine_defaults.MAX_NUM_BATCHED_TOKENS),
+                      help="comma-separated step token budgets to try")
+    plan.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS)
+    plan.add_argument("--cost-per-hour-prefill", type=float, default=1.0)
+    plan.add_argument("--cost-per-hour-decode", type=float, default=1.0)
+    plan.add_argument("--json", type=Path, required=True, help="OUT.json")
+    plan.add_argument("--plot", type=Path, default=None, help="OUT.png: goodput by split")
+    plan.add_argument("--validate", action="store_true",
+                      help="serve the recommended config and its neighbours, replay the trace, "
+                           "and record measured figures beside the predicted ones")
+    plan.add_argument("--address", default=None, help="with --validate: an existing Ray cluster")
+    plan.add_argument("--validate-configs", type=int, default=3,
+                      help="with --validate: how many configs (recommended first)")
+    plan.set_defaults(func=run_plan)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TimeElapsedColumn
+
+    from cluster.worker_pair import transfer_samples
+    from planner.measure import ProfileSettings, measure
+
+    settings = ProfileSettings(args.model, args.dtype, args.torch_threads, args.transport,
+                               args.kv_cache_gb, args.block_size, args.repeats, args.quick)
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  "{task.completed}/{task.total}", TimeElapsedColumn(),
+                  console=console) as progress:
+        profile = measure(settings, transfer_samples, progress)
+    profile.save(args.out)
+    errors = ", ".join(f"{k} {v['median']:.1%} (max {v['max']:.1%})"
+                       for k, v in profile.fit_error.items())
+    console.print(f"wrote {args.out}: {profile.num_blocks} KV blocks, load "
+                  f"{profile.load_time_s:.1f} s; held-out fit error median: {errors}")
+    return 0
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"{name}: expected integers >= 0, got {text!r}")
+    return values
+
+
+def plan_request(args: argparse.Namespace) -> Any:
+    """The PlanRequest the flags describe."""
+    from planner.plan import PlanRequest, at_rate, load_trace
+    from planner.profile import Profile
+    from protocol.serving import Slo
+
+    if args.profile is None and (args.prefill_profile is None or args.decode_profile is None):
+        raise ValueError("give --profile, or both --prefill-profile and --decode-profile")
+    prefill = Profile.load(args.prefill_profile or args.profile)
+    decode = Profile.load(args.decode_profile or args.profile)
+    slo = Slo.parse(args.slo, args.attainment)
+    requests = load_trace(args.trace, decode.model)
+    if args.rate is not None:
+        requests = at_rate(requests, args.rate)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return PlanRequest(prefill, decode, requests, slo, args.max_workers, modes,
+                       _ints(args.local_prefill_thresholds, "local-prefill-thresholds"),
+                       _ints(args.max_num_batched_tokens, "max-num-batched-tokens"),
+                       args.max_num_seqs,
+                       {"prefill": args.cost_per_hour_prefill,
+                        "decode": args.cost_per_hour_decode})
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from bench.cli import require_bench_extra
+    from planner.plan import plan
+    from planner.report import plot_plan, print_plan, print_validation
+
+    if args.plot is not None or args.validate:
+        require_bench_extra("pdcluster plan --plot/--validate")
+    request = plan_request(args)
+    with console.status(f"Simulating {len(request.requests)} requests on every split"):
+        doc = plan(request)
+    print_plan(doc)
+    if args.plot is not None:
+        plot_plan(doc, args.plot)
+    if args.validate:
+        from cluster.validate import validate
+
+        doc = validate(doc, request, args.validate_configs, args.address,
+                       args.json.with_suffix(".runs"))
+        print_validation(doc)
+    args.json.write_text(json.dumps(doc, indent=1))
+    console.print(f"wrote {args.json}")
+    return 0
+
+

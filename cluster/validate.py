@@ -1,0 +1,157 @@
+"""`plan --validate`: serve configurations for real, replay the trace, compare with the plan.
+
+Each configuration is started with `pdcluster serve` on local Ray (or `--address`) as a
+child process (`cluster.launch`), warmed up with a few requests, and sent the plan's trace
+(same prompts, same arrivals, same output lengths) by the `pdcluster bench` load generator.
+The measured figures use the bench's definitions, which the planner's predictions share,
+and are written beside the predicted ones with the error of each:
+
+- latencies and goodput: relative error, (predicted - measured) / measured;
+- attainment: the difference in points, predicted - measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.run import RunSettings, Target, bench_run
+from cluster.launch import pdcluster_serve
+from engine import defaults
+from planner.measure import VOCAB
+from planner.plan import PlanRequest, label
+from planner.profile import Profile
+from protocol.serving import Slo, TraceRequest
+
+FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "attainment",
+           "goodput_rps")
+_WARMUP_OUTPUT = 2
+_WARMUP_SEED = 987_654
+
+
+def serve_flags(config: dict[str, Any], profile: Profile,
+                max_num_seqs: int = defaults.MAX_NUM_SEQS,
+                address: str | None = None) -> list[str]:
+    """`pdcluster serve` flags that build a plan configuration as the profile measured it."""
+    flags = ["--mode", config["mode"], "--decode", str(config["decode"]),
+             "--torch-threads", str(config["threads_per_worker"]),
+             "--max-num-batched-tokens", str(config["max_num_batched_tokens"]),
+             "--max-num-seqs", str(max_num_seqs),
+             "--local-prefill-threshold", str(config["local_prefill_threshold"]),
+             "--kv-cache-gb", f"{profile.kv_cache_gb:g}", "--dtype", profile.dtype,
+             "--transport", profile.transport]
+    if config["mode"] == "disaggregated":
+        flags += ["--prefill", str(config["prefill"])]
+    if address:
+        flags += ["--address", address]
+    return flags
+
+
+def measured_figures(report: dict[str, Any]) -> dict[str, float | None]:
+    """The plan's figures from a bench report."""
+    s = report["summary"]
+    return {"ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+            "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p90_ms": s["tpot_ms"]["p90"],
+            "attainment": s["slo_attainment"], "goodput_rps": s["goodput"],
+            "failed": s["failed"], "mean_step_ms": mean_step_ms(report)}
+
+
+def mean_step_ms(report: dict[str, Any]) -> float | None:
+    """Milliseconds per engine step over every worker in the run (None without counters)."""
+    workers = ((report.get("utilization") or {}).get("workers") or {}).values()
+    timed = [w for w in workers if w.get("mean_step_ms") is not None]
+    steps = sum(w["steps"] for w in timed)
+    return sum(w["mean_step_ms"] * w["steps"] for w in timed) / steps if steps else None
+
+
+def errors(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:
+    """Relative error of each figure (attainment: difference in points as a fraction)."""
+    out: dict[str, float | None] = {}
+    for key in FIGURES:
+        p, m = predicted.get(key), measured.get(key)
+        if p is None or m is None:
+            out[key] = None
+        elif key == "attainment":
+            out[key] = p - m
+        else:
+            out[key] = (p - m) / m if m else None
+    return out
+
+
+def run_config(config: dict[str, Any], profile: Profile,
+               runs: Callable[[Target], Iterable[tuple[str, list[TraceRequest], Slo]]],
+               out: Path, max_num_seqs: int = defaults.MAX_NUM_SEQS,
+               address: str | None = None) -> dict[str, dict[str, Any]]:
+    """Serve one configuration and replay each trace on it, one after another.
+
+    Args:
+        config: a plan file's configuration entry (`plan.shape_entry`'s keys suffice).
+        profile: the profile it was planned with (model, dtype, KV budget, transport).
+        runs: given the warm server, the runs: (run name, trace, the SLO to score it
+            with), taken one at a time just before each replay, so a generator can make
+            each run when it is due (the planner-accuracy experiment calibrates on the
+            server and predicts each point right before it is replayed).
+        out: where each run's report and the server log go.
+        max_num_seqs: `serve --max-num-seqs`.
+        address: an existing Ray cluster, or None for a local one.
+
+    Returns:
+        Per run name, the measured figures.
+    """
+    name = label(config).replace(" ", "-")
+    settings = RunSettings(config={"model": profile.model, "config": config})
+    results = {}
+    with pdcluster_serve(profile.model, serve_flags(config, profile, max_num_seqs, address),
+                         out / name / "serve.log") as endpoints:
+        target = Target("grpc", endpoints.grpc, endpoints.grpc)
+        warm = warmup_requests(config, profile)
+        bench_run(target, warm, ["warm-up"] * len(warm), label="warm-up", out=None,
+                  settings=settings, max_concurrency=1)
+        for run_name, requests, slo in runs(target):
+            report = bench_run(target, requests, [run_name] * len(requests),
+                               label=f"{name}-{run_name}", out=out / name / run_name,
+                               settings=settings, slo=slo)
+            results[run_name] = measured_figures(report)
+    return results
+
+
+def warmup_requests(config: dict[str, Any], profile: Profile) -> list[TraceRequest]:
+    """A few short requests to warm a fresh server: two prompts below the local-prefill
+    threshold and two above it, so a decode worker's own prefill and the prefill workers
+    have both run. Their own random prompts: nothing they leave in the prefix cache is hit
+    by the runs."""
+    rng = np.random.default_rng(_WARMUP_SEED)
+    long = min(config["local_prefill_threshold"] + 16, profile.max_model_len - _WARMUP_OUTPUT)
+    return [TraceRequest(0.0, _WARMUP_OUTPUT, rng.integers(*VOCAB, n).tolist())
+            for n in (16, 16, long, long)]
+
+
+def neighbours(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """The recommended configuration, then the closest others (fewest workers moved, same
+    mode first); without a recommendation, the configurations with the best attainment."""
+    configs = doc["configs"]
+    best = doc["recommended"]
+    if best is None:
+        return sorted(configs, key=lambda c: -c["predicted"]["attainment"])[:count]
+
+    def distance(c: dict[str, Any]) -> tuple[int, int]:
+        return (abs(c["prefill"] - best["prefill"]) + abs(c["decode"] - best["decode"])
+                + (0 if c["mode"] == best["mode"] else 1), c["prefill"] + c["decode"])
+
+    return sorted(configs, key=distance)[:count]
+
+
+def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str | None,
+             out: Path) -> dict[str, Any]:
+    """Measure `count` configurations of the plan; adds `measured` and `error` to each."""
+    runs = [("trace", request.requests, request.slo)]
+    for config in neighbours(doc, count):
+        measured = run_config(config, request.decode_profile, lambda _target: runs, out,
+                              request.max_num_seqs, address)["trace"]
+        measured["meets_slo"] = measured["failed"] == 0 and request.slo.meets(measured)
+        config["measured"] = measured
+        config["error"] = errors(config["predicted"], measured)
+    return doc

@@ -1,0 +1,55 @@
+"""Exposed KV transfer time: end of prefill to the request being ready on the decode side.
+
+Runs the real prefill and decode workers (`cluster.worker.Worker`, no Ray) in two
+processes on SmolLM2 over the same-host transport, drives them with the router's
+`protocol` messages, and compares, per prompt length, the time the decode worker's reserved
+blocks waited for the KV beyond the prefill itself (the `transfer` timing its first-token
+record carries: router hops plus the part of the transfer that compute did not hide)
+against the prefill time (the `prefill` timing). Layer-wise streaming should hide all but
+the last layer.
+
+    python -m experiments.kv_exposed [--lengths 512 2048] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import numpy as np
+
+from cluster.worker_pair import WorkerPair
+
+
+def measure(lengths: list[int], repeats: int, seed: int = 0) -> dict[str, Any]:
+    """Median exposed transfer time and its share of prefill time, per prompt length."""
+    rng = np.random.default_rng(seed)
+    pair = WorkerPair()
+    try:
+        pair.once("warmup", rng.integers(100, 49000, 64).tolist())
+        results = {}
+        for n in lengths:
+            runs = [pair.once(f"p{n}-{i}", rng.integers(100, 49000, n).tolist())
+                    for i in range(repeats)]
+            results[str(n)] = {key: statistics.median(r[key] for r in runs)
+                               for key in runs[0]}
+    finally:
+        pair.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    results = measure(args.lengths, args.repeats)
+    for n, r in results.items():
+        print(f"{n:>5} tokens: prefill {r['prefill_s'] * 1e3:8.1f} ms, exposed transfer "
+              f"{r['exposed_s'] * 1e3:6.2f} ms = {r['share']:.2%} of prefill")
+    return results
+
+
+if __name__ == "__main__":
+    main()

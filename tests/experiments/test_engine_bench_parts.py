@@ -1,0 +1,37 @@
+"""The engine benchmark's workload and its `transformers` static-batching peer."""
+
+import pytest
+from bench.hf_peer import generate_static
+from bench.workloads import Workload, uniform, w_mixed
+
+from tests.conftest import hf_greedy, hf_model
+
+
+def test_w_mixed_is_seeded_and_in_range(tmp_path):
+    workload = w_mixed()
+    assert len(workload.requests) == 64
+    assert all(32 <= len(r.prompt_token_ids) <= 512 and 16 <= r.max_tokens <= 128
+               for r in workload.requests)
+    assert all(100 <= t < 49052 for r in workload.requests for t in r.prompt_token_ids)
+    assert w_mixed().requests == workload.requests
+    assert w_mixed(seed=1).requests != workload.requests
+    # Smoke runs are a prefix of the real workload.
+    assert w_mixed(num_requests=5).requests == workload.requests[:5]
+    workload.save(tmp_path / "w.json")
+    assert Workload.load(tmp_path / "w.json") == workload
+
+
+def test_bad_workload_arguments():
+    with pytest.raises(ValueError, match="prompt_len"):
+        w_mixed(prompt_len=(10, 5))
+    with pytest.raises(ValueError, match="num_requests"):
+        w_mixed(num_requests=0)
+
+
+def test_static_batches_match_one_by_one_greedy():
+    requests = [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
+                for r in uniform(3, 12, 6).requests]
+    requests.append({"prompt_token_ids": [500, 501, 502], "max_tokens": 9})
+    outputs = generate_static(hf_model("tiny"), requests, batch_size=2, pad_token_id=0)
+    for request, tokens in zip(requests, outputs, strict=True):
+        assert tokens == hf_greedy("tiny", request["prompt_token_ids"], request["max_tokens"])
