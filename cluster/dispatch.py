@@ -93,6 +93,7 @@ class RequestState:
     reply: asyncio.Future[Reserved | Rejected | None] | None = None  # a reservation's answer
     decode: str | None = None
     prefill: str | None = None
+    placement: Placement | None = None  # the current attempt's
     num_kv_blocks: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     transfer_retries: int = 0
@@ -196,7 +197,7 @@ class Dispatcher:
                 await self.pool.wait_for_worker(deadline)
                 continue
             decode = self.pool.workers[placement.decode_worker]
-            state.decode, state.prefill = decode.worker_id, None
+            state.decode, state.prefill, state.placement = decode.worker_id, None, placement
             decode.add(request.request_id)
             command = Generate(request_id=state.attempt_id, prompt_token_ids=prompt,
                                params=params, remote_prefill=placement.prefill_worker is not None,
@@ -212,6 +213,7 @@ class Dispatcher:
                 self._start_prefill(state, placement.prefill_worker, decode, reply, params)
                 return
             decode.discard(request.request_id)
+            self._prefix.discard(prompt, placement)
             if reply is None:  # the decode worker died before answering: place again
                 continue
             if time.monotonic() > deadline:
@@ -367,6 +369,8 @@ class Dispatcher:
             return
         state.transfer_retries += 1
         self.metrics.transfer_retries.inc()
+        if state.placement is not None:  # the decode worker released the blocks it reserved
+            self._prefix.discard(state.request.prompt_token_ids, state.placement)
         exclude = frozenset({state.prefill} if state.prefill else ())
         self._spawn(self.migrate(state, error, exclude, count=False))
 

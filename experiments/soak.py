@@ -6,7 +6,9 @@ the run one decode worker and one prefill worker are SIGKILLed (the ones holding
 and the decode pool is scaled down and up again. Greedy requests repeat a few prompts, so
 their outputs must agree token for token whatever path (migration included) served them.
 
-    python -m bench.soak [--duration 150] [--concurrency 8]
+    python -m experiments.soak [--duration 150] [--concurrency 8]
+
+Prints the tally and PASS or FAIL (exit status 1) on the terminal; nothing is written.
 """
 
 from __future__ import annotations

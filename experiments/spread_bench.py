@@ -2,14 +2,17 @@
 
 On a local Ray cluster of SmolLM2 workers (one thread each), 1P+1D serves `--chats`
 answers decoding together on its one decode worker; once each has streamed `--after`
-tokens the cluster rebalances to 0P+2D. With the spread (`ClusterBackend._spread`) half of
-them move onto the worker that joined (recomputing their prompt and tokens so far); without
-it (`migrate` off) they all finish on the first one. Rounds alternate the two, on the same
-cluster and prompts, so the machine's drift falls on both alike. Per round: the median over
-requests of the time per output token after the move, the time until the last one ends, and
-the longest pause between two tokens of one request (a move's recompute shows there).
+tokens the cluster rebalances to 0P+2D. With the spread (`Dispatcher.spread_onto`) half of
+them move onto the worker that joined (recomputing their prompt and tokens so far);
+without it (the dispatcher's `migrate` off) they all finish on the first one. Rounds
+alternate the two, on the same cluster and prompts, so the machine's drift falls on both
+alike. Per round: the median over requests of the time per output token after the move,
+the time until the last one ends, and the longest pause between two tokens of one request
+(a move's recompute shows there).
 
-    python -m bench.spread_bench [--chats 16] [--max-tokens 160] [--after 16] [--rounds 4]
+    python -m experiments.spread_bench [--chats 16] [--max-tokens 160] [--after 16] [--rounds 4]
+
+Writes `experiments/results/spread/spread.json` (`--out`).
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from typing import Any
 
 import ray
 
-from cluster.backend import ClusterBackend, ClusterConfig
-from engine import SamplingParams
+from cluster.config import ClusterConfig
+from cluster.ray_backend import ClusterBackend
+from engine import SamplingParams, defaults
+from experiments import RESULTS
 from router.backend import GenerateRequest
 
 
 def _moves(backend: ClusterBackend) -> float:
-    return backend.transfer_registry.get_sample_value("pdcluster:spread_moves_total")
+    return backend.metrics.value("spread_moves")
 
 
 async def _round(backend: ClusterBackend, prompts: list[list[int]], params: SamplingParams,
@@ -71,14 +76,17 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     config = ClusterConfig(model="smollm2", num_prefill=1, num_decode=1, torch_threads=1,
                            local_prefill_threshold=64,
-                           worker={"kv_cache_memory_gb": 1.0, "max_num_batched_tokens": 2048})
+                           worker={"kv_cache_memory_gb": defaults.KV_CACHE_GB,
+                                   "max_num_batched_tokens": defaults.MAX_NUM_BATCHED_TOKENS})
     backend = ClusterBackend(config)
     await backend.start()
     rounds: dict[str, list[dict[str, Any]]] = {"spread": [], "none": []}
     try:
         for r in range(args.rounds):
             for arm in ("spread", "none") if r % 2 == 0 else ("none", "spread"):
-                backend.config = replace(config, migrate=arm == "spread")
+                # The dispatcher's policy gates both the spread and migration.
+                backend.dispatcher.config = replace(backend.dispatcher.config,
+                                                    migrate=arm == "spread")
                 result = await _round(backend, prompts, params, args.after, f"{arm}{r}")
                 rounds[arm].append(result)
                 print(arm, r, {k: round(v, 3) for k, v in result.items()}, flush=True)
@@ -98,7 +106,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--after", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/spread/spread.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "spread" / "spread.json",
+                        help="default experiments/results/spread/spread.json")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -1,9 +1,9 @@
 """vLLM (CPU build) as a benchmark peer; runs inside `.venv-vllm`, not the main venv.
 
-    .venv-vllm/bin/python bench/vllm_peer.py --model-dir DIR --workload W.json --out R.json
+    .venv-vllm/bin/python experiments/vllm_peer.py --model-dir DIR --workload W.json --out R.json
 
-Reads a workload written by `bench.workloads.Workload.save`, runs it through one
-`LLM.generate` call and writes the peer result JSON that `bench.engine_bench` reads:
+Reads a workload written by `experiments.workloads.Workload.save`, runs it through one
+`LLM.generate` call and writes the peer result JSON that `experiments.engine_bench` reads:
 `engine`, `version`, `startup_s` (engine construction plus a one-request warm-up),
 `generate_s` (the timed call only) and `output_token_ids`. Standard library and vLLM only,
 since the main venv's packages are not importable here.

@@ -69,6 +69,17 @@ class PrefixIndex:
         while len(self._owner) > self.capacity:
             self._owner.popitem(last=False)
 
+    def discard(self, prompt_token_ids: list[int], placement: Placement) -> None:
+        """Undo what placing this prompt recorded: its decode worker could not take it (a
+        rejected reservation), so neither worker will hold its blocks. A retry must not
+        believe the decode worker caches the prompt and prefill it there."""
+        for h in self.hashes(prompt_token_ids):
+            owners = self._owner.get(h, {})
+            for role, worker_id in (("decode", placement.decode_worker),
+                                    ("prefill", placement.prefill_worker)):
+                if owners.get(role) == worker_id:
+                    del owners[role]
+
     def forget(self, worker_id: str) -> None:
         for owners in self._owner.values():
             for role in [r for r, w in owners.items() if w == worker_id]:

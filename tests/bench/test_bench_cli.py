@@ -15,7 +15,7 @@ import pytest
 from bench import cli
 from bench.report import compare_reports, load_report
 from bench.traces import WorkloadSpec, arrival_times, make_workload
-from protocol.serving import TraceRequest, write_trace
+from protocol.serving import Slo, TraceRequest, write_trace
 from router.servers import Servers
 
 WORKLOAD = ["--num-requests", "8", "--rate", "20", "--prompt-len", "16:48",
@@ -124,7 +124,7 @@ def test_registers_as_a_pdcluster_subcommand() -> None:
                               "--burstiness", "2", "--slo", "ttft=100", "--prompt-len", "8"])
     assert args.func is cli.run
     assert (args.rate, args.burstiness, args.prompt_len) == (3.0, 2.0, (8, 8))
-    assert args.slo.ttft_ms == 100.0 and args.slo.tpot_ms is None
+    assert args.slo == Slo({"ttft_ms": 100.0})
 
 
 def test_runs_as_a_module() -> None:

@@ -305,9 +305,9 @@ def test_vllm_compat_exports_vllm_names_with_the_same_values():
     def value(name: str, **labels: str) -> float:
         return samples[(name, tuple(sorted({"model_name": "smollm2", **labels}.items())))]
 
-    assert value("vllm:kv_cache_usage_perc", engine="decode-0") == WORKER_STATS["kv_usage"]
-    assert value("vllm:num_requests_running", engine="prefill-0") == WORKER_STATS["num_running"]
-    assert value("vllm:num_requests_waiting", engine="decode-0") == WORKER_STATS["num_waiting"]
+    assert value("vllm:kv_cache_usage_perc", engine="decode-0") == WORKER_STATS.kv_usage
+    assert value("vllm:num_requests_running", engine="prefill-0") == WORKER_STATS.num_running
+    assert value("vllm:num_requests_waiting", engine="decode-0") == WORKER_STATS.num_waiting
     assert value("vllm:num_requests_waiting", engine="router") == 0
     assert value("vllm:prefix_cache_hits_total", engine="decode-0") == 2048
     assert value("vllm:prefix_cache_queries_total", engine="decode-0") == 8192

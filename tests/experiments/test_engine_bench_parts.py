@@ -1,9 +1,9 @@
 """The engine benchmark's workload and its `transformers` static-batching peer."""
 
 import pytest
-from bench.hf_peer import generate_static
-from bench.workloads import Workload, uniform, w_mixed
 
+from experiments.hf_peer import generate_static
+from experiments.workloads import Workload, uniform, w_mixed
 from tests.conftest import hf_greedy, hf_model
 
 

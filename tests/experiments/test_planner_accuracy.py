@@ -1,5 +1,5 @@
-"""The accuracy run's calibration: probe steps scale the profile; each point is predicted
-from the calibration taken just before it."""
+"""The planner-accuracy experiment and the calibration it runs on (`planner.calibrate`): probe
+steps scale the profile; each point is predicted from the calibration taken just before it."""
 
 from __future__ import annotations
 
@@ -7,30 +7,37 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from bench.runner import Target
-from planner.accuracy import (
+
+from bench.run import Target
+from cluster.validate import errors
+from engine.engine_loop import record_step
+from experiments.planner_accuracy import (
     LEVELS,
-    PROBE_BATCHES,
-    PROBE_CONTEXT,
-    PROBE_PREFILL,
+    SLO_FACTORS,
     WORKLOADS,
-    Calibrator,
     ServingCalibrator,
     parse_config,
     predict_during,
     predict_point,
     predicted_points,
     resimulate,
-    scale_to_probes,
-    scale_to_steps,
+    workload,
     workload_slo,
 )
-from planner.validate import errors
-
-from engine.engine_loop import record_step
-from planner.plan import PlanRequest, SloSpec, predict
+from planner.calibrate import (
+    PROBE_BATCHES,
+    PROBE_CONTEXT,
+    PROBE_PREFILL,
+    Calibrator,
+    scale_to_probes,
+    scale_to_steps,
+)
+from planner.plan import PlanRequest, max_rate, predict, simulate
 from planner.profile import LinearModel, Profile
+from planner.simulator import ClusterShape
+from protocol.serving import Slo
 from tests.planner.synthetic import synthetic_profile
 
 PREFILL = (0.01, 0.002, 0.001, 0.0005)
@@ -162,6 +169,7 @@ def test_each_point_is_predicted_from_the_calibration_taken_just_before_it() -> 
         return machines[-1], {"slowdown": slowdown, "workload": workload}
 
     names = [name for name in WORKLOADS for _ in LEVELS]
+    levels = [level for _ in WORKLOADS for level in LEVELS]
     points = predicted_points(profile, shape, 20, 3, calibrate)
     taken = []
     for point, requests in points:
@@ -170,14 +178,27 @@ def test_each_point_is_predicted_from_the_calibration_taken_just_before_it() -> 
 
     assert [p["calibration"]["slowdown"] for p, _ in taken] == [1.0, 1.5, 2.0, 1.2]
     assert [p["calibration"]["workload"] for p, _ in taken] == names  # told which is due
-    first = {}
-    for (point, requests), name, true in zip(taken, names, machines, strict=True):
-        w_index = list(WORKLOADS).index(name)
-        expected, expected_requests = predict_point(true, shape, name, point["level"], 20,
-                                                    3 + 100 * w_index, first.get(name))
-        first.setdefault(name, SloSpec(expected["slo"]))
-        assert point == {**expected, "calibration": point["calibration"]}
+    first: dict[str, Slo] = {}
+    for (point, requests), name, level, true in zip(taken, names, levels, machines,
+                                                    strict=True):
+        # What the module docstring states, from the planner's own calls on the machine
+        # calibrated for this point: workload w's seed is 3 + 100 w; its SLO is set at its
+        # first point, the maximum rate is searched on a rate-1 trace of seed + 1, and a
+        # point's trace runs at its level of that rate, seeded by seed + 10 + the level's
+        # index.
+        seed = 3 + 100 * list(WORKLOADS).index(name)
+        slo = first.setdefault(name, Slo(unloaded_slo(true, shape, name, seed)))
+        top = max_rate(PlanRequest(true, true, workload(name, 20, 1.0, seed + 1), slo), shape)
+        expected_requests = workload(name, 20, level * top, seed + 10 + LEVELS.index(level))
+        expected = predict(PlanRequest(true, true, expected_requests, slo), shape)
+        assert point == {"workload": name, "level": level, "rate_rps": level * top,
+                         "max_rate_rps": top, "slo": slo.bounds, "predicted": expected,
+                         "calibration": {"slowdown": point["calibration"]["slowdown"],
+                                         "workload": name}}
         assert requests == expected_requests
+        (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+        assert all(p_lo <= r.prompt_len <= p_hi and o_lo <= r.output_len <= o_hi
+                   for r in requests)
     # Each workload's second point is held to its first one's SLO, not the one its own
     # calibration (a slower or faster machine) would have set.
     for index in (0, 2):
@@ -189,6 +210,19 @@ def test_each_point_is_predicted_from_the_calibration_taken_just_before_it() -> 
     # The slower the machine when a workload's point is due, the lower its maximum rate.
     assert taken[1][0]["max_rate_rps"] < taken[0][0]["max_rate_rps"]
     assert taken[3][0]["max_rate_rps"] > taken[2][0]["max_rate_rps"]
+
+
+def unloaded_slo(true: Profile, shape: ClusterShape, name: str, seed: int
+                 ) -> dict[str, float]:
+    """The workload's SLO as the experiment defines it: `SLO_FACTORS` times the p50 TTFT and
+    TPOT the simulator predicts on `true` for 20 of its requests at 0.001 req/s (one at a
+    time), rounded to 0.1 ms."""
+    unloaded = PlanRequest(true, true, workload(name, 20, 1e-3, seed),
+                           Slo({"ttft_p90_ms": 1e9}), find_max_rate=False)
+    result = simulate(unloaded, shape)
+    ttft_factor, tpot_factor = SLO_FACTORS[name]
+    return {"ttft_p90_ms": round(1e3 * ttft_factor * float(np.median(result.ttft)), 1),
+            "tpot_p90_ms": round(1e3 * tpot_factor * float(np.nanmedian(result.tpot)), 1)}
 
 
 def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> None:
@@ -355,23 +389,30 @@ def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -
     shape = parse_config("1C")
     point, requests = predict_point(profile, shape, "decode-heavy", 0.5, 30, 4)
     totals: dict[str, list[float]] = {}
+    decode_s: dict[int, list[float]] = {}
     before = status({"w": ("mixed", totals)})
     for batch in (1, 2, 4, 8):
         prompts = [(0, 30, True)] * batch
         record_step(totals, prompts, true.step_time(prompts))
         for step in range(6):
             items = [(30 + step, 1, False)] * batch
-            record_step(totals, items, true.step_time(items))
+            decode_s.setdefault(batch, []).append(true.step_time(items))
+            record_step(totals, items, decode_s[batch][-1])
     after = status({"w": ("mixed", totals)}, uptime=60.0)
+    # The spread the steps showed, computed here: each batch size's steps' squared
+    # deviations from their mean over its square, pooled over the sizes' degrees of freedom.
+    steps = [np.array(seconds) for seconds in decode_s.values()]
+    spread = float(np.sqrt(sum(((s / s.mean() - 1) ** 2).sum() for s in steps)
+                           / sum(len(s) - 1 for s in steps)))
 
     during = predict_during(profile, shape, point, requests, before, after)
 
     assert during["slowdown"] == 1.0  # no host-mate
     assert during["calibration"]["factors"]["prefill"] == pytest.approx(1.4)
-    spread = during["calibration"]["step_cv"]
     assert 0 < spread < 0.01
+    assert during["calibration"]["step_cv"] == pytest.approx(spread)
     true = replace(true, step_cv=spread)
-    expected = predict(PlanRequest(true, true, requests, SloSpec(point["slo"])), shape)
+    expected = predict(PlanRequest(true, true, requests, Slo(point["slo"])), shape)
     assert during["predicted"] == pytest.approx(expected)
 
 
@@ -394,7 +435,7 @@ def test_a_run_is_resimulated_from_the_calibration_it_kept(tmp_path: Path) -> No
     for point, requests in predicted_points(profile, shape, 20, 3, lambda _: (scaled, record),
                                             ["decode-heavy"]):  # the second workload's seeds
         during = predict(PlanRequest(during_profile, during_profile, requests,
-                                     SloSpec(point["slo"])), shape)
+                                     Slo(point["slo"])), shape)
         measured = {**during, "ttft_p50_ms": 2 * during["ttft_p50_ms"]}
         points.append({**point, "measured": measured, "error": {},
                        "during": {"predicted": during, "calibration": during_record}})

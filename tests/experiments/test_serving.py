@@ -1,6 +1,6 @@
-"""The pure parts of `bench.experiments` (workloads, SLO derivation, tables, ladder flags) and
-of `bench.runner` (utilization, the server-process wrapper on a stand-in process; no cluster,
-no model)."""
+"""The pure parts of `experiments.serving` (workloads, SLO derivation, tables, ladder flags), of
+`bench.run` (utilization) and of `cluster.launch` (the server-process wrapper on a stand-in
+process); no cluster, no model."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 
-from bench import experiments as ex
-from bench import runner
 from bench.loadgen import LoadResult, RequestRecord
 from bench.report import build_report
-from bench.serving_metrics import Slo, summarize
+from bench.run import utilization_summary
+from bench.serving_metrics import summarize
+from cluster.launch import READY_LINE, ManagedProcess
+from experiments import serving as ex
+from protocol.defaults import MAX_QUEUE, MAX_RUNNING
 
 
 def record(index: int, ttft_s: float, tpot_s: float, num_tokens: int = 5,
@@ -48,15 +50,17 @@ def test_derive_slo_scales_the_slowest_class_p50s() -> None:
     assert latency["long-output"] == pytest.approx(
         {"ttft_ms": 150.0, "tpot_ms": 60.0, "num_requests": 2})
     slo = ex.derive_slo(report, ttft_factor=3.0, tpot_factor=2.0)
-    assert slo.ttft_ms == pytest.approx(9000.0)  # 3 x the long prompts' p50 TTFT
-    assert slo.tpot_ms == pytest.approx(120.0)  # 2 x the long answers' p50 TPOT
+    assert set(slo.bounds) == {"ttft_ms", "tpot_ms"}  # per-request bounds only
+    assert slo.bounds["ttft_ms"] == pytest.approx(9000.0)  # 3 x the long prompts' p50 TTFT
+    assert slo.bounds["tpot_ms"] == pytest.approx(120.0)  # 2 x the long answers' p50 TPOT
 
 
 def test_derive_slo_without_classes_takes_one_p50() -> None:
     report = unloaded_report([record(0, 1.0, 0.01), record(1, 2.0, 0.03),
                               record(2, 4.0, 0.02)], None)
-    assert ex.derive_slo(report, 2.0, 1.5) == Slo(ttft_ms=pytest.approx(4000.0),
-                                                   tpot_ms=pytest.approx(30.0))
+    slo = ex.derive_slo(report, 2.0, 1.5)
+    assert slo.bounds == pytest.approx({"ttft_ms": 4000.0, "tpot_ms": 30.0})
+    assert slo.attainment == 0.9  # the default target: derive_slo sets bounds only
 
 
 def test_derive_slo_refuses_an_unloaded_run_with_a_failure() -> None:
@@ -115,7 +119,7 @@ def test_utilization_between_uses_the_counters_over_the_window() -> None:
     after = {"pools": {"prefill": [worker("p0", "prefill", 110.0, 18.0, 0.0, 5e11, 1e10, 16)],
                        "decode": [worker("d0", "decode", 110.0, 7.0, 3.0, 1e11, 5e10),
                                   worker("d1", "decode", 3.0, 1.0, 0.0, 0.0, 0.0)]}}
-    util = runner.utilization_summary(before, after)
+    util = utilization_summary(before, after)
 
     assert set(util["workers"]) == {"p0", "d0"}  # d1 started inside the window: no baseline
     assert util["workers"]["p0"]["steps"] == 16
@@ -128,7 +132,7 @@ def test_utilization_between_uses_the_counters_over_the_window() -> None:
         {"busy": 0.2, "transfer_wait": 0.2, "idle": 0.6, "flops_utilization": 0.1,
          "bandwidth_utilization": 0.5})
     assert util["mean"]["busy"] == pytest.approx(0.5)
-    assert runner.utilization_summary(None, after) is None
+    assert utilization_summary(None, after) is None
 
 
 def metrics(rate: float, goodput: float | None, ttft_p90: float = 1000.0) -> dict[str, Any]:
@@ -178,8 +182,9 @@ def test_ladder_steps_add_one_technique_each() -> None:
 
     assert [flag(s, "--policy") for s in steps] == ["static"] + ["continuous"] * 4
     assert ["--no-prefix-caching" in s.flags for s in steps] == [True, True, True, False, False]
-    assert [flag(s, "--max-running") for s in steps] == ["256", "256", "6", "6", "6"]
-    assert [flag(s, "--max-queue") for s in steps] == ["1024", "1024", "3", "3", "3"]
+    # The unbounded steps run with serve's own admission defaults.
+    assert [flag(s, "--max-running") for s in steps] == [str(MAX_RUNNING)] * 2 + ["6"] * 3
+    assert [flag(s, "--max-queue") for s in steps] == [str(MAX_QUEUE)] * 2 + ["3"] * 3
     assert [flag(s, "--mode") for s in steps] == ["colocated"] * 4 + ["disaggregated"]
     assert all(flag(s, "--torch-threads") == "1" for s in steps)
 
@@ -201,8 +206,8 @@ def test_managed_process_reads_the_ready_line_and_kills_a_stubborn_process(
               "print('pdcluster ready: gRPC 127.0.0.1:5  OpenAI http://127.0.0.1:6/v1  "
               "metrics x', flush=True); time.sleep(60)")
     log = tmp_path / "logs" / "serve.log"
-    with runner.ManagedProcess("stand-in", [sys.executable, "-c", script], log,
-                           ready_pattern=runner.READY_LINE) as proc:
+    with ManagedProcess("stand-in", [sys.executable, "-c", script], log,
+                        ready_pattern=READY_LINE) as proc:
         match = proc.wait_ready(lambda: proc.ready_match, timeout=30)
         assert (match[1], match[2]) == ("127.0.0.1:5", "http://127.0.0.1:6")
         assert proc.stop(grace_s=0.2) == -9  # ignored SIGINT, so killed
@@ -211,8 +216,8 @@ def test_managed_process_reads_the_ready_line_and_kills_a_stubborn_process(
 
 def test_managed_process_reports_an_early_exit_with_its_log(tmp_path: Path) -> None:
     script = "import sys; print('error: unrecognized arguments: --policy'); sys.exit(2)"
-    with runner.ManagedProcess("stand-in", [sys.executable, "-c", script], tmp_path / "log",
-                           ready_pattern=runner.READY_LINE) as proc, \
+    with ManagedProcess("stand-in", [sys.executable, "-c", script], tmp_path / "log",
+                        ready_pattern=READY_LINE) as proc, \
             pytest.raises(RuntimeError, match=re.compile(
                 r"exited with status 2.*unrecognized arguments: --policy", re.S)):
         proc.wait_ready(lambda: proc.ready_match, timeout=30)

@@ -291,8 +291,8 @@ def test_workers_total_their_steps_by_shape(disagg, loop_thread):
     import ray
 
     def totals():
-        stats = [ray.get(h.actor.stats.remote(), timeout=30) for h in disagg.workers.values()]
-        return {s["role"]: s["step_totals"] for s in stats}
+        return {str(h.role): ray.get(h.actor.stats.remote(), timeout=30)["step_totals"]
+                for h in disagg.workers.values()}
 
     def grown(before, after):
         return {role: {key: [round(a - b, 9) for a, b in

@@ -239,7 +239,7 @@ def test_undecodable_messages_are_dropped(cluster, loop_thread, reference):
 
     ctx = zmq.Context()
     try:
-        targets = [cluster.endpoint] + [h.info["endpoint"] for h in cluster.workers.values()]
+        targets = [cluster.pool.endpoint] + [h.info["endpoint"] for h in cluster.workers.values()]
         for endpoint in targets:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)

@@ -47,7 +47,7 @@ def test_curve_cluster_serves_the_engines_tokens(ray_local, loop_thread, referen
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=transports,
                             internal_auth="curve")
     try:
-        assert backend.cluster_key is not None
+        assert backend.pool.cluster_key is not None
         assert "CURVE" in backend.internal_security
 
         async def go():
@@ -89,13 +89,14 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
             loop_thread.run(event.wait())
         # s0: a forged failure sent to the router; s1: a forged abort sent to the worker;
         # and a compatible KV handshake to the worker's receiver.
-        forged = [(backend.endpoint, zmq.PUSH,
+        forged = [(backend.pool.endpoint, zmq.PUSH,
                    encode(Failed(worker_id=decode.worker_id, request_id="s0@1", error="rogue"))),
                   (decode.info["endpoint"], zmq.PUSH, encode(Abort(request_id="s1@1"))),
                   (decode.info["peer_info"]["endpoint"], zmq.DEALER,
                    pack({"op": "hello", "transport": "zmq",
                          "compat": decode.info["peer_info"]["compat"]}))]
-        server_keys = [None] if backend.cluster_key is None else [None, backend.cluster_key.public]
+        key = backend.pool.cluster_key
+        server_keys = [None] if key is None else [None, key.public]
         with contextlib.ExitStack() as rogues_open:
             # The decode worker is stopped while the forgeries go out, so neither stream can
             # end on its own before they would land. Nothing between the two signals blocks:
@@ -117,7 +118,7 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
             assert all(outcome in FAILED for outcome in outcomes), outcomes
             assert [tokens for tokens, _ in results] == expected
             assert [last.finish_reason for _, last in results] == ["length", "length"]
-            assert backend.sockets.decisions["denied"] >= 1  # the rogue with its own keypair
+            assert backend.pool.sockets.decisions["denied"] >= 1  # the rogue with its own keypair
         else:
             assert queued == [True] * 3
             assert outcomes == [zmq.EVENT_HANDSHAKE_SUCCEEDED] * 3

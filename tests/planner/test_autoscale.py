@@ -115,13 +115,13 @@ class Predicted(Autoscaler):
         self.tables = {False: at_rate, True: with_headroom}
 
     def predict(self, trace: list, split: tuple[int, int]) -> dict[str, Any]:
-        headroom = len(trace) and trace[-1].arrival < self.base_span * 0.9
+        headroom = len(trace) and trace[-1].timestamp < self.base_span * 0.9
         return {"attainment": self.tables[bool(headroom)][split]}
 
     def trace(self, window: Window, rate: float) -> list:
         trace = super().trace(window, rate)
         if not hasattr(self, "base_span"):
-            self.base_span = trace[-1].arrival  # the first trace is at the observed rate
+            self.base_span = trace[-1].timestamp  # the first trace is at the observed rate
         return trace
 
 

@@ -17,6 +17,8 @@ from protocol import (
     Stats,
     Step,
     TokenRecord,
+    Utilization,
+    WorkerStats,
     decode_command,
     decode_reply,
     encode,
@@ -38,7 +40,9 @@ REPLIES = [
         TokenRecord(request_id="q@1", finish_reason="error", error="KV transfer failed: x",
                     transfer_failed=True)]),
     Failed(worker_id="prefill-1", request_id="r@1", error="boom", transfer_failed=True),
-    Stats(worker_id="prefill-1", stats={"num_free_blocks": 3, "utilization": {"busy": 0.5}}),
+    Stats(worker_id="prefill-1", stats=WorkerStats(
+        num_free_blocks=3, step_totals={"decode_1": [2.0, 0.1, 0.005, 40.0]},
+        utilization=Utilization(busy=0.5))),
 ]
 
 
@@ -63,6 +67,16 @@ def test_garbage_is_refused(data):
         decode_command(data)
     with pytest.raises(msgspec.DecodeError):
         decode_reply(data)
+
+
+def test_stats_with_a_mistyped_field_are_refused():
+    """A worker's stats are a typed struct: a figure of the wrong type is a decode error
+    (the message is dropped and logged), not a key read later by name."""
+    good = msgspec.to_builtins(Stats(worker_id="w", stats=WorkerStats(num_running=2)))
+    assert decode_reply(msgpack.packb(good)).stats.num_running == 2
+    for stats in ({"num_running": "two"}, {"utilization": {"busy": "x"}}):
+        with pytest.raises(msgspec.DecodeError):
+            decode_reply(msgpack.packb({**good, "stats": stats}))
 
 
 def test_a_command_is_not_a_reply():
