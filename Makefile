@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/pdcluster serve $(SERVE_FLAGS)
 
+# ruff, then the layering contracts of pyproject.toml (import-linter).
 lint: install
 	$(VENV)/bin/ruff check .
+	PYTHONPATH=. $(VENV)/bin/lint-imports
 
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider

@@ -2,7 +2,8 @@
 
 The public surface other packages may use: `LLM`, `LLMEngine`, `SamplingParams`,
 `RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs, the tokenizer helpers,
-`check_request` and `defaults`. Names load on first use, so reading `engine.defaults`
+`check_request`, `hash_blocks` (the prefix cache's chained block hash, which the router's
+prefix affinity shares) and `defaults`. Names load on first use, so reading `engine.defaults`
 (the CLI does, for its help text) does not import torch.
 """
 
@@ -12,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.block_pool import hash_blocks
     from engine.config import CacheConfig, ModelConfig, SchedulerConfig
     from engine.llm import LLM
     from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, LLMEngine
@@ -29,7 +31,7 @@ _WHERE = {
     "SamplingParams": "engine.sampling_params",
     "IncrementalDetokenizer": "engine.tokenizer", "apply_chat_template": "engine.tokenizer",
     "load_tokenizer": "engine.tokenizer", "check_request": "engine.validation",
-    "fit_context": "engine.validation",
+    "fit_context": "engine.validation", "hash_blocks": "engine.block_pool",
 }
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "apply_chat_template",
     "check_request",
     "fit_context",
+    "hash_blocks",
     "load_tokenizer",
 ]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.block_pool import hash_blocks
+from engine import hash_blocks
 
 
 @dataclass
