@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # The longest a worker may take to change its role once drained (it waits up to 10 s for
 # its engine to let go of what the drain left, then closes one KV endpoint).
 CHANGE_ROLE_TIMEOUT_S = 30.0
+# The longest a worker's shutdown may take before its actor is killed.
+SHUTDOWN_TIMEOUT_S = 10.0
 
 
 @ray.remote
@@ -213,7 +215,7 @@ class WorkerPool:
         self.workers.pop(handle.worker_id, None)
         self._on_leave(handle)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(handle.actor.shutdown.remote(), 10)
+            await asyncio.wait_for(handle.actor.shutdown.remote(), SHUTDOWN_TIMEOUT_S)
         with contextlib.suppress(Exception):
             ray.kill(handle.actor)
         with contextlib.suppress(Exception):

@@ -33,11 +33,9 @@ StepWindow = tuple[dict[str, Any] | None, dict[str, Any] | None, float]
 class Calibrator:
     """Scales a profile to the machine's speed now, as often as asked, on one engine.
 
-    A shared VM's speed drifts (measured here: a batch-8 decode step 40 % slower than 30
-    minutes before, with nothing else running), so before each point the run times the
-    probe steps (`PROBE_BATCHES`, `PROBE_PREFILL`) on an engine built as the profile's
-    was and scales the profile's step models to them (`scale_to_probes`). The engine is
-    built once and stays loaded between points (beside the idle server).
+    Each call times the probe steps (`PROBE_BATCHES`, `PROBE_PREFILL`) on an engine built
+    as the profile's was and scales the profile's step models to them (`scale_to_probes`).
+    The engine is built once and stays loaded between calls.
 
     Args:
         profile: the profile as measured; each call scales this one, not the last result.
