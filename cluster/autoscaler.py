@@ -200,7 +200,7 @@ def policy_process(policy: Autoscaler, idle: bool = True) -> ProcessPoolExecutor
 
     Nice 19 alone is not enough: CFS weighs nice 19 against Ray's workers at nice 15 as 15
     to 36, so a simulating policy took about 30 % of a busy worker's core
-    (`planner.policy_lag --workers`); `SCHED_IDLE` weighs 3.
+    (`experiments.policy_lag --workers`); `SCHED_IDLE` weighs 3.
     """
     return ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), _adopt,
                                (policy, idle))
