@@ -30,6 +30,14 @@ lint: install
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
+# The edit loop (under a minute): no cluster, no server (in-process or `serve`), no SmolLM2,
+# no test that spawns torch processes; tests/experiments/ (not the product's) is left to
+# `make test`, which runs everything.
+.PHONY: test-fast
+test-fast: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/experiments \
+		-m "not slow and not cluster and not e2e and not server and not subprocess"
+
 # `pip install .` without extras in a clean venv: the CLI, the Docker entrypoint's command
 # line serving the tiny model over gRPC and HTTP, bench's missing-extra message.
 check-install:

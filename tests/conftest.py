@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from engine import LLMEngine
+from engine import LLM, CacheConfig, LLMEngine
 from engine.model_loader import resolve_model_dir
+
+# The conversations every SmolLM2-vs-transformers check uses (unit and end to end), so the
+# slow `transformers` reference for each is computed once per session (`hf_greedy` caches).
+SMOL_CHATS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea and the wind at night.",
+    "Explain in two sentences why the sky is blue during the day.",
+]
 
 
 @functools.cache
@@ -22,6 +32,11 @@ def hf_model(name: str) -> torch.nn.Module:
 
 def hf_greedy(name: str, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
     """Greedy continuation by `transformers` (argmax each step, EOS not special): the oracle."""
+    return list(_hf_greedy(name, tuple(prompt_token_ids), max_tokens))
+
+
+@functools.cache
+def _hf_greedy(name: str, prompt_token_ids: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
     model = hf_model(name)
     ids = torch.tensor([prompt_token_ids])
     out: list[int] = []
@@ -32,7 +47,18 @@ def hf_greedy(name: str, prompt_token_ids: list[int], max_tokens: int) -> list[i
             past = result.cache
             out.append(int(result.logits[0, -1].argmax()))
             ids = torch.tensor([[out[-1]]])
-    return out
+    return tuple(out)
+
+
+# Fixtures that start the router's gRPC and HTTP servers in this process: a test using any
+# of them (directly or through another fixture) is marked `server`.
+SERVER_FIXTURES = {"shared_servers", "make_servers", "tiny_servers", "smollm2_servers", "dying"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
 
 
 def assert_pool_free(engine: LLMEngine) -> None:
@@ -44,6 +70,31 @@ def assert_pool_free(engine: LLMEngine) -> None:
     assert all(count == 0 for count in pool.ref_cnt)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tokenizer_parsed_once_per_model() -> Iterator[None]:
+    """Every engine built in this process gets its own copy of a tokenizer parsed once per
+    model directory: parsing tokenizer.json is 90 % of building a tiny engine, and the
+    tests build a hundred. Copies share nothing, so no engine sees another's state."""
+    import engine.llm_engine as llm_engine
+
+    parse = functools.cache(llm_engine.load_tokenizer)  # the real one, patched below
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "load_tokenizer",
+                      lambda model_dir: copy.deepcopy(parse(str(model_dir))))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> str:
     return str(resolve_model_dir("tiny"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LLM:
+    """SmolLM2 loaded once per session: the offline engine of the unit tests, the reference
+    of the end-to-end tests, and (behind the router, on an engine thread the module stops
+    again) the engine of the router's structured-output tests. Whoever uses it leaves its
+    pool free."""
+    llm = LLM("smollm2", cache=CacheConfig(num_blocks=256))
+    yield llm
+    assert_pool_free(llm.engine)

@@ -19,7 +19,12 @@ from protocol.serving import Slo, TraceRequest, write_trace
 from router.servers import Servers
 
 WORKLOAD = ["--num-requests", "8", "--rate", "20", "--prompt-len", "16:48",
-            "--output-len", "4:12", "--seed", "5"]
+            "--output-len", "1:6", "--seed", "5"]
+# An SLO that splits the requests whatever the machine: a one-token answer has no TPOT and
+# meets any TPOT bound, a longer one never has a TPOT of 1 us (a decode step alone takes
+# longer). The workload's seed gives 2 one-token answers of 8: attainment exactly 2/8.
+SPLITTING_SLO = "ttft=60000,tpot=0.001"
+SPLIT = 2 / 8
 
 
 def target(backend: str, servers: Servers) -> list[str]:
@@ -29,14 +34,14 @@ def target(backend: str, servers: Servers) -> list[str]:
 
 
 def expected_workload() -> list[TraceRequest]:
-    spec = WorkloadSpec(prompt_len=(16, 48), output_len=(4, 12), seed=5)
+    spec = WorkloadSpec(prompt_len=(16, 48), output_len=(1, 6), seed=5)
     return make_workload(spec, arrival_times(8, 20.0, seed=5))
 
 
 @pytest.mark.parametrize("backend", ["grpc", "openai"])
 def test_bench_run_writes_a_valid_report(backend: str, servers: Servers, tmp_path: Path) -> None:
     out = tmp_path / backend
-    argv = [*target(backend, servers), *WORKLOAD, "--slo", "ttft=60000,tpot=60000",
+    argv = [*target(backend, servers), *WORKLOAD, "--slo", SPLITTING_SLO,
             "--out", str(out), "--label", backend]
     assert cli.main(argv) == 0
 
@@ -46,8 +51,9 @@ def test_bench_run_writes_a_valid_report(backend: str, servers: Servers, tmp_pat
     assert (summary["num_requests"], summary["completed"], summary["failed"]) == (8, 8, 0)
     assert summary["total_prompt_tokens"] == sum(r.prompt_len for r in expected)
     assert summary["total_output_tokens"] == sum(r.output_len for r in expected)
-    assert summary["slo_attainment"] == 1.0
-    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+    assert [r.output_len for r in expected].count(1) == SPLIT * 8
+    assert summary["slo_attainment"] == SPLIT
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"] * SPLIT)
     for stats in (summary[key] for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")):
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
 
@@ -161,8 +167,8 @@ def test_compare_reports_gives_ratios_to_the_first(tmp_path: Path,
 def test_vllm_flags_and_result_json(servers: Servers, tmp_path: Path) -> None:
     """`vllm bench serve`'s spelling of the run, and its result file, field for field."""
     argv = [*target("openai", servers), "--num-prompts", "8", "--request-rate", "20",
-            "--burstiness", "4", "--prompt-len", "16:48", "--output-len", "4:12", "--seed", "5",
-            "--goodput", "ttft:60000", "tpot:60000", "--percentile-metrics", "ttft,tpot,e2el",
+            "--burstiness", "4", "--prompt-len", "16:48", "--output-len", "1:6", "--seed", "5",
+            "--goodput", "ttft:60000", "tpot:0.001", "--percentile-metrics", "ttft,tpot,e2el",
             "--metric-percentiles", "50,99.9", "--save-result", "--result-dir", str(tmp_path),
             "--result-filename", "vllm.json", "--out", str(tmp_path / "out")]
     assert cli.main(argv) == 0
@@ -173,7 +179,8 @@ def test_vllm_flags_and_result_json(servers: Servers, tmp_path: Path) -> None:
     assert (result["request_rate"], result["burstiness"]) == (20.0, 4.0)
     assert result["total_output_tokens"] == summary["total_output_tokens"]
     assert result["request_throughput"] == pytest.approx(summary["request_throughput"])
-    assert result["request_goodput"] == pytest.approx(summary["request_throughput"])
+    assert result["output_lens"] == [r.output_len for r in expected_workload()]
+    assert result["request_goodput"] == pytest.approx(summary["request_throughput"] * SPLIT)
     assert result["output_lens"] == [r["output_tokens"] for r in report["requests"]]
     assert len(result["ttfts"]) == len(result["itls"]) == len(result["latencies"]) == 8
     assert result["mean_ttft_ms"] == pytest.approx(summary["ttft_ms"]["mean"])

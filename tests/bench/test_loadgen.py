@@ -13,12 +13,15 @@ from protocol.serving import TraceRequest
 
 
 class ScriptedBackend:
-    """Streams `output_len` one-token chunks, `token_s` apart; fails a prompt of [0]."""
+    """Streams `output_len` one-token chunks, `token_s` apart; fails a prompt of [0]; a
+    prompt of [2] stops after 3 chunks and waits for a gate nobody opens (it can only end
+    by the client's timeout, however fast or slow the machine)."""
 
     def __init__(self, token_s: float = 0.01) -> None:
         self.token_s = token_s
         self.in_flight = 0
         self.max_in_flight = 0
+        self.gate = asyncio.Event()
 
     async def stream(self, request: TraceRequest) -> AsyncIterator[StreamEvent]:
         self.in_flight += 1
@@ -27,6 +30,8 @@ class ScriptedBackend:
             if request.prompt_token_ids == [0]:
                 raise ConnectionError("refused")
             for i in range(request.output_len):
+                if request.prompt_token_ids == [2] and i == 3:
+                    await self.gate.wait()
                 await asyncio.sleep(self.token_s)
                 last = i == request.output_len - 1
                 yield StreamEvent(1, "length" if last else None,
@@ -77,12 +82,13 @@ def test_duration_stops_sending() -> None:
 
 
 def test_failures_and_timeouts_are_recorded() -> None:
-    reqs = [TraceRequest(0.0, 2, [0]), TraceRequest(0.0, 50, [1]), TraceRequest(0.0, 2, [1])]
-    result = run(ScriptedBackend(), reqs, request_timeout=0.1)
-    refused, slow, ok = result.records
+    # The held request can only time out; the quick one (20 ms) has 25 times its length.
+    reqs = [TraceRequest(0.0, 2, [0]), TraceRequest(0.0, 50, [2]), TraceRequest(0.0, 2, [1])]
+    result = run(ScriptedBackend(), reqs, request_timeout=0.5)
+    refused, held, ok = result.records
     assert refused.error == "ConnectionError: refused" and refused.chunks == []
-    assert slow.error == "timed out after 0.1 s" and slow.finish_reason is None
-    assert 0 < len(slow.chunks) < 50
+    assert held.error == "timed out after 0.5 s" and held.finish_reason is None
+    assert len(held.chunks) == 3
     assert ok.error is None and ok.output_tokens == 2
 
 

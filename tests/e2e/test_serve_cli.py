@@ -1,71 +1,35 @@
-"""The real CLI: `pdcluster serve` on SmolLM2, real gRPC and OpenAI clients, exact tokens."""
+"""The real CLI: `pdcluster serve` on SmolLM2 (1 prefill + 1 decode worker, CURVE inside),
+real gRPC and OpenAI clients, exact tokens against `transformers` and the offline engine.
+
+Colocated serving is covered by the integration tests (a mixed Ray worker streams the
+engine's exact tokens), `--mode colocated` reaching the cluster by `test_cli_flags` below,
+and SmolLM2 in the colocated (mixed) role by the unit tests against `transformers`.
+"""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
+import json
 import time
-from collections.abc import Iterator
 
+import httpx
 import pytest
 
+from cluster.cli import main
+from engine import SamplingParams, apply_chat_template
 from router.client import PdClusterClient
-from tests.conftest import hf_greedy
+from tests.conftest import SMOL_CHATS, hf_greedy
+from tests.e2e.serving import serve
 
-pytestmark = pytest.mark.slow
-
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves falling in a quiet park.",
-    "Give me three tips for writing clear Python code.",
-]
-
-
-class Served:
-    def __init__(self, proc: subprocess.Popen, grpc: str, http: str, lines: list[str]) -> None:
-        self.proc, self.grpc, self.http, self.lines = proc, grpc, http, lines
-
-
-def _serve(*flags: str) -> Iterator[Served]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", "smollm2", "--grpc-port", "0",
-         "--http-port", "0", "--kv-cache-gb", "0.25", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:
-        lines.append(line)
-        match = re.search(r"gRPC (\S+)\s+OpenAI (\S+)/v1", line)
-        if match:
-            break
-        if time.monotonic() > deadline:
-            break
-    if match is None:
-        proc.kill()
-        raise AssertionError("serve did not become ready:\n" + "".join(lines[-30:]))
-    try:
-        yield Served(proc, match.group(1), match.group(2), lines)
-    finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
 def disaggregated():
-    # CURVE on the internal sockets (on loopback `auto` would leave them plain, as colocated).
-    yield from _serve("--prefill", "1", "--decode", "1", "--local-prefill-threshold", "0",
-                      "--metrics-compat", "vllm", "--internal-auth", "curve")
-
-
-@pytest.fixture(scope="module")
-def colocated():
-    yield from _serve("--mode", "colocated", "--decode", "1")
+    # CURVE on the internal sockets (on loopback `auto` would leave them plain).
+    with serve("--model", "smollm2", "--prefill", "1", "--decode", "1",
+               "--local-prefill-threshold", "0", "--metrics-compat", "vllm",
+               "--internal-auth", "curve") as served:
+        yield served
 
 
 def _chat_tokens(address: str, content: str, n: int = 32) -> tuple[list[int], str]:
@@ -92,22 +56,15 @@ def _pools_free(address: str, timeout: float = 20) -> None:
             time.sleep(0.2)
 
 
-def test_disaggregated_smollm2_matches_transformers_and_colocated(disaggregated, colocated):
-    from engine import apply_chat_template, load_tokenizer
-    from engine.model_loader import resolve_model_dir
-
+def test_disaggregated_smollm2_matches_transformers(disaggregated, smollm2):
     assert any(line.startswith("Internal sockets: CURVE") for line in disaggregated.lines)
-    assert any(line.startswith("Internal sockets: plain TCP") for line in colocated.lines)
-    tokenizer = load_tokenizer(resolve_model_dir("smollm2"))
-    for content in CHATS:
+    for content in SMOL_CHATS:
         tokens, text = _chat_tokens(disaggregated.grpc, content)
-        prompt = apply_chat_template(tokenizer, [{"role": "user", "content": content}])
+        prompt = apply_chat_template(smollm2.tokenizer, [{"role": "user", "content": content}])
         assert tokens == hf_greedy("smollm2", prompt, 32)
-        assert tokens == _chat_tokens(colocated.grpc, content)[0]
-        if content == CHATS[0]:
+        if content == SMOL_CHATS[0]:
             assert text.startswith("The capital of France is Paris.")
     _pools_free(disaggregated.grpc)
-    _pools_free(colocated.grpc)
 
 
 def test_health_and_openai_http(disaggregated):
@@ -115,13 +72,15 @@ def test_health_and_openai_http(disaggregated):
 
     with PdClusterClient(disaggregated.grpc, timeout=10) as client:
         assert client.health() == "SERVING"
-    http = openai.OpenAI(base_url=disaggregated.http + "/v1", api_key="unused")
+    # No retries: a 5xx or a timeout must fail the test, not be tried again.
+    http = openai.OpenAI(base_url=disaggregated.http + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
     reply = http.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": CHATS[0]}], max_tokens=16,
+        model="smollm2", messages=[{"role": "user", "content": SMOL_CHATS[0]}], max_tokens=16,
         temperature=0.0)
     assert "Paris" in reply.choices[0].message.content
     chunks = http.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": CHATS[0]}], max_tokens=16,
+        model="smollm2", messages=[{"role": "user", "content": SMOL_CHATS[0]}], max_tokens=16,
         temperature=0.0, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == reply.choices[0].message.content
@@ -130,34 +89,40 @@ def test_health_and_openai_http(disaggregated):
     _pools_free(disaggregated.grpc)
 
 
-def test_structured_output_and_penalties_across_prefill_and_decode(disaggregated, colocated):
+def test_structured_output_and_penalties_across_prefill_and_decode(disaggregated, smollm2):
     """The prefill worker samples the first token, the decode worker the rest: grammar and
-    penalty state must carry over, so the answer validates and equals the colocated one."""
-    import json
-
+    penalty state must carry over, so the answer validates and equals the offline engine's
+    (one engine, no hand-over): its text over OpenAI HTTP (`response_format`, n=2), its
+    tokens over gRPC."""
     import jsonschema
     import openai
 
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
               "properties": {"city": {"type": "string", "maxLength": 20},
                              "country": {"type": "string", "maxLength": 20}}}
-    answers = []
-    for served in (disaggregated, colocated):
-        http = openai.OpenAI(base_url=served.http + "/v1", api_key="unused")
-        reply = http.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": CHATS[0]}], max_tokens=60,
-            temperature=0.0, frequency_penalty=0.3, n=2,
-            response_format={"type": "json_schema", "json_schema": {"name": "a",
-                                                                    "schema": schema}})
-        assert [c.finish_reason for c in reply.choices] == ["stop", "stop"]
-        answers.append([c.message.content for c in reply.choices])
-    assert answers[0] == answers[1]
-    jsonschema.validate(json.loads(answers[0][0]), schema)
+    messages = [{"role": "user", "content": SMOL_CHATS[0]}]
+    offline = smollm2.chat(messages, SamplingParams(
+        temperature=0.0, max_tokens=60, frequency_penalty=0.3,
+        json_schema=json.dumps(schema)))[0].outputs[0]
+    assert offline.finish_reason == "stop"
+    jsonschema.validate(json.loads(offline.text), schema)
+    http = openai.OpenAI(base_url=disaggregated.http + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+    reply = http.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=60, temperature=0.0,
+        frequency_penalty=0.3, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert [c.finish_reason for c in reply.choices] == ["stop", "stop"]
+    assert [c.message.content for c in reply.choices] == [offline.text] * 2
+    with PdClusterClient(disaggregated.grpc, timeout=120) as client:
+        outs = list(client.generate(messages=messages, max_tokens=60, temperature=0.0,
+                                    frequency_penalty=0.3, json_schema=json.dumps(schema)))
+    assert [t for o in outs for t in o.token_ids] == offline.token_ids
+    assert outs[-1].finish_reason == "stop"
     _pools_free(disaggregated.grpc)
 
 
 def test_metrics_carry_model_name_and_vllm_names(disaggregated):
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(disaggregated.http + "/metrics", timeout=10).text
@@ -173,8 +138,7 @@ def test_metrics_carry_model_name_and_vllm_names(disaggregated):
     assert ttft and all(s.labels["model_name"] == "smollm2" for s in ttft)
 
 
-def test_generate_cli_answers_paris(disaggregated):
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "generate",
-                          "What is the capital of France?", "--address", disaggregated.grpc],
-                         capture_output=True, text=True, timeout=120, check=True)
-    assert "Paris" in out.stdout
+def test_generate_cli_answers_paris(disaggregated, capsys):
+    assert main(["generate", SMOL_CHATS[0], "--address", disaggregated.grpc,
+                 "--max-tokens", "16"]) == 0
+    assert "Paris" in capsys.readouterr().out

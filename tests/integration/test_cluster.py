@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from cluster.handle import WorkerHandle
 from engine import SamplingParams
 from tests.integration.conftest import (
     collect,
@@ -14,6 +15,8 @@ from tests.integration.conftest import (
     start_cluster,
     wait_pools_free,
 )
+
+pytestmark = pytest.mark.cluster
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -49,6 +52,8 @@ def test_disaggregated_greedy_equals_engine_and_colocated(disagg, colocated, loo
     assert all("prefill" in last.timings and "transfer" in last.timings for _, last in got)
     got_colocated = _run_all(loop_thread, colocated, prompts, prefix="c")
     assert [tokens for tokens, _ in got_colocated] == expected
+    # `auto` internal security on one node's loopback: plain TCP, as `serve` announces it.
+    assert colocated.internal_security.startswith("plain TCP")
     wait_pools_free(loop_thread, disagg)
     wait_pools_free(loop_thread, colocated)
 
@@ -101,7 +106,7 @@ def test_scale_up_and_down_under_load_loses_nothing(disagg, loop_thread, referen
         # Every stream placed. Waiting for first tokens instead raced: the tiny model can
         # finish one worker's streams before the last stream's prefill is done.
         while sum(len(h.in_flight) for h in decode) < len(prompts):
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.02)
         # No await between this snapshot and the drain choice: nothing finishes in between.
         busy = {h.worker_id: len(h.in_flight) for h in decode}
         await disagg.scale(num_prefill=1, num_decode=1)
@@ -144,19 +149,24 @@ def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, referenc
 
     async def until_busy(role):
         while busy(role) == 0:
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.02)
         return busy(role)
 
     before = processes()
+    seen = [(ready("prefill"), ready("decode"))]
+
+    class Traced(WorkerHandle):
+        """Records the ready workers of each pool after every change of a state or role:
+        the whole sequence, however briefly one lasted."""
+
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name in ("state", "role"):
+                seen.append((ready("prefill"), ready("decode")))
 
     async def go():
-        seen = []
-
-        async def watch():
-            while True:
-                seen.append((ready("prefill"), ready("decode")))
-                await asyncio.sleep(0.001)
-        watcher = asyncio.ensure_future(watch())
+        for h in disagg.workers.values():
+            h.__class__ = Traced
         jobs = [asyncio.ensure_future(collect(disagg, f"rb{i}", p, params))
                 for i, p in enumerate(first)]
         held = [await until_busy("prefill")]
@@ -166,18 +176,19 @@ def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, referenc
                  for i, p in enumerate(second)]
         held.append(await until_busy("decode"))
         await disagg.scale(num_prefill=1, num_decode=1)
-        watcher.cancel()
+        for h in disagg.workers.values():
+            h.__class__ = WorkerHandle
         got = await asyncio.gather(*jobs)
         swapped = await asyncio.gather(*(collect(disagg, f"ra{i}", p, params)
                                          for i, p in enumerate(after)))
-        return seen, held, got, both_decode, swapped
-    seen, held, got, both_decode, swapped = loop_thread.run(go())
+        return held, got, both_decode, swapped
+    held, got, both_decode, swapped = loop_thread.run(go())
     assert all(n >= 1 for n in held)  # each moved worker held requests when its move began
     assert {pid for pid, _ in both_decode.values()} == {pid for pid, _ in before.values()}
     assert sorted(role for _, role in both_decode.values()) == ["decode", "decode"]
     assert sorted(role for _, role in processes().values()) == ["decode", "prefill"]
     assert {pid for pid, _ in processes().values()} == {pid for pid, _ in before.values()}
-    assert seen[0] == (1, 1) and (0, 2) in seen
+    assert seen[0] == (1, 1) and (0, 2) in seen and seen[-1] == (1, 1)
     assert all(decode >= 1 for _, decode in seen)
     assert [tokens for tokens, _ in got] == expected_tokens(reference, first + second, params)
     assert [tokens for tokens, _ in swapped] == expected_tokens(reference, after, params)
@@ -214,14 +225,14 @@ def test_a_worker_that_joins_the_decode_pool_takes_half_its_running_requests(
         jobs = [asyncio.ensure_future(consume(*job))
                 for job in zip(got, prompts, params, strict=True)]
         while not all(got.values()):
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.02)
         os.kill(busy.info["pid"], signal.SIGSTOP)
         try:
             await disagg.scale(num_prefill=0, num_decode=2)
             (joined,) = [h for h in disagg.workers.values() if h is not busy]
             deadline = asyncio.get_running_loop().time() + 30
             while len(joined.in_flight) < 4 and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.02)
             held = len(busy.in_flight), len(joined.in_flight), "sp8" in busy.in_flight
         finally:
             os.kill(busy.info["pid"], signal.SIGCONT)

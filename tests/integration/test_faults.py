@@ -8,14 +8,19 @@ requests, status shows a state), never on sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
+from cluster.handle import WorkerHandle
 from engine import SamplingParams
+from protocol import Role
 from router.backend import GenerateRequest
 from tests.integration.conftest import (
     expected_tokens,
@@ -24,13 +29,24 @@ from tests.integration.conftest import (
     wait_pools_free,
 )
 
+pytestmark = pytest.mark.cluster
+
 LONG = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+# Penalties count the tokens streamed before a migration; the grammar's state follows them.
+PENALIZED = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True,
+                           frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.3)
+STRUCTURED = SamplingParams(temperature=0.0, max_tokens=160, frequency_penalty=0.5,
+                            json_schema=json.dumps({"type": "array",
+                                                    "items": {"type": "string"}}))
+DRAIN_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, loop_thread):
-    # Short KV waits so a stalled prefill worker turns into a transfer failure quickly.
+    # Short KV waits so a stalled prefill worker turns into a transfer failure quickly; a
+    # short drain so a drained worker's requests move soon.
     backend = start_cluster(loop_thread, num_prefill=2, num_decode=2,
+                            drain_timeout_s=DRAIN_TIMEOUT_S,
                             worker={"num_blocks": 256, "kv_wait_timeout_s": 4.0})
     yield backend
     loop_thread.run(backend.close())
@@ -58,10 +74,33 @@ async def _consume(backend, client: _Client, prompt: list[int], params: Sampling
 
 
 def _start(backend, prompts, params, k, prefix):
+    """Stream every prompt (with `params`, or one SamplingParams each) in the background."""
     clients = [_Client(f"{prefix}{i}", k) for i in range(len(prompts))]
-    tasks = [asyncio.ensure_future(_consume(backend, c, p, params))
-             for c, p in zip(clients, prompts, strict=True)]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    tasks = [asyncio.ensure_future(_consume(backend, c, p, sp))
+             for c, p, sp in zip(clients, prompts, each, strict=True)]
     return clients, tasks
+
+
+def _handles(backend, role: Role) -> list[WorkerHandle]:
+    return [h for h in backend.workers.values() if h.role == role]
+
+
+@contextlib.contextmanager
+def _placing_only_on(backend, chosen: WorkerHandle) -> Iterator[None]:
+    """New requests go to `chosen`: the other workers of its pool show as draining."""
+    others = [h for h in _handles(backend, chosen.role) if h is not chosen]
+    for h in others:
+        h.state = "draining"
+    try:
+        yield
+    finally:
+        for h in others:
+            h.state = "ready"
+
+
+def _expected_each(reference, prompts, params) -> list[list[int]]:
+    return [expected_tokens(reference, [p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
 
 
 async def _workers(backend, role: str) -> list[dict]:
@@ -89,23 +128,38 @@ def _count(backend, name: str) -> float:
 
 def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
         cluster, loop_thread, reference):
+    """Six streams on one decode worker (four greedy, one with penalties, one with a JSON
+    schema) each have tokens when it is stopped and killed: each is placed again exactly
+    once (the counter), and every stream ends with the engine's tokens, the penalty counts
+    and the grammar's state carried over with the tokens already streamed."""
     prompts = random_prompts(6, seed=11, low=40, high=120)
+    params = [LONG] * 4 + [PENALIZED, STRUCTURED]
+    expected = _expected_each(reference, prompts, params)
+    # The penalties change the answer (there is something to carry over).
+    assert expected[4] != expected_tokens(reference, prompts[4:5], LONG)[0]
     migrated_before = _count(cluster, "migrations")
+    retried_before = _count(cluster, "transfer_retries")
 
     async def go():
-        clients, tasks = _start(cluster, prompts, LONG, k=3, prefix="dk")
-        await asyncio.gather(*(c.ready.wait() for c in clients))
-        victim = max(await _workers(cluster, "decode"), key=lambda w: w["in_flight"])
-        assert victim["in_flight"] > 0
-        os.kill(victim["pid"], signal.SIGKILL)
+        victim = _handles(cluster, Role.DECODE)[0]
+        with _placing_only_on(cluster, victim):
+            clients, tasks = _start(cluster, prompts, params, k=3, prefix="dk")
+            await asyncio.gather(*(c.ready.wait() for c in clients))
+        os.kill(victim.info["pid"], signal.SIGSTOP)  # nothing finishes after this count
+        held = {rid: len(cluster.dispatcher.requests[rid].generated)
+                for rid in victim.in_flight}
+        os.kill(victim.info["pid"], signal.SIGKILL)
         await asyncio.gather(*tasks)
         await _pool_restored(cluster, "decode", 2)
-        return clients, victim
-    clients, victim = loop_thread.run(go())
-    assert [c.tokens for c in clients] == expected_tokens(reference, prompts, LONG)
-    assert all(c.last.finish_reason == "length" for c in clients)
-    assert _count(cluster, "migrations") - migrated_before >= 1
-    assert victim["worker_id"] not in cluster.workers
+        return clients, victim.worker_id, held
+    clients, victim, held = loop_thread.run(go())
+    assert sorted(held) == [c.rid for c in clients]
+    assert all(3 <= n < 160 for n in held.values()), held  # all decoding, none at its end
+    assert [c.tokens for c in clients] == expected
+    assert [c.last.finish_reason for c in clients] == ["length"] * 6
+    assert _count(cluster, "migrations") - migrated_before == 6
+    assert _count(cluster, "transfer_retries") == retried_before
+    assert victim not in cluster.workers
     wait_pools_free(loop_thread, cluster)
 
 
@@ -148,7 +202,8 @@ def test_a_finished_stream_its_client_has_not_read_is_not_placed_again(
 def test_prefill_sigkill_places_its_requests_again(cluster, loop_thread, reference):
     prompts = random_prompts(4, seed=12, low=40, high=120)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    before = _count(cluster, "migrations") + _count(cluster, "transfer_retries")
+    migrated_before = _count(cluster, "migrations")
+    retried_before = _count(cluster, "transfer_retries")
 
     async def go():
         prefill = await _workers(cluster, "prefill")
@@ -170,9 +225,13 @@ def test_prefill_sigkill_places_its_requests_again(cluster, loop_thread, referen
         await _pool_restored(cluster, "prefill", 2)
         return clients, victim
     clients, victim = loop_thread.run(go())
-    assert victim["in_flight"] >= 2
     assert [c.tokens for c in clients] == expected_tokens(reference, prompts, params)
-    assert _count(cluster, "migrations") + _count(cluster, "transfer_retries") > before
+    # Each request the dead worker held was placed again once, as a migration (its death
+    # was seen long before the decode side's 4 s KV wait could call it a transfer failure);
+    # the stalled survivor's requests simply went on.
+    assert _count(cluster, "migrations") - migrated_before == victim["in_flight"]
+    assert _count(cluster, "transfer_retries") == retried_before
+    assert victim["worker_id"] not in cluster.workers
     wait_pools_free(loop_thread, cluster)
 
 
@@ -180,6 +239,7 @@ def test_transfer_timeout_is_retried_elsewhere(cluster, loop_thread, reference):
     prompts = random_prompts(3, seed=13, low=40, high=120)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     retried_before = _count(cluster, "transfer_retries")
+    migrated_before = _count(cluster, "migrations")
 
     async def go():
         prefill = await _workers(cluster, "prefill")
@@ -205,6 +265,54 @@ def test_transfer_timeout_is_retried_elsewhere(cluster, loop_thread, reference):
     clients = loop_thread.run(go())
     assert [c.tokens for c in clients] == expected_tokens(reference, prompts, params)
     assert _count(cluster, "transfer_retries") - retried_before == 3
+    assert _count(cluster, "migrations") == migrated_before  # retries are not migrations
+    wait_pools_free(loop_thread, cluster)
+
+
+def test_a_drained_workers_requests_move_when_the_drain_timeout_expires(
+        cluster, loop_thread, reference):
+    """Scaling the decode pool 2 -> 1 drains the less busy worker (2 requests against 4).
+    It is stopped (SIGSTOP), so they cannot finish there: they stay until the drain timeout
+    expires, then move to the other worker, each counted once as a migration, and end with
+    the engine's tokens; the drained worker is then stopped for good."""
+    prompts = random_prompts(6, seed=17, low=40, high=120)
+    migrated_before = _count(cluster, "migrations")
+
+    async def go():
+        stays, drained = _handles(cluster, Role.DECODE)
+        with _placing_only_on(cluster, stays):
+            clients, tasks = _start(cluster, prompts[:4], LONG, k=3, prefix="dt")
+            await asyncio.gather(*(c.ready.wait() for c in clients))
+        with _placing_only_on(cluster, drained):
+            more, more_tasks = _start(cluster, prompts[4:], LONG, k=3, prefix="dd")
+            await asyncio.gather(*(c.ready.wait() for c in more))
+        os.kill(drained.info["pid"], signal.SIGSTOP)
+        try:
+            held = sorted(drained.in_flight)
+            asked = time.monotonic()
+            await cluster.scale(num_prefill=None, num_decode=1)
+            assert drained.state == "draining" and stays.state == "ready"
+            assert _count(cluster, "migrations") == migrated_before  # not before the timeout
+
+            async def moved():
+                return _count(cluster, "migrations") - migrated_before == len(held)
+            await _until(moved, "the drained worker's requests to move")
+            waited = time.monotonic() - asked
+        finally:
+            os.kill(drained.info["pid"], signal.SIGCONT)
+        await asyncio.gather(*tasks, *more_tasks)
+
+        async def gone():
+            return drained.worker_id not in cluster.workers
+        await _until(gone, "the drained worker stopped")
+        await cluster.scale(num_prefill=None, num_decode=2)  # as the other tests expect
+        return clients + more, held, waited
+    clients, held, waited = loop_thread.run(go())
+    assert held == ["dd0", "dd1"]
+    assert waited >= DRAIN_TIMEOUT_S
+    assert [c.tokens for c in clients] == expected_tokens(reference, prompts, LONG)
+    assert [c.last.finish_reason for c in clients] == ["length"] * 6
+    assert _count(cluster, "migrations") - migrated_before == 2
     wait_pools_free(loop_thread, cluster)
 
 

@@ -4,7 +4,8 @@ The cluster serves exactly the engine's greedy tokens over the zmq KV transport 
 default one; a peer without the key (none at all, or a keypair of its own) is never heard
 by the router's PULL socket, a worker's command socket or a KV receiver, and what it sent
 would have ended two streams: with `internal_auth="off"` the same messages get through (the
-control that shows the observables can fail).
+control that shows the observables can fail). The `off` cluster is also the zmq KV
+transport's exact-token check (tests/integration/test_transports.py has the others).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from tests.integration.conftest import (
 )
 from tests.rogue import FAILED, Rogue
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
@@ -41,22 +44,27 @@ def _zap_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if isinstance(t, AuthenticationThread)]
 
 
-@pytest.mark.parametrize("transports", [("zmq",), ("shm", "zmq")])
-def test_curve_cluster_serves_the_engines_tokens(ray_local, loop_thread, reference, transports):
+def _serves_the_engines_tokens(backend, loop_thread, reference) -> None:
     prompts = random_prompts(4, seed=21, low=40, high=150)
-    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=transports,
+
+    async def go():
+        return await asyncio.gather(*(collect(backend, f"c{i}", p, GREEDY)
+                                      for i, p in enumerate(prompts)))
+    got = loop_thread.run(go())
+    assert [tokens for tokens, _ in got] == expected_tokens(reference, prompts, GREEDY)
+    assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
+    wait_pools_free(loop_thread, backend)
+
+
+def test_curve_cluster_serves_the_engines_tokens_over_shared_memory(ray_local, loop_thread,
+                                                                     reference):
+    """The default transports under CURVE (zmq alone: the test below)."""
+    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=("shm", "zmq"),
                             internal_auth="curve")
     try:
         assert backend.pool.cluster_key is not None
         assert "CURVE" in backend.internal_security
-
-        async def go():
-            return await asyncio.gather(*(collect(backend, f"c{i}", p, GREEDY)
-                                          for i, p in enumerate(prompts)))
-        got = loop_thread.run(go())
-        assert [tokens for tokens, _ in got] == expected_tokens(reference, prompts, GREEDY)
-        assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
-        wait_pools_free(loop_thread, backend)
+        _serves_the_engines_tokens(backend, loop_thread, reference)
     finally:
         loop_thread.run(backend.close())
     assert _zap_threads() == []  # the router's ZAP handler stopped with the cluster
@@ -79,6 +87,10 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=("zmq",),
                             internal_auth=internal_auth)
     try:
+        curve = internal_auth == "curve"
+        assert (backend.pool.cluster_key is not None) == curve
+        assert backend.internal_security.startswith("CURVE" if curve else "plain TCP")
+        _serves_the_engines_tokens(backend, loop_thread, reference)
         (decode,) = [h for h in backend.workers.values() if h.role.decodes]
         prompts = random_prompts(2, seed=22, low=40, high=150)
         started = [asyncio.Event(), asyncio.Event()]
@@ -130,3 +142,4 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
         wait_pools_free(loop_thread, backend)
     finally:
         loop_thread.run(backend.close())
+    assert _zap_threads() == []

@@ -1,4 +1,6 @@
-"""The disaggregated path over each KV transport gives the engine's exact tokens."""
+"""The disaggregated path over each KV transport gives the engine's exact tokens: torch
+distributed here; shared memory by tests/integration/test_cluster.py and
+test_internal_auth.py, zmq by test_internal_auth.py (its `off` cluster: the same config)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from tests.integration.conftest import collect, start_cluster, wait_pools_free
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.mark.parametrize("transports", [("zmq",), ("torch_dist",)])
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.parametrize("transports", [("torch_dist",)])
 def test_transport_end_to_end(ray_local, loop_thread, transports):
     rng = random.Random(9)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 150))]

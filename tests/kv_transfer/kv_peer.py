@@ -153,10 +153,23 @@ def receiver_main(conn: Any, transport: str) -> None:
                 conn.send(rx.wait_landed(cmd[1], cmd[2]))
 
 
+def _context() -> Any:
+    """Children fork from a server process that imported torch and the KV packages once
+    (about 2 s that every spawned child paid again); each is still a fresh process, with
+    nothing of the test process's threads, sockets or state. The server gets neither the
+    test process's sys.path nor its main module (Python 3.11), so what it preloads must be
+    importable from the working directory (the repository root); anything else is imported
+    by each child, as before."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "engine.kv_cache", "kv_transfer"])
+    return ctx
+
+
 @contextmanager
 def child(target: Any, *args: Any) -> Iterator[tuple[mp.Process, Any]]:
-    """A spawned child process and our end of its pipe; killed on exit if still running."""
-    ctx = mp.get_context("spawn")
+    """A child process (forked from the preloaded server) and our end of its pipe; killed
+    on exit if still running."""
+    ctx = _context()
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=target, args=(theirs, *args), daemon=True)
     proc.start()

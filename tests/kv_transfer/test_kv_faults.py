@@ -29,12 +29,16 @@ from kv_transfer import (
 )
 
 SRC, DST = [3, 4, 5, 9], [20, 21, 40, 7]
+# Where a test kills the peer, the survivor calls a peer lost after 2 s of silence (ten
+# missed heartbeats) instead of 5: the kill is the only silence in those tests, which
+# otherwise spend the difference waiting.
+LOST_AFTER_S = 2.0
 
 
-def receiver_for(transport: str) -> NotingReceiver:
+def receiver_for(transport: str, **overrides: float) -> NotingReceiver:
     pool = SharedKVPool() if transport == "shm" else None
     kv = make_kv(RECEIVER_BLOCKS, allocator=pool)
-    return NotingReceiver(kv, compat_of(kv), config(transport), shm_pool=pool)
+    return NotingReceiver(kv, compat_of(kv), config(transport, **overrides), shm_pool=pool)
 
 
 def only_failure(events: list, request_id: str) -> str:
@@ -43,10 +47,11 @@ def only_failure(events: list, request_id: str) -> str:
     return events[0].reason
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_receiver_killed_mid_transfer_fails_and_releases_the_request(transport: str) -> None:
     kv = make_kv(SENDER_BLOCKS, seed=SEED)
-    with KVSender(kv, compat_of(kv), config(transport)) as tx, \
+    with KVSender(kv, compat_of(kv), config(transport, peer_timeout_s=LOST_AFTER_S)) as tx, \
             child(receiver_main, transport) as (proc, conn):
         peer_id = tx.connect(ask(conn), transport)
         ask(conn, "expect", "r1", DST)
@@ -68,9 +73,11 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_request(transport: 
         assert "lost the decode peer" in only_failure(collect(tx, 1, timeout_s=30), "r1")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sender_killed_mid_transfer_fails_on_the_receiver(transport: str) -> None:
-    with receiver_for(transport) as rx, child(sender_main, transport) as (proc, conn):
+    with receiver_for(transport, peer_timeout_s=LOST_AFTER_S) as rx, \
+            child(sender_main, transport) as (proc, conn):
         peer_id = ask(conn, "connect", rx.peer_info())
         rx.expect("r1", DST)
         ask(conn, "start", peer_id, "r1", SRC, DST, 2)

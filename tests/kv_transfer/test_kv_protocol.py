@@ -202,3 +202,24 @@ def test_send_layer_returns_while_the_transport_is_busy() -> None:
             tx.gate.set()
         assert collect(rx, 1) == [TransferDone("r1", [1, 2])]
     assert torch.equal(rx_kv.buffer[:, [1, 2]], tx_kv.buffer[:, [5, 6]])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "product bug: KVSender.finish accepts any msgpack-able payload, but kv_transfer/wire.py "
+    "unpacks with msgpack's strict_map_key, so a map with integer keys (the prefill worker's "
+    "first-token logprobs, {token id: logprob}) makes the receiver drop the finish message: "
+    "every remotely prefilled request asking for logprobs times out"))
+def test_a_payload_the_sender_accepts_reaches_the_receiver() -> None:
+    rx_kv, tx_kv = make_kv(RECEIVER_BLOCKS), make_kv(SENDER_BLOCKS, seed=SEED)
+    payload = {"first_token": 5, "logprobs": {7: -0.25, 9: -1.5}, "prefill_s": 0.01}
+    with NotingReceiver(rx_kv, compat_of(rx_kv), config("zmq")) as rx, \
+            KVSender(tx_kv, compat_of(tx_kv), config("zmq")) as tx:
+        peer = tx.connect(rx.peer_info(), "zmq")
+        rx.expect("r1", [3, 4])
+        tx.begin("r1", peer, [1, 2], [3, 4])
+        for layer in range(NUM_LAYERS):
+            tx.send_layer("r1", layer)
+        tx.finish("r1", payload)
+        # Two blocks land in milliseconds; waiting longer only delays the expected failure.
+        events = collect(rx, 1, timeout_s=1.0)
+    assert [type(e) for e in events] == [TransferDone] and events[0].payload == payload

@@ -6,6 +6,7 @@ import gc
 import os
 import time
 
+import pytest
 from kv_peer import (
     SEED,
     SENDER_BLOCKS,
@@ -40,9 +41,11 @@ def test_pool_is_zeroed_nameless_and_freed_with_its_users() -> None:
     assert shared_mappings() == []
 
 
+@pytest.mark.subprocess
 def test_segment_is_gone_after_its_owner_is_sigkilled() -> None:
     kv = make_kv(SENDER_BLOCKS, seed=SEED)
-    with KVSender(kv, compat_of(kv), config("shm")) as tx, \
+    # Its owner's death is noticed after 2 s of silence (the kill is the only silence here).
+    with KVSender(kv, compat_of(kv), config("shm", peer_timeout_s=2.0)) as tx, \
             child(receiver_main, "shm") as (proc, conn):
         peer_id = tx.connect(ask(conn), "shm")
         assert len(shared_mappings(proc.pid)) == 1

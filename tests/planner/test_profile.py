@@ -130,6 +130,7 @@ def test_profile_file_round_trip_and_model_checks(tmp_path: Path) -> None:
         Profile.load(tmp_path / "missing.json")
 
 
+@pytest.mark.subprocess
 def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
     """The real engine and real prefill/decode workers: every sample recorded, the models
     fitted on them and scored on held-out ones, KV capacity as the engine sizes it."""
@@ -159,7 +160,12 @@ def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
     # Steps timed alone and beside a stepping neighbour engine, at every neighbour point.
     neighbour = profile.samples["neighbour"]
     assert len(neighbour) == 4 and all(p["alone"] and p["beside"] for p in neighbour)
-    assert profile.neighbour_slowdown >= 0
+    # The raw ratios (the profile clamps their median's excess at 0): beside a neighbour
+    # engine stepping on another core a step is neither much faster than alone (nothing
+    # shared can speed it up) nor several times slower (it keeps a core of its own).
+    ratios = [float(np.median(p["beside"]) / np.median(p["alone"])) for p in neighbour]
+    assert all(0.8 < ratio < 3.0 for ratio in ratios), ratios
+    assert 0 <= profile.neighbour_slowdown < 2.0
     assert profile.workers_per_host == max(cpu_features().cores // profile.torch_threads, 1)
     profile.save(tmp_path / "tiny.json")
     assert Profile.load(tmp_path / "tiny.json") == profile

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -62,6 +63,25 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def engine_stalled(backend: EngineBackend) -> Iterator[None]:
+    """The engine thread held (as a stalled worker would be) until the block ends: requests
+    are admitted and queued for the engine, but none advances, however fast the machine.
+    Commands sent meanwhile (add, abort) run in order once it is released."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(_engine: LLMEngine) -> None:
+        held.set()
+        release.wait(120)
+
+    backend.loop.submit(hold)
+    assert held.wait(30), "the engine thread never picked up the hold"
+    try:
+        yield
+    finally:
+        release.set()
 
 
 def _idle(servers: Servers) -> bool:

@@ -12,10 +12,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from engine import SamplingParams
 from router.client import PdClusterClient
+from tests.router.conftest import engine_stalled
 
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-LONG = {"max_tokens": 1000, **GREEDY}  # runs for about a second: long enough to queue behind
+LONG = {"max_tokens": 1000, **GREEDY}  # more than a test lets the engine produce
 
 
 def _reference(offline, prompt, **params):
@@ -105,38 +106,46 @@ def test_unknown_model_is_not_found(client):
     assert "model" in e.value.details() and "gpt-17" in e.value.details()
 
 
-def test_queue_full_rejects_at_once_and_queued_abort(make_servers, wait_until):
-    # No queue timeout: only an immediate refusal can end the third request.
+def test_queue_full_rejects_at_once_and_queued_abort(make_servers, backend, wait_until):
+    # No queue timeout: only an immediate refusal can end the third request. The engine is
+    # held, so the running request keeps its slot however fast the machine.
     servers = make_servers(max_running=1, max_queue=1, queue_timeout_s=None)
     client = PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30)
-    running = client.generate(PROMPT, request_id="running", **LONG)
-    next(running)  # admitted and decoding
-    with ThreadPoolExecutor(1) as pool:
-        queued = pool.submit(lambda: list(client.generate(PROMPT, request_id="queued",
-                                                          max_tokens=4)))
-        wait_until(lambda: servers.router.admission.num_waiting == 1)
-        with pytest.raises(grpc.RpcError) as e:
-            list(client.generate(PROMPT, **LONG))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        client.abort("queued")
-        outs = queued.result(timeout=10)
+    with ThreadPoolExecutor(3) as pool:
+        with engine_stalled(backend):
+            running = pool.submit(lambda: list(client.generate(PROMPT, request_id="running",
+                                                               **LONG)))
+            wait_until(lambda: servers.router.admission.num_running == 1)
+            queued = pool.submit(lambda: list(client.generate(PROMPT, request_id="queued",
+                                                              max_tokens=4)))
+            wait_until(lambda: servers.router.admission.num_waiting == 1)
+            with pytest.raises(grpc.RpcError) as e:
+                list(client.generate(PROMPT, **LONG))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            aborts = [pool.submit(client.abort, "queued")]
+            outs = queued.result(timeout=10)
+            aborts.append(pool.submit(client.abort, "running"))  # reaches the held engine
+        [abort.result(timeout=30) for abort in aborts]
+        assert running.result(timeout=30)[-1].finish_reason == "abort"
     assert outs[-1].finish_reason == "abort" and outs[-1].usage.completion_tokens == 0
-    client.abort("running")
-    assert list(running)[-1].finish_reason == "abort"
 
 
-def test_queue_deadline(make_servers):
+def test_queue_deadline(make_servers, backend, wait_until):
     servers = make_servers(max_running=1, max_queue=1, queue_timeout_s=0.2)
     client = PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=30)
-    running = client.generate(PROMPT, request_id="running", **LONG)
-    next(running)
-    with pytest.raises(grpc.RpcError) as e:
-        list(client.generate(PROMPT, max_tokens=4))
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert e.value.details().startswith("deadline")
-    assert servers.router.admission.num_waiting == 0
-    client.abort("running")
-    assert list(running)[-1].finish_reason == "abort"
+    with ThreadPoolExecutor(2) as pool:
+        with engine_stalled(backend):  # the running request holds the one slot throughout
+            running = pool.submit(lambda: list(client.generate(PROMPT, request_id="running",
+                                                               **LONG)))
+            wait_until(lambda: servers.router.admission.num_running == 1)
+            with pytest.raises(grpc.RpcError) as e:
+                list(client.generate(PROMPT, max_tokens=4))
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert e.value.details().startswith("deadline")
+            assert servers.router.admission.num_waiting == 0
+            abort = pool.submit(client.abort, "running")  # reaches the held engine
+        abort.result(timeout=30)
+        assert running.result(timeout=30)[-1].finish_reason == "abort"
 
 
 def test_abort_mid_stream(client):

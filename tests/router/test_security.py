@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-import ssl
-from pathlib import Path
-
 import grpc
 import httpx
 import openai
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from router.auth import Access, SecurityConfig, bearer_token, check_bind
 from router.client import PdClusterClient
+from tests.pki import make_pki, trusting
 
 API_KEY, ADMIN_KEY = "sk-user-0123456789", "sk-admin-9876543210"
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 4}
@@ -77,58 +69,10 @@ def test_binding_beyond_loopback_needs_a_key_or_an_explicit_opt_out():
 
 # ---- TLS --------------------------------------------------------------------------------
 
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool = False,
-          san: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
-                              critical=False)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                   issuer_key.public_key()), critical=False))
-    if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False,
-            encipher_only=False, decipher_only=False), critical=True)
-    if san:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, str]:
     """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
-    root = tmp_path_factory.mktemp("pki")
-    ca_key = _key()
-    ca = _cert("pdcluster test CA", ca_key, "pdcluster test CA", ca_key, ca=True)
-    files = {}
-
-    def write(name: str, data: bytes) -> None:
-        path = Path(root, name)
-        path.write_bytes(data)
-        files[name] = str(path)
-
-    write("ca.pem", ca.public_bytes(serialization.Encoding.PEM))
-    for name, san in (("server", True), ("client", False)):
-        key = _key()
-        write(f"{name}.pem", _cert(name, key, "pdcluster test CA", ca_key, san=san)
-              .public_bytes(serialization.Encoding.PEM))
-        write(f"{name}.key", key.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def test_tls_both_doors(make_servers, pki):
@@ -141,7 +85,7 @@ def test_tls_both_doors(make_servers, pki):
             plaintext.status()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     url = f"https://127.0.0.1:{servers.http_port}/health"
-    assert httpx.get(url, verify=_trusting(pki)).status_code == 200
+    assert httpx.get(url, verify=trusting(pki)).status_code == 200
     with pytest.raises(httpx.ConnectError):
         httpx.get(url)  # not signed by a CA the client trusts
 
@@ -158,15 +102,9 @@ def test_mutual_tls_refuses_clients_without_a_certificate(make_servers, pki):
             no_cert.status()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     url = f"https://127.0.0.1:{servers.http_port}/health"
-    with_cert = _trusting(pki)
-    with_cert.load_cert_chain(pki["client.pem"], pki["client.key"])
-    assert httpx.get(url, verify=with_cert).status_code == 200
+    assert httpx.get(url, verify=trusting(pki, client_cert=True)).status_code == 200
     with pytest.raises(httpx.TransportError):  # the server drops the handshake
-        httpx.get(url, verify=_trusting(pki))
-
-
-def _trusting(pki: dict[str, str]) -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=pki["ca.pem"])
+        httpx.get(url, verify=trusting(pki))
 
 
 @pytest.mark.parametrize(("api_key", "admin_key", "presented", "expected"), [

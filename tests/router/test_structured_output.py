@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from cluster.engine_backend import EngineBackend
-from engine import CacheConfig, LLMEngine
 from router.servers import Servers, start_servers
 from tests.conftest import assert_pool_free
 
@@ -36,9 +35,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_servers(loop_thread) -> Iterator[Servers]:
-    engine = LLMEngine("smollm2", cache=CacheConfig(num_blocks=256))
-    backend = EngineBackend(engine, "smollm2")
+def smollm2_servers(loop_thread, smollm2) -> Iterator[Servers]:
+    # The session's SmolLM2 engine, on an engine thread this module stops again (the offline
+    # tests drive the same engine from their own thread afterwards).
+    backend = EngineBackend(smollm2.engine, "smollm2")
     servers = loop_thread.run(start_servers(backend))
     yield servers
     loop_thread.run(servers.stop(grace=0.5))

@@ -1,0 +1,69 @@
+"""`pdcluster serve` flags reach the cluster, the front doors and their security as given
+(the options `serve` would run with, captured before anything starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cluster.serve
+from cluster.cli import main
+from cluster.config import TRANSPORTS
+from tests.pki import make_pki
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Replaces `cluster.serve.run`: the options are kept, nothing is started."""
+    seen: list[Any] = []
+
+    async def run(options: Any) -> None:
+        seen.append(options)
+
+    monkeypatch.setattr(cluster.serve, "run", run)
+    monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
+    monkeypatch.delenv("PDCLUSTER_ADMIN_KEY", raising=False)
+    return seen
+
+
+def test_colocated_mode_and_pool_flags(captured: list[Any]) -> None:
+    assert main(["serve", "--model", "tiny", "--mode", "colocated", "--decode", "3",
+                 "--transport", "zmq", "--internal-auth", "off", "--drain-timeout", "7",
+                 "--no-migration", "--local-prefill-threshold", "5", "--grpc-port", "0",
+                 "--http-port", "0"]) == 0
+    (options,) = captured
+    config = options.cluster
+    assert (config.model, config.mode, config.num_decode, config.num_workers) == \
+        ("tiny", "colocated", 3, 3)
+    assert config.transports == TRANSPORTS["zmq"] and config.internal_auth == "off"
+    assert (config.drain_timeout_s, options.drain_timeout_s) == (7.0, 7.0)
+    assert config.migrate is False and config.local_prefill_threshold == 5
+    assert (options.host, options.grpc_port, options.http_port) == ("127.0.0.1", 0, 0)
+
+
+def test_tls_and_key_flags_reach_both_front_doors(captured: list[Any], tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    assert main(["serve", "--model", "tiny", "--host", "0.0.0.0", "--api-key", "sk-u",
+                 "--admin-key", "sk-a", "--tls-cert", pki["server.pem"], "--tls-key",
+                 pki["server.key"], "--tls-client-ca", pki["ca.pem"]]) == 0
+    (options,) = captured
+    security = options.security
+    assert (security.api_key, security.admin_key) == ("sk-u", "sk-a")
+    assert (security.tls_cert, security.tls_key, security.tls_client_ca) == \
+        (pki["server.pem"], pki["server.key"], pki["ca.pem"])
+    assert security.tls and options.host == "0.0.0.0"  # a key: binding beyond loopback is fine
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--host", "0.0.0.0"], "binding '0.0.0.0' without --api-key"),
+    (["--tls-cert", "cert.pem"], "tls_cert and tls_key: give both or neither"),
+    (["--tls-cert", "missing.pem", "--tls-key", "missing.key"], "no such file"),
+    (["--tls-client-ca", "ca.pem"], "mutual TLS needs tls_cert and tls_key too"),
+])
+def test_refusals_start_nothing(captured: list[Any], capsys: pytest.CaptureFixture[str],
+                                flags: list[str], message: str) -> None:
+    assert main(["serve", "--model", "tiny", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert captured == []
