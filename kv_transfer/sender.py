@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgspec
 import zmq
 
 from engine.kv_cache import KVCache
@@ -171,8 +171,8 @@ class KVSender(Endpoint):
             payload: small msgpack-able value, for example the first sampled token.
         """
         try:
-            msgpack.packb(payload)
-        except (TypeError, ValueError) as exc:
+            msgspec.msgpack.encode(payload)
+        except (TypeError, msgspec.EncodeError) as exc:
             raise TypeError(f"payload must be msgpack-able: {exc}") from None
         self._call_soon(self._finish, request_id, payload)
 

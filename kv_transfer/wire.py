@@ -1,4 +1,6 @@
-"""Control messages: msgpack dicts with an "op" field, never pickle.
+"""Control messages: msgpack maps with an "op" field, never pickle (msgspec's codec, the one
+the router's protocol uses; map keys may be any msgpack key, such as the token ids of a
+first token's logprobs).
 
 Sender -> receiver: hello, begin, layer (+ tensor frames on zmq), finish, abort, ping, bye.
 Receiver -> sender: welcome, begin_ok, done, fail, ping, bye.
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
+import msgspec
 
 
 class ProtocolError(ValueError):
@@ -17,7 +19,7 @@ class ProtocolError(ValueError):
 
 def pack(msg: dict[str, Any]) -> bytes:
     """Encode one control message."""
-    return msgpack.packb(msg)
+    return msgspec.msgpack.encode(msg)
 
 
 def unpack(data: bytes) -> dict[str, Any]:
@@ -27,8 +29,8 @@ def unpack(data: bytes) -> dict[str, Any]:
         ProtocolError: not a msgpack map with an "op" field.
     """
     try:
-        msg = msgpack.unpackb(data)
-    except (ValueError, TypeError) as exc:
+        msg = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable control message: {exc}") from exc
     if not isinstance(msg, dict) or "op" not in msg:
         raise ProtocolError(f"control message without op: {msg!r}"[:200])

@@ -204,12 +204,10 @@ def test_send_layer_returns_while_the_transport_is_busy() -> None:
     assert torch.equal(rx_kv.buffer[:, [1, 2]], tx_kv.buffer[:, [5, 6]])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: KVSender.finish accepts any msgpack-able payload, but kv_transfer/wire.py "
-    "unpacks with msgpack's strict_map_key, so a map with integer keys (the prefill worker's "
-    "first-token logprobs, {token id: logprob}) makes the receiver drop the finish message: "
-    "every remotely prefilled request asking for logprobs times out"))
 def test_a_payload_the_sender_accepts_reaches_the_receiver() -> None:
+    """A map with integer keys (the prefill worker's first-token logprobs, {token id:
+    logprob}) reaches the receiver intact: before, the receiver's codec refused such keys
+    and every remotely prefilled request asking for logprobs timed out."""
     rx_kv, tx_kv = make_kv(RECEIVER_BLOCKS), make_kv(SENDER_BLOCKS, seed=SEED)
     payload = {"first_token": 5, "logprobs": {7: -0.25, 9: -1.5}, "prefill_s": 0.01}
     with NotingReceiver(rx_kv, compat_of(rx_kv), config("zmq")) as rx, \
