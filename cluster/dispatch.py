@@ -213,7 +213,6 @@ class Dispatcher:
                 self._start_prefill(state, placement.prefill_worker, decode, reply, params)
                 return
             decode.discard(request.request_id)
-            self._prefix.discard(prompt, placement)
             if reply is None:  # the decode worker died before answering: place again
                 continue
             if time.monotonic() > deadline:

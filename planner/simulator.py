@@ -49,7 +49,7 @@ from protocol.defaults import (
     STATS_INTERVAL_S,
 )
 from protocol.serving import TraceRequest
-from router.placement import Placement, PrefixIndex, WorkerLoad, place_request
+from router.placement import PrefixIndex, WorkerLoad, place_request
 
 _TOKEN = 1  # every simulated output token
 
@@ -318,13 +318,11 @@ class Simulation:
             self._command(decode, lambda: decode.scheduler.add_request(request))
             return
         prefill = self._by_id[placement.prefill_worker]
-        self._command(decode, lambda: self._reserve(index, request, decode, prefill, placement))
+        self._command(decode, lambda: self._reserve(index, request, decode, prefill))
 
-    def _reserve(self, index: int, request: Request, decode: _Worker, prefill: _Worker,
-                 placement: Placement) -> None:
+    def _reserve(self, index: int, request: Request, decode: _Worker, prefill: _Worker) -> None:
         if not decode.scheduler.reserve_remote(request):
             decode.in_flight -= 1
-            self._prefix.discard(request.prompt_token_ids, placement)  # as the router does
             if self.now - request.arrival_time > RESERVE_TIMEOUT_S:
                 self._remaining -= 1  # failed: no KV freed up in time (TTFT stays NaN)
                 self._num_failed += 1

@@ -70,8 +70,8 @@ class PrefixIndex:
             self._owner.popitem(last=False)
 
     def discard(self, prompt_token_ids: list[int], placement: Placement) -> None:
-        """Undo what placing this prompt recorded: its decode worker could not take it (a
-        rejected reservation), so neither worker will hold its blocks. A retry must not
+        """Undo what placing this prompt recorded: its KV transfer failed and the decode
+        worker released the blocks, so neither worker holds them. The retry must not
         believe the decode worker caches the prompt and prefill it there."""
         for h in self.hashes(prompt_token_ids):
             owners = self._owner.get(h, {})

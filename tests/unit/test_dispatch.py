@@ -27,6 +27,7 @@ from protocol import (
     Step,
     TokenRecord,
 )
+from protocol.defaults import RESERVE_RETRY_S
 from router.backend import GenerateRequest, TokenDelta
 
 BLOCK_BYTES = 4096
@@ -65,11 +66,12 @@ class FakePool:
 class Harness:
     """A dispatcher over a fake pool, and a client reading one stream per request."""
 
-    def __init__(self, migrate: bool = True, reserve_timeout_s: float = 5.0) -> None:
+    def __init__(self, migrate: bool = True, reserve_timeout_s: float = 5.0,
+                 local_prefill_threshold: int = 8) -> None:
         self.pool = FakePool()
         self.metrics = ClusterMetrics()
         self.dispatcher = Dispatcher(
-            self.pool, DispatchConfig(local_prefill_threshold=8,
+            self.pool, DispatchConfig(local_prefill_threshold=local_prefill_threshold,
                                       reserve_timeout_s=reserve_timeout_s, migrate=migrate,
                                       block_size=4), self.metrics)
         self.received: dict[str, list[TokenDelta]] = {}
@@ -177,43 +179,53 @@ def test_a_short_prompt_is_prefilled_where_it_decodes() -> None:
     assert h.tokens("r") == [5] and not h.pool.to("prefill-0") and idle(h)
 
 
-def test_a_rejected_reservation_is_asked_again_until_blocks_free_up() -> None:
+def test_a_rejected_reservation_is_placed_again_after_the_retry_interval() -> None:
+    """The only decode worker has no blocks for the prompt now. The request is placed
+    again after `RESERVE_RETRY_S`: that worker is still preferred (the prefix index holds
+    the prompt's blocks there), so the prompt is prefilled on it, where it waits in the
+    engine's queue for blocks, rather than reserved again."""
     async def scenario(h: Harness) -> None:
         h.pool.add("decode-0", Role.DECODE)
         h.pool.add("prefill-0", Role.PREFILL)
         h.start("r", LONG, max_tokens=1)
-        for attempt in (1, 2):
-            await until(lambda n=attempt: len(h.pool.to("decode-0")) == n)
-            h.reply("decode-0", Rejected(worker_id="decode-0", request_id="r@1",
-                                         reason="KV full"))
-        await until(lambda: len(h.pool.to("decode-0")) == 3)
-        h.reply("decode-0", Reserved(worker_id="decode-0", request_id="r@1",
-                                     dst_block_ids=[1], num_cached_tokens=0))
-        await until(lambda: h.pool.to("prefill-0"))
-        h.step("decode-0", TokenRecord(request_id="r@1", token_ids=[4], finish_reason="length",
-                                       timings={"prefill": 0.1, "transfer": 0.0}))
+        await until(lambda: h.pool.to("decode-0"))
+        asked = time.monotonic()
+        h.reply("decode-0", Rejected(worker_id="decode-0", request_id="r@1",
+                                     reason="KV full"))
+        await until(lambda: len(h.pool.to("decode-0")) == 2)
+        assert time.monotonic() - asked >= RESERVE_RETRY_S
+        h.step("decode-0", TokenRecord(request_id="r@1", token_ids=[4], finish_reason="length"))
 
     h = run(scenario)
-    # The same attempt is asked three times: no new attempt, no migration.
-    assert [c.request_id for c in h.pool.to("decode-0", Generate)] == ["r@1"] * 3
+    first, second = h.pool.to("decode-0", Generate)
+    assert (first.request_id, first.remote_prefill) == ("r@1", True)
+    assert (second.request_id, second.remote_prefill) == ("r@1", False)  # same attempt
+    assert not h.pool.to("prefill-0") and not h.pool.to("decode-0", Abort)
     assert h.tokens("r") == [4] and h.count("migrations") == 0 and idle(h)
 
 
 def test_a_reservation_that_never_comes_fails_the_request_at_the_reserve_timeout() -> None:
+    """Every uncached token goes to a prefill worker (threshold 0) and the decode worker
+    rejects every reservation: the request is asked again every `RESERVE_RETRY_S` until
+    the reserve timeout, then ends in error with the worker's reason."""
     async def scenario(h: Harness) -> None:
         h.pool.add("decode-0", Role.DECODE)
         h.pool.add("prefill-0", Role.PREFILL)
-        h.start("r", LONG)
+        h.start("r", [*LONG, 7])  # 41 tokens: one past the last full block, never cached
         rejected = 0
-        while not h.streams["r"].done():  # every ask is rejected
+        while not h.streams["r"].done():
             if len(h.pool.to("decode-0", Generate)) > rejected:
                 rejected += 1
                 h.reply("decode-0", Rejected(worker_id="decode-0", request_id="r@1",
                                              reason="KV full"))
             await asyncio.sleep(0.005)
-        assert rejected >= 2
 
-    h = run(scenario, reserve_timeout_s=0.2)
+    h = run(scenario, reserve_timeout_s=1.0, local_prefill_threshold=0)
+    asks = h.pool.to("decode-0", Generate)
+    assert all(c.request_id == "r@1" and c.remote_prefill for c in asks)
+    # Asked at least RESERVE_RETRY_S apart, and once more after each check before the
+    # deadline: at most timeout / interval + 2 asks.
+    assert 2 <= len(asks) <= round(1.0 / RESERVE_RETRY_S) + 2
     last = h.finish("r")
     assert last.finish_reason == "error"
     assert last.error == "no decode KV blocks freed up in time: KV full"
