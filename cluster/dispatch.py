@@ -106,8 +106,9 @@ class RequestState:
     def movable_from(self, worker_id: str) -> bool:
         """Decoding on `worker_id` (a token streamed: no reservation can be pending, a
         placement after the first token prefills locally) with enough left, and not a
-        seeded sample: a move restarts its random stream, so its tokens would differ from
-        an undisturbed run's."""
+        seeded sample: a move recomputes its context, whose logits can differ from the
+        incremental ones in the last bits, enough to flip a draw that falls near a
+        boundary; an undisturbed seeded run must stay reproducible."""
         params = self.request.params
         return (self.decode == worker_id and bool(self.generated) and not self.finished
                 and self.tokens_left >= MIN_TOKENS_LEFT_TO_MOVE

@@ -17,6 +17,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
+from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import GrammarCompiler
@@ -166,6 +167,7 @@ class LLMEngine:
                                  f"reach max_tokens {params.max_tokens}")
         request = self._new_request(request_id, prompt_token_ids, params)
         request.output_token_ids = list(output_token_ids)
+        skip_draws(request, self.model_config.vocab_size, len(output_token_ids))
         self.scheduler.add_request(request)
         return request
 
@@ -254,6 +256,7 @@ class LLMEngine:
             KeyError: no reservation for `request_id`.
         """
         request = self.scheduler.complete_remote(request_id, first_token_id)
+        skip_draws(request, self.model_config.vocab_size, 1)  # drawn on the prefill worker
         return self._output(request, [first_token_id], None)
 
     # ---- prefill role: KV kept until shipped -----------------------------------------

@@ -57,6 +57,22 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingState]) -> SampleRes
     return SampleResult(tokens, logprobs)
 
 
+def skip_draws(request: SamplingState, vocab_size: int, num_tokens: int) -> None:
+    """Advance a seeded sample's generator past `num_tokens` tokens drawn elsewhere (the
+    first token on a prefill worker, the tokens a migrated request already streamed), so
+    its next token takes the draw it would have taken had one engine sampled them all.
+
+    A draw (`torch.multinomial` of one sample from `[vocab_size]` probabilities) consumes
+    the generator by the row's size, not its values, so drawing from uniform
+    probabilities of the same size advances it exactly as much.
+    """
+    if request.generator is None or request.params.greedy or num_tokens <= 0:
+        return
+    uniform = torch.ones(vocab_size)
+    for _ in range(num_tokens):
+        torch.multinomial(uniform, 1, generator=request.generator)
+
+
 def _processed(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
     """`logits` with every request's bias, penalties and grammar mask applied (a copy when
     any row changes)."""

@@ -172,11 +172,6 @@ def test_n_choices_with_a_seed_differ(served, pki) -> None:
     assert first != second  # seeds 7 and 8
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: a remote prefill samples the first token with the request's seeded "
-    "generator, but the decode worker's generator (engine/request.py, "
-    "engine/llm_engine.py complete_remote) is not advanced past that draw, so a seeded "
-    "sample differs between remote and local prefill (and the prefix cache picks which)"))
 def test_n_choices_with_a_seed_are_the_engines_draws_and_reproducible(served, pki) -> None:
     """Choice j draws with seed + j: exactly the offline engine's sample with that seed,
     whichever worker samples which token, on the first run (the prompt prefilled remotely)

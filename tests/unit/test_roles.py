@@ -180,11 +180,9 @@ def test_an_engine_changes_role_only_when_empty_and_keeps_its_prefix_cache():
     assert_pool_free(engine)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: the decode side's seeded generator (engine/request.py) starts fresh after "
-    "complete_remote (engine/llm_engine.py), not past the draw the prefill side spent on the "
-    "first token, so every later token takes its predecessor's draw"))
 def test_a_seeded_sample_split_over_two_roles_draws_as_on_one():
+    """The decode side's generator continues past the draw the prefill side spent on the
+    first token (`engine.sampler.skip_draws`): the same tokens as one mixed engine."""
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     prompts = {"a": list(range(600, 611)), "b": list(range(700, 730))}
     mixed = _engine("mixed", 64)
@@ -195,3 +193,18 @@ def test_a_seeded_sample_split_over_two_roles_draws_as_on_one():
     first = _prefill_then_hand_over(prefill, decode, prompts, params)
     tokens = _run_until_idle(decode)
     assert {rid: [first[rid], *tokens[rid]] for rid in prompts} == expected
+
+
+def test_a_migrated_seeded_sample_continues_its_draws():
+    """A seeded sample resumed elsewhere with the tokens it already streamed continues its
+    random stream past their draws (`engine.sampler.skip_draws`): the same continuation as
+    the undisturbed run on this model."""
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    prompt = list(range(800, 815))
+    first = _engine("mixed", 64)
+    first.add_request("r", prompt, params)
+    expected = _run_until_idle(first)["r"]
+    second = _engine("mixed", 64)
+    second.add_request("r", prompt, params, output_token_ids=expected[:5])
+    assert _run_until_idle(second)["r"] == expected[5:]
+    assert_pool_free(second)
