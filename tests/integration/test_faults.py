@@ -131,8 +131,13 @@ def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
     """Six streams on one decode worker (four greedy, one with penalties, one with a JSON
     schema) each have tokens when it is stopped and killed: each is placed again exactly
     once (the counter), and every stream ends with the engine's tokens, the penalty counts
-    and the grammar's state carried over with the tokens already streamed."""
-    prompts = random_prompts(6, seed=11, low=40, high=120)
+    and the grammar's state carried over with the tokens already streamed.
+
+    The six must decode in step, or a fast one could finish before a slow one has its
+    tokens: the worker is stopped while they are placed (short prompts, prefilled where
+    they decode, so placing needs no answer from it), so its first step after SIGCONT
+    takes all six and every later step gives each one token."""
+    prompts = random_prompts(6, seed=11, low=4, high=8)
     params = [LONG] * 4 + [PENALIZED, STRUCTURED]
     expected = _expected_each(reference, prompts, params)
     # The penalties change the answer (there is something to carry over).
@@ -143,7 +148,13 @@ def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
     async def go():
         victim = _handles(cluster, Role.DECODE)[0]
         with _placing_only_on(cluster, victim):
+            os.kill(victim.info["pid"], signal.SIGSTOP)
             clients, tasks = _start(cluster, prompts, params, k=3, prefix="dk")
+
+            async def all_placed():
+                return len(victim.in_flight) == len(clients)
+            await _until(all_placed, "all six placed on the stopped worker")
+            os.kill(victim.info["pid"], signal.SIGCONT)
             await asyncio.gather(*(c.ready.wait() for c in clients))
         os.kill(victim.info["pid"], signal.SIGSTOP)  # nothing finishes after this count
         held = {rid: len(cluster.dispatcher.requests[rid].generated)

@@ -124,9 +124,11 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
             outcomes = [rogue.handshake() for rogue in rogues]
             results = [f.result(300) for f in futures]
         expected = expected_tokens(reference, prompts, LONG)
-        # What went to the stopped worker was queued: no handshake with it could end before.
-        assert all(ok for i, ok in enumerate(queued) if i % len(forged)), queued
         if internal_auth == "curve":
+            # Every rogue was refused. Whether its forgery was queued does not matter: a send
+            # can find no peer to queue for once the handshake has failed (libzmq drops the
+            # pipe; seen once in CI even towards the stopped worker), and either way the
+            # streams below show that nothing got through.
             assert all(outcome in FAILED for outcome in outcomes), outcomes
             assert [tokens for tokens, _ in results] == expected
             assert [last.finish_reason for _, last in results] == ["length", "length"]
