@@ -126,6 +126,18 @@ def idle(h: Harness) -> bool:
     return all(not w.in_flight for w in h.pool.workers.values())
 
 
+async def _prefilling_remotely(h: Harness, request_id: str) -> None:
+    """decode-0 and prefill-0; `request_id` (a long prompt) reserved on the one and sent to
+    the other."""
+    h.pool.add("decode-0", Role.DECODE)
+    h.pool.add("prefill-0", Role.PREFILL)
+    h.start(request_id, LONG)
+    await until(lambda: h.pool.to("decode-0"))
+    h.reply("decode-0", Reserved(worker_id="decode-0", request_id=f"{request_id}@1",
+                                 dst_block_ids=[1], num_cached_tokens=0))
+    await until(lambda: h.pool.to("prefill-0"))
+
+
 def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     async def scenario(h: Harness) -> None:
         h.pool.add("decode-0", Role.DECODE)
@@ -286,13 +298,7 @@ def test_a_failed_transfer_is_retried_once_on_another_prefill_worker() -> None:
 
 def test_a_second_failed_transfer_ends_the_request_with_its_error() -> None:
     async def scenario(h: Harness) -> None:
-        h.pool.add("decode-0", Role.DECODE)
-        h.pool.add("prefill-0", Role.PREFILL)
-        h.start("r", LONG)
-        await until(lambda: h.pool.to("decode-0"))
-        h.reply("decode-0", Reserved(worker_id="decode-0", request_id="r@1",
-                                     dst_block_ids=[1], num_cached_tokens=0))
-        await until(lambda: h.pool.to("prefill-0"))
+        await _prefilling_remotely(h, "r")
         h.step("decode-0", TokenRecord(request_id="r@1", finish_reason="error",
                                        error="checksum mismatch", transfer_failed=True))
         # No other prefill worker: the retry prefills on the decode worker itself.
@@ -400,13 +406,7 @@ def test_a_reservation_nobody_waits_for_is_released() -> None:
 def test_an_abort_reaches_both_workers_and_a_client_that_leaves_releases_its_request(
         ) -> None:
     async def scenario(h: Harness) -> None:
-        h.pool.add("decode-0", Role.DECODE)
-        h.pool.add("prefill-0", Role.PREFILL)
-        h.start("r", LONG)
-        await until(lambda: h.pool.to("decode-0"))
-        h.reply("decode-0", Reserved(worker_id="decode-0", request_id="r@1",
-                                     dst_block_ids=[1], num_cached_tokens=0))
-        await until(lambda: h.pool.to("prefill-0"))
+        await _prefilling_remotely(h, "r")
         assert h.dispatcher.abort("r") and not h.dispatcher.abort("unknown")
         await until(lambda: h.pool.to("prefill-0", Abort) and h.pool.to("decode-0", Abort))
         h.step("decode-0", TokenRecord(request_id="r@1", finish_reason="abort"))
