@@ -38,6 +38,13 @@ test-fast: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/experiments \
 		-m "not slow and not cluster and not e2e and not server and not subprocess"
 
+# Ray nodes on one machine in network, mount and pid namespaces of their own, joined by a
+# bridge (tests/multinode/netns.py): the PD path, CURVE, scaling, a cut link and a lost node
+# across hosts. Needs root; `make test` runs it too.
+.PHONY: test-multinode
+test-multinode: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m multinode tests/multinode
+
 # `pip install .` without extras in a clean venv: the CLI, the Docker entrypoint's command
 # line serving the tiny model over gRPC and HTTP, bench's missing-extra message.
 check-install:

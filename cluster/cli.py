@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
         num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
         local_prefill_threshold=args.local_prefill_threshold, worker=worker,
         drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
-        internal_auth=args.internal_auth)
+        internal_auth=args.internal_auth, prefill_resource=args.prefill_resource,
+        decode_resource=args.decode_resource)
     security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
                               tls_client_ca=args.tls_client_ca)
@@ -132,12 +133,12 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2, default=str))
         return 0
     table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
-    for column in ("worker", "role", "state", "node", "pid", "running", "waiting", "KV used",
-                   "prefix hits", "busy"):
+    for column in ("worker", "role", "state", "node", "host", "pid", "running", "waiting",
+                   "KV used", "prefix hits", "busy"):
         table.add_column(column)
     for w in workers(status):
         busy = w.busy_seconds / max(w.uptime_s, 1e-9)
-        table.add_row(w.worker_id, w.role, w.state, w.node[:12], str(w.pid),
+        table.add_row(w.worker_id, w.role, w.state, w.node[:12], w.host, str(w.pid),
                       str(w.num_running), str(w.num_waiting), f"{w.kv_usage:.0%}",
                       f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
     Console().print(table)
@@ -172,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-host", default=None,
                        help="address workers and the router bind for ZMQ and KV; 'auto' "
                             "(each node's IP) with --address, else 127.0.0.1")
+    serve.add_argument("--prefill-resource", default=None, metavar="NAME",
+                       help="Ray custom resource each prefill worker asks a sliver of, so the "
+                            "pool runs only on nodes started with ray start --resources "
+                            "'{\"NAME\": N}' (default: pd_prefill where a node offers it)")
+    serve.add_argument("--decode-resource", default=None, metavar="NAME",
+                       help="the same for decode (and colocated) workers (default: pd_decode "
+                            "where offered)")
     serve.add_argument("--internal-auth", choices=["auto", "curve", "off"], default="auto",
                        help="internal ZMQ sockets (router <-> workers, KV transfer): 'curve' "
                             "encrypts them and admits only holders of the cluster's key; "

@@ -36,6 +36,11 @@ class ClusterConfig:
         drain_timeout_s: how long a drained worker's requests may take to finish before
             they are moved to other workers.
         migrate: place a dead or drained worker's requests again (else they end in error).
+        prefill_resource: a Ray custom resource every prefill worker asks a sliver of, so
+            the pool lands only on nodes started with it (`ray start --resources`); None:
+            `pd_prefill` where some node offers it, else anywhere.
+        decode_resource: the same for decode (and colocated) workers; None: `pd_decode`
+            where offered.
         internal_auth: security of the internal ZMQ sockets (router <-> workers, KV
             transfer): `curve` encrypts them and admits only holders of the cluster's key,
             `off` is plain TCP, `auto` is `curve` unless the internal host is loopback on a
@@ -60,6 +65,8 @@ class ClusterConfig:
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     migrate: bool = True
     internal_auth: str = "auto"
+    prefill_resource: str | None = None
+    decode_resource: str | None = None
     worker: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +83,12 @@ class ClusterConfig:
         if self.internal_auth not in INTERNAL_AUTH:
             raise ValueError(f"internal_auth must be one of {INTERNAL_AUTH}, "
                              f"got {self.internal_auth!r}")
+
+    def pool_resource(self, decodes: bool) -> tuple[str, bool]:
+        """The custom resource a worker of that pool asks for, and whether it was named
+        (required) rather than the default label (used only where offered)."""
+        named = self.decode_resource if decodes else self.prefill_resource
+        return (named, True) if named else (f"pd_{'decode' if decodes else 'prefill'}", False)
 
     @property
     def num_workers(self) -> int:

@@ -67,6 +67,8 @@ class WorkerHandle:
             **{f: getattr(stats, f) for f in WorkerStats.__struct_fields__},
             worker_id=self.worker_id, role=str(self.role), state=self.shown_state(now),
             node=self.info.get("node_id", ""), host=self.info.get("host", ""),
+            endpoint=self.info.get("endpoint", ""),
+            kv_endpoint=(self.info.get("peer_info") or {}).get("endpoint", ""),
             pid=self.info.get("pid", 0), stats_age_s=now - self.stats_at,
             in_flight=len(self.in_flight))
 

@@ -72,7 +72,7 @@ class ClusterMetrics:
     Attributes:
         registry: where they live.
         transfer_seconds: end of prefill to KV landed on the decode worker, per transfer.
-        transfer_bytes: KV bytes shipped from prefill to decode workers.
+        transfer_bytes: KV bytes shipped from prefill to decode workers, by transport.
         migrations: requests placed again because their worker died or was drained.
         transfer_retries: failed KV transfers retried on another prefill worker or locally.
         spread_moves: running requests moved onto a worker that joined the decode pool.
@@ -84,8 +84,8 @@ class ClusterMetrics:
             "pdcluster:kv_transfer_seconds", "End of prefill to KV landed on the decode worker.",
             buckets=_TRANSFER_BUCKETS, registry=self.registry)
         self.transfer_bytes = Counter("pdcluster:kv_transfer_bytes",
-                                      "KV bytes shipped from prefill to decode workers.",
-                                      registry=self.registry)
+                                      "KV bytes shipped from prefill to decode workers, by "
+                                      "transport.", ["transport"], registry=self.registry)
         self.migrations = Counter(
             "pdcluster:migrations",
             "Requests placed again because their worker died or was drained.",
@@ -100,8 +100,9 @@ class ClusterMetrics:
             "pool's load.", registry=self.registry)
 
     def value(self, name: str) -> float:
-        """A counter's total (`migrations`, `transfer_retries`, `spread_moves`, ...)."""
-        return self.registry.get_sample_value(f"pdcluster:{name}_total") or 0.0
+        """A counter's total over its labels (`migrations`, `kv_transfer_bytes`, ...)."""
+        return sum(sample.value for metric in self.registry.collect()
+                   for sample in metric.samples if sample.name == f"pdcluster:{name}_total")
 
 
 class WorkerCollector(Collector):

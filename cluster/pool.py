@@ -150,8 +150,12 @@ class WorkerPool:
     async def add(self, role: Role) -> WorkerHandle:
         """Start one worker of `role` and return once it has loaded its model.
 
-        With `pd_prefill` / `pd_decode` custom resources in the Ray cluster, the worker
-        asks for a sliver of its pool's, so it lands on a node labelled for that pool.
+        The worker asks for a sliver of its pool's custom resource (`--prefill-resource`,
+        `--decode-resource`; by default `pd_prefill` / `pd_decode` where a node offers
+        them), so it lands only on a node labelled for that pool.
+
+        Raises:
+            RuntimeError: a named pool resource that no node of the Ray cluster offers.
         """
         worker_id = f"{role}-{next(self._ids)}"
         spec = WorkerSpec(worker_id=worker_id, role=role, model=self.config.model,
@@ -161,9 +165,15 @@ class WorkerPool:
         bundle = {"CPU": self.config.num_cpus_per_worker}
         if self.config.num_gpus_per_worker:
             bundle["GPU"] = self.config.num_gpus_per_worker
-        pool_resource = f"pd_{'decode' if role.decodes else role}"
+        pool_resource, required = self.config.pool_resource(role.decodes)
         if pool_resource in ray.cluster_resources():
             bundle[pool_resource] = 0.01
+        elif required:
+            pool = "decode" if role.decodes else "prefill"
+            raise RuntimeError(
+                f"--{pool}-resource {pool_resource!r}: no node of the Ray cluster offers it; "
+                f"start the {pool} nodes with ray start --resources "
+                f"'{{\"{pool_resource}\": 8}}'")
         self._starting += 1
         try:
             return await self._start_actor(worker_id, role, spec, bundle)
@@ -176,7 +186,7 @@ class WorkerPool:
         await pg.ready()
         actor = WorkerActor.options(
             num_cpus=self.config.num_cpus_per_worker, num_gpus=self.config.num_gpus_per_worker,
-            resources={k: v for k, v in bundle.items() if k.startswith("pd_")},
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg),
             max_concurrency=8, name=f"pdcluster-{worker_id}-{time.time_ns()}",
         ).remote(spec)

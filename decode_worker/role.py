@@ -17,14 +17,15 @@ from protocol.worker_role import WorkerRole
 
 
 def token_record(out: EngineOutput, error: str | None = None, transfer_failed: bool = False,
-                 timings: dict[str, float] | None = None) -> TokenRecord:
+                 timings: dict[str, float] | None = None,
+                 transport: str | None = None) -> TokenRecord:
     """One request's part of a `Step`."""
     if error is None and out.finish_reason == "error":
         error = "the decode worker's engine step failed"
     return TokenRecord(request_id=out.request_id, token_ids=list(out.new_token_ids),
                        finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
                        logprobs=out.new_logprobs or None, error=error,
-                       transfer_failed=transfer_failed, timings=timings)
+                       transfer_failed=transfer_failed, timings=timings, transport=transport)
 
 
 class DecodeRole(WorkerRole):
@@ -88,7 +89,7 @@ class DecodeRole(WorkerRole):
                 out = engine.abort_request(rid, "abort")
                 records.extend([token_record(out)] if out else [])
             elif isinstance(event, TransferDone):
-                records.append(self._landed(engine, rid, event.payload, reserved))
+                records.append(self._landed(engine, rid, event, reserved))
             else:
                 out = engine.abort_request(rid, "error")
                 if out is not None:
@@ -96,20 +97,22 @@ class DecodeRole(WorkerRole):
                                                 transfer_failed=True))
         return [self._step(records)] if records else []
 
-    def _landed(self, engine: LLMEngine, rid: str, payload: dict[str, Any],
+    def _landed(self, engine: LLMEngine, rid: str, event: TransferDone,
                 reserved: float) -> TokenRecord:
         """The request joins the batch; its first record carries the prefill's timings.
 
         Timings travel with the token, so they can never arrive after the stream ended.
         `transfer` is the time the reserved blocks waited beyond the prefill itself.
         """
+        payload: dict[str, Any] = event.payload
         out = engine.complete_remote(rid, payload["first_token"])
         if payload.get("logprobs"):
             out.new_logprobs = [payload["logprobs"]]
         prefill_s = float(payload.get("prefill_s", 0.0))
         waited = time.monotonic() - reserved
         return token_record(out, timings={"prefill": prefill_s,
-                                          "transfer": max(waited - prefill_s, 0.0)})
+                                          "transfer": max(waited - prefill_s, 0.0)},
+                            transport=event.transport)
 
     def abort(self, engine: LLMEngine, request_id: str) -> list[Reply]:
         """End a request; blocks still being written are freed once the transfer stops."""

@@ -14,10 +14,13 @@ class TransferDone:
         request_id: the request.
         payload: on the receiver, what the sender passed to `finish` (for example the first
             sampled token); None on the sender.
+        transport: on the receiver, the transport the bytes came over (`shm`, `zmq`,
+            `torch_dist`).
     """
 
     request_id: str
     payload: Any = None
+    transport: str = ""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class _Sender:
     ident: bytes
     channel: RecvChannel
+    transport: str
     last_seen: float
     last_ping: float = 0.0
     alive: bool = True
@@ -206,7 +207,7 @@ class KVReceiver(Endpoint):
         channel = open_recv_channel(transport, self._store_addr, self.kv, self.config,
                                     f"{self._id}/{ident.hex()}", self._call_soon)
         now = time.monotonic()
-        self._senders[ident] = _Sender(ident, channel, last_seen=now, last_ping=now)
+        self._senders[ident] = _Sender(ident, channel, transport, last_seen=now, last_ping=now)
         self._reply(ident, {"op": "welcome", "ok": True})
 
     def _on_begin(self, sender: _Sender, msg: dict[str, Any]) -> None:
@@ -291,7 +292,7 @@ class KVReceiver(Endpoint):
             if error is not None:
                 self._fail(req, error)
                 return
-            self._end(req, TransferDone(req.request_id, req.payload))
+            self._end(req, TransferDone(req.request_id, req.payload, req.sender.transport))
             self._reply(req.sender.ident, {"op": "done", "rid": req.request_id})
 
     def _check_complete(self, req: _Incoming) -> str | None:

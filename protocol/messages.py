@@ -109,6 +109,7 @@ class TokenRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
         transfer_failed: the error is a failed KV transfer (the router may retry).
         timings: seconds, on the record that brings a remote prefill's first token:
             `prefill` (on the prefill worker) and `transfer` (KV wait beyond it).
+        transport: on that record, the KV transport the blocks came over.
     """
 
     request_id: str
@@ -119,6 +120,7 @@ class TokenRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
     transfer_failed: bool = False
     timings: dict[str, float] | None = None
+    transport: str | None = None
 
 
 class Reserved(_Message, tag="reserved"):

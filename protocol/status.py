@@ -102,6 +102,8 @@ class WorkerStatus(WorkerStats, kw_only=True):
             `dead`.
         node: its Ray node id.
         host: the address it binds.
+        endpoint: its command socket (the router pushes to it), `tcp://host:port`.
+        kv_endpoint: its KV receiver's control socket (decode and mixed workers).
         pid: its process id.
         stats_age_s: seconds since its stats last arrived.
         in_flight: requests the router has placed on it and not seen end.
@@ -112,6 +114,8 @@ class WorkerStatus(WorkerStats, kw_only=True):
     state: str = "ready"
     node: str = ""
     host: str = ""
+    endpoint: str = ""
+    kv_endpoint: str = ""
     pid: int = 0
     stats_age_s: float = 0.0
     in_flight: int = 0

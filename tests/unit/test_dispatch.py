@@ -161,7 +161,8 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
         # The first token arrives on the decode side with the transfer's timings: the
         # prefill worker is done with it.
         h.step("decode-0", TokenRecord(request_id="r@1", token_ids=[7], num_cached_tokens=28,
-                                       timings={"prefill": 0.2, "transfer": 0.01}))
+                                       timings={"prefill": 0.2, "transfer": 0.01},
+                                       transport="zmq"))
         await until(lambda: h.tokens("r") == [7])
         assert not h.pool.workers["prefill-0"].in_flight
         h.step("decode-0", TokenRecord(request_id="r@1", token_ids=[8, 9],
@@ -171,7 +172,8 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     assert h.tokens("r") == [7, 8, 9]
     last = h.finish("r")
     assert last.finish_reason == "length" and last.timings == {"prefill": 0.2, "transfer": 0.01}
-    assert h.count("kv_transfer_bytes") == 3 * BLOCK_BYTES
+    assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_bytes_total",
+                                               {"transport": "zmq"}) == 3 * BLOCK_BYTES
     assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_seconds_count") == 1
     assert idle(h) and not h.dispatcher.requests
     # A finished request is not aborted.
