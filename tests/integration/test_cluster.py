@@ -291,7 +291,8 @@ def test_worker_metrics_are_exported(disagg, loop_thread):
              if s.name.endswith("_count")]
     assert count[0].value >= 4
     # One host: every transfer went over shared memory.
-    shipped = {s.labels["transport"]: s.value for s in families["pdcluster:kv_transfer_bytes"].samples
+    shipped = {s.labels["transport"]: s.value
+               for s in families["pdcluster:kv_transfer_bytes"].samples
                if s.name.endswith("_total")}
     assert set(shipped) == {"shm"} and shipped["shm"] > 0
 

@@ -55,7 +55,8 @@ def test_keyed_peers_transfer_and_rogues_are_never_heard(transport: str) -> None
 
     assert sorted(map(str, sender_events)) == sorted(str(TransferDone(r)) for r, _, _ in plan)
     assert sorted(map(str, events)) == sorted(
-        str(TransferDone(rid, {"first_token": i})) for i, (rid, _, _) in enumerate(plan))
+        str(TransferDone(rid, {"first_token": i}, transport))
+        for i, (rid, _, _) in enumerate(plan))
     sent, got = src.buffer.view(torch.int16), kv.buffer.view(torch.int16)
     for _, s, d in plan:
         assert torch.equal(got[:, d], sent[:, s])

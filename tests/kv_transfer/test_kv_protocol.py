@@ -91,7 +91,7 @@ def test_fully_cached_prompt_still_delivers_the_payload(pair) -> None:
     rx.expect("r1", [])
     tx.begin("r1", peer, [], [])
     send_all(tx, "r1")
-    assert collect(rx, 1) == [TransferDone("r1", [1, 2])]
+    assert collect(rx, 1) == [TransferDone("r1", [1, 2], *rx.config.transports)]
     assert collect(tx, 1) == [TransferDone("r1")]
     assert not rx.kv.buffer.any()
 
@@ -200,7 +200,7 @@ def test_send_layer_returns_while_the_transport_is_busy() -> None:
             assert rx.poll() == [] and tx.poll() == []
         finally:
             tx.gate.set()
-        assert collect(rx, 1) == [TransferDone("r1", [1, 2])]
+        assert collect(rx, 1) == [TransferDone("r1", [1, 2], *rx.config.transports)]
     assert torch.equal(rx_kv.buffer[:, [1, 2]], tx_kv.buffer[:, [5, 6]])
 
 

@@ -38,7 +38,8 @@ def test_received_kv_is_bit_identical(transport: str) -> None:
     assert sorted(sender_events, key=str) == sorted(
         (TransferDone(rid) for rid, _, _ in plan), key=str)
     assert sorted(events, key=str) == sorted(
-        (TransferDone(rid, {"first_token": i}) for i, (rid, _, _) in enumerate(plan)), key=str)
+        (TransferDone(rid, {"first_token": i}, transport) for i, (rid, _, _) in enumerate(plan)),
+        key=str)
     sent = make_kv(SENDER_BLOCKS, seed=SEED).buffer.view(torch.int16)  # [L, N, 2, bs, H, D]
     got = kv.buffer.view(torch.int16)
     for _, src, dst in plan:
