@@ -62,8 +62,10 @@ bench-engine: install setup-vllm
 	$(PY) -m experiments.engine_bench --engines pdcluster,vllm,hf --workload mixed
 	$(PY) -m experiments.engine_bench --engines pdcluster,vllm --workload long --no-roofline
 
+# Same host, then across two hosts made of network namespaces (root).
 bench-kv: install
 	$(PY) -m experiments.kv_bench
+	$(PY) -m experiments.kv_bench --cross-host --sizes-mb 1 4 16 64
 
 # 1P+1D -> 0P+2D under 16 decoding answers, with and without spreading them onto the
 # worker that joins (alternating rounds on one cluster): time per token after the move.

@@ -13,11 +13,21 @@ least 16 MiB. A transfer is timed from `begin` to the acknowledged `TransferDone
 all layers of consecutive blocks. One-block latency is the median over `--latency-repeats`
 one-block requests. Results go to experiments/results/kv_transfer.json and a table on the
 terminal.
+
+    python -m experiments.kv_bench --cross-host   # root: two hosts joined by a veth bridge
+
+With `--cross-host` the receiver runs in one network namespace and this process in another
+(`tests/multinode/netns.py`, the multi-node tests' hosts), so every byte crosses a veth
+pair and a bridge as it would cross a link between hosts: zmq, zmq under CURVE and gloo
+against a raw socket over the same path (no shm, no in-process copy). Results go to
+experiments/results/kv_transfer_cross_host.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -33,6 +43,7 @@ from typing import Any
 import torch
 import xxhash
 
+from engine.hardware import cpu_features
 from engine.kv_cache import KVCache
 from experiments import RESULTS, kv_exposed
 from kv_transfer import (
@@ -64,10 +75,26 @@ def compat(kv: KVCache) -> CompatRecord:
     return CompatRecord.from_kv_cache(kv, "kv-bench")
 
 
-def settings(key: ClusterKey | None = None) -> TransferConfig:
-    """Every transport unkeyed; with `key`, zmq alone under CURVE."""
-    return TransferConfig(transports=TRANSPORTS if key is None else ("zmq",),
+CROSS_HOST_TRANSPORTS = ("zmq", "torch_dist")  # shared memory does not cross hosts
+CLONE_NEWNET = 0x40000000
+
+
+def settings(key: ClusterKey | None = None, host: str = "127.0.0.1",
+             transports: tuple[str, ...] = TRANSPORTS) -> TransferConfig:
+    """`transports` unkeyed; with `key`, zmq alone under CURVE."""
+    return TransferConfig(transports=transports if key is None else ("zmq",), host=host,
                           request_timeout_s=120.0, cluster_key=key)
+
+
+def enter_netns(pid: int) -> None:
+    """Move this process into the network namespace of `pid` (before it starts threads:
+    a thread's sockets live in the namespace of the thread that made it)."""
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the network namespace of {pid}")
+    finally:
+        os.close(fd)
 
 
 def layer_digests(kv: KVCache, num_blocks: int) -> list[int]:
@@ -88,15 +115,21 @@ def serve_raw(server: socket.socket, dst: memoryview) -> None:
             conn.sendall(b"k")
 
 
-def receiver_process(conn: Any, num_blocks: int, key: ClusterKey) -> None:
-    pool = SharedKVPool()
+def receiver_process(conn: Any, num_blocks: int, key: ClusterKey,
+                     host: str = "127.0.0.1", netns_pid: int | None = None) -> None:
+    """The receiving host: every transport into one pool (shm only when on this host)."""
+    if netns_pid is not None:
+        enter_netns(netns_pid)
+    transports = TRANSPORTS if netns_pid is None else CROSS_HOST_TRANSPORTS
+    pool = SharedKVPool() if "shm" in transports else None
     kv = make_kv(num_blocks, allocator=pool)
-    server = socket.create_server(("127.0.0.1", 0))
+    server = socket.create_server((host, 0))
     threading.Thread(target=serve_raw, args=(server, as_bytes(kv.buffer)), daemon=True).start()
-    with KVReceiver(kv, compat(kv), settings(), shm_pool=pool) as rx, \
-            KVReceiver(kv, compat(kv), settings(key)) as secure_rx:
+    with KVReceiver(kv, compat(kv), settings(host=host, transports=transports),
+                    shm_pool=pool) as rx, \
+            KVReceiver(kv, compat(kv), settings(key, host)) as secure_rx:
         conn.send({"peer_info": rx.peer_info(), "secure_peer_info": secure_rx.peer_info(),
-                   "raw_port": server.getsockname()[1]})
+                   "raw": server.getsockname()[:2]})
         while (cmd := conn.recv())[0] != "exit":
             rx.poll()
             secure_rx.poll()
@@ -116,17 +149,18 @@ class Bench:
     """This process's ends: a KVSender connected over every transport, one keyed sender
     (zmq under CURVE), and a raw socket."""
 
-    def __init__(self, conn: Any, num_blocks: int, key: ClusterKey) -> None:
+    def __init__(self, conn: Any, num_blocks: int, key: ClusterKey, host: str = "127.0.0.1",
+                 transports: tuple[str, ...] = TRANSPORTS) -> None:
         self.conn = conn
         self.kv = make_kv(num_blocks)
         self.kv.buffer.copy_(torch.randn(self.kv.buffer.shape))
         hello = conn.recv()
-        self.tx = KVSender(self.kv, compat(self.kv), settings())
-        self.secure_tx = KVSender(self.kv, compat(self.kv), settings(key))
-        self.peers = {t: (self.tx, self.tx.connect(hello["peer_info"], t)) for t in TRANSPORTS}
+        self.tx = KVSender(self.kv, compat(self.kv), settings(host=host))
+        self.secure_tx = KVSender(self.kv, compat(self.kv), settings(key, host))
+        self.peers = {t: (self.tx, self.tx.connect(hello["peer_info"], t)) for t in transports}
         self.peers["zmq_curve"] = (self.secure_tx,
                                    self.secure_tx.connect(hello["secure_peer_info"], "zmq"))
-        self.raw = socket.create_connection(("127.0.0.1", hello["raw_port"]))
+        self.raw = socket.create_connection(tuple(hello["raw"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.copy_dst = torch.empty_like(self.kv.buffer.view(-1).view(torch.uint8))
         self._ids = 0
@@ -244,17 +278,19 @@ def worst_at_least(per_size: dict[str, float], min_mb: int) -> float | None:
 
 def measure(bench: Bench, args: argparse.Namespace, num_blocks: int) -> dict[str, Any]:
     times = bandwidth_rounds(bench, args.sizes_mb, args.repeats)
-    shm_over_copy = ratios(times, "shm", "memcpy")
     zmq_over_raw = ratios(times, "zmq", "raw_socket")
+    if args.cross_host:
+        return {**common_results(bench, args, num_blocks, times),
+                "ratios_by_size_mb": {"zmq_over_raw_socket": zmq_over_raw,
+                                      "torch_dist_over_raw_socket": ratios(
+                                          times, "torch_dist", "raw_socket"),
+                                      "zmq_curve_over_raw_socket": ratios(
+                                          times, "zmq_curve", "raw_socket")},
+                "zmq_over_raw_socket_round_range": ratio_spread(times, "zmq", "raw_socket"),
+                "zmq_tcp_over_raw_socket": worst_at_least(zmq_over_raw, 16)}
+    shm_over_copy = ratios(times, "shm", "memcpy")
     return {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "torch": torch.__version__, "load_average": os.getloadavg()},
-        "geometry": {**GEOMETRY, "dtype": str(DTYPE), "block_bytes": bench.block_bytes},
-        "bandwidth_gbps": {name: {size: int(size) * MIB / statistics.median(t) / 1e9
-                                  for size, t in per_size.items()}
-                           for name, per_size in times.items()},
-        "one_block_latency_us": latency_us(bench, args.latency_repeats),
-        "verified": bench.verify(num_blocks),
+        **common_results(bench, args, num_blocks, times),
         "ratios_by_size_mb": {"shm_over_memcpy": shm_over_copy,
                               "zmq_over_raw_socket": zmq_over_raw,
                               "torch_dist_over_raw_socket": ratios(times, "torch_dist",
@@ -264,6 +300,24 @@ def measure(bench: Bench, args: argparse.Namespace, num_blocks: int) -> dict[str
         "same_host_over_memcpy": worst_at_least(shm_over_copy, 16),
         "zmq_tcp_over_raw_socket": worst_at_least(zmq_over_raw, 16),
         "targets": TARGETS,
+    }
+
+
+def common_results(bench: Bench, args: argparse.Namespace, num_blocks: int,
+                   times: Times) -> dict[str, Any]:
+    """Machine, geometry, bandwidths, one-block latency and the delivered bytes' check."""
+    return {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "cpu": cpu_features().describe(), "torch": torch.__version__,
+                    "load_average": os.getloadavg()},
+        "path": "two network namespaces over a veth bridge" if args.cross_host
+        else "two processes on one host",
+        "geometry": {**GEOMETRY, "dtype": str(DTYPE), "block_bytes": bench.block_bytes},
+        "bandwidth_gbps": {name: {size: int(size) * MIB / statistics.median(t) / 1e9
+                                  for size, t in per_size.items()}
+                           for name, per_size in times.items()},
+        "one_block_latency_us": latency_us(bench, args.latency_repeats),
+        "verified": bench.verify(num_blocks),
     }
 
 
@@ -285,23 +339,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-exposed", action="store_true",
                         help="skip the SmolLM2 exposed-transfer measurement "
                              "(experiments.kv_exposed)")
+    parser.add_argument("--cross-host", action="store_true",
+                        help="receiver and sender on two hosts made of network namespaces "
+                             "(root); writes experiments/results/kv_transfer_cross_host.json")
     args = parser.parse_args(argv)
+    if args.cross_host:
+        args.skip_exposed = True
+        if args.out == OUT:
+            args.out = RESULTS / "kv_transfer_cross_host.json"
     # One thread copies at memory bandwidth already; two stall on each other whenever the
     # shared machine is busy (measured 5-20x slower then), which would flatter every ratio.
     torch.set_num_threads(1)
     num_blocks = max(args.sizes_mb) * MIB // (GEOMETRY["num_layers"] * make_kv(1).block_bytes)
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    key = ClusterKey.generate()
-    proc = ctx.Process(target=receiver_process, args=(theirs, num_blocks, key), daemon=True)
-    proc.start()
-    bench = Bench(ours, num_blocks, key)
-    try:
-        results = measure(bench, args, num_blocks)
-    finally:
-        bench.close()
-        ours.send(("exit",))
-        proc.join(10)
+    with contextlib.ExitStack() as stack:
+        results = run(stack, args, num_blocks)
     if not args.skip_exposed:
         exposed = kv_exposed.measure([512, 2048], repeats=3)
         results["exposed_transfer"] = exposed
@@ -309,9 +360,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     keys = ("one_block_latency_us", "verified", *TARGETS, "exposed_transfer_share_2048",
-            "zmq_curve_over_zmq_round_range")
+            "zmq_curve_over_zmq_round_range", "zmq_over_raw_socket_round_range")
     print(json.dumps({k: results.get(k) for k in keys}, indent=2))
     return results
+
+
+def run(stack: contextlib.ExitStack, args: argparse.Namespace, num_blocks: int
+        ) -> dict[str, Any]:
+    """Start the receiver (on its host with `--cross-host`), measure, stop it."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    key = ClusterKey.generate()
+    rx_host, tx_host, netns_pid, transports = "127.0.0.1", "127.0.0.1", None, TRANSPORTS
+    if args.cross_host:
+        from tests.multinode.netns import Hosts, unavailable
+
+        if (why := unavailable()) is not None:
+            raise SystemExit(f"--cross-host needs network namespaces: {why}")
+        hosts = Hosts(["rx", "tx"])
+        stack.callback(hosts.close)
+        # Back to this namespace before the hosts are removed (`ip` runs where we are).
+        home = os.open("/proc/self/ns/net", os.O_RDONLY)
+        stack.callback(os.close, home)
+        stack.callback(lambda: ctypes.CDLL(None).setns(home, CLONE_NEWNET))
+        rx_host, tx_host = hosts["rx"].ip, hosts["tx"].ip
+        netns_pid, transports = hosts["rx"].init_pid, CROSS_HOST_TRANSPORTS
+        enter_netns(hosts["tx"].init_pid)
+    proc = ctx.Process(target=receiver_process,
+                       args=(theirs, num_blocks, key, rx_host, netns_pid), daemon=True)
+    proc.start()
+    bench = Bench(ours, num_blocks, key, tx_host, transports)
+    try:
+        return measure(bench, args, num_blocks)
+    finally:
+        bench.close()
+        ours.send(("exit",))
+        proc.join(10)
 
 
 if __name__ == "__main__":
