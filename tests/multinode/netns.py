@@ -3,11 +3,12 @@
 `Hosts` makes a bridge in the root namespace and, per host, a network namespace joined to
 it by a veth pair, with addresses it picks itself in 10.213.0.0/16 (the bridge is .1, hosts
 .10, .11, ...). Each host's processes run under an init of their own (pid 1 of a new pid
-namespace, in a new mount namespace with a private `/dev/shm` and `/tmp`), so two hosts
-share what two real machines share — the filesystem outside `/tmp`, nothing else: no pids,
-no shared memory, no loopback. Killing a host's init kills every process on it, as losing
-the machine would. Everything made is removed on `close()`, also after a failure, and a
-run killed before that is swept by the next one (names carry the maker's pid).
+namespace, in a new mount namespace with a private `/dev/shm` and `/tmp/ray`, Ray's
+sessions), so two hosts share what two real machines with a shared filesystem share: no
+pids, no shared memory, no loopback, no Ray session. Killing a host's init kills every
+process on it, as losing the machine would. Everything made is removed on `close()`, also
+after a failure, and a run killed before that is swept by the next one (names carry the
+maker's pid).
 
 Needs root (`ip netns`, `unshare`, `nsenter`); `unavailable()` says why it cannot run.
 """
@@ -131,7 +132,7 @@ class Hosts:
         host = Host(name, netns, ip, link, self.dir / name)
         self.hosts[name] = host  # from here on, close() removes it
         host.dir.mkdir()
-        (host.dir / "tmp").mkdir()
+        (host.dir / "ray").mkdir()
         _run("ip", "netns", "add", netns)
         _run("ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", netns)
         _run("ip", "link", "set", link, "master", self.bridge)
@@ -139,9 +140,10 @@ class Hosts:
         for argv in (("ip", "addr", "add", f"{ip}/24", "dev", "eth0"),
                      ("ip", "link", "set", "eth0", "up"), ("ip", "link", "set", "lo", "up")):
             _run("ip", "netns", "exec", netns, *argv)
-        # pid 1 of a new pid namespace, in a new mount namespace: private /dev/shm and /tmp.
-        setup = (f"mount -t tmpfs -o size=8g tmpfs /dev/shm && "
-                 f"mount --bind {host.dir / 'tmp'} /tmp && "
+        # pid 1 of a new pid namespace, in a new mount namespace: private /dev/shm and Ray
+        # sessions (the checkout and the venv may live under /tmp: the rest stays shared).
+        setup = (f"mount -t tmpfs -o size=8g tmpfs /dev/shm && mkdir -p /tmp/ray && "
+                 f"mount --bind {host.dir / 'ray'} /tmp/ray && "
                  f"exec {sys.executable} -c '{INIT}'")
         with open(host.dir / "init.log", "w") as log:  # the child keeps its own copy
             host.init = subprocess.Popen(
