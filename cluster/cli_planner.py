@@ -49,6 +49,9 @@ def add_parsers(sub: Any) -> None:
     analytic.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees")
     analytic.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     analytic.add_argument("--max-model-len", type=int, default=None)
+    analytic.add_argument("--check-against", type=Path, default=None,
+                          help="a measured PROFILE.json of the same model: write the step "
+                               "model's error on its points to OUT.check.json")
     profile.set_defaults(func=run_profile)
 
     plan = sub.add_parser("plan", help="size the prefill and decode pools for a trace and SLOs")
@@ -135,7 +138,23 @@ def run_analytic_profile(args: argparse.Namespace) -> int:
                       f"{profile.kv_cache_gb:.1f} GiB of KV ({profile.num_blocks} blocks), "
                       f"2048-token prefill {1e3 * model.step_time([(0, 2048, True)]):.1f} ms, "
                       f"batch-32 decode at 1k context {1e3 * decode:.1f} ms")
+        if args.check_against is not None:
+            _check(model, args.check_against, out.with_suffix(".check.json"))
     return 0 if written else 1
+
+
+def _check(model: Any, measured_path: Path, out: Path) -> None:
+    from planner.analytic import check_against
+    from planner.profile import Profile
+
+    check = check_against(model, Profile.load(measured_path))
+    out.write_text(json.dumps(check, indent=1))
+    for source, label in (("step_model", "step model"), ("profile", "its fitted profile")):
+        e = check["error"][source]
+        console.print(f"{label} vs {measured_path}: median error {e['all']['median']:.1%} "
+                      f"over {e['all']['points']} points (prefill {e['prefill']['median']:.1%},"
+                      f" decode {e['decode']['median']:.1%}; max {e['all']['max']:.1%})")
+    console.print(f"wrote {out}")
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:

@@ -27,9 +27,12 @@ schema and the simulator reads either.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from engine import defaults
 from planner.measure import fit_profile
@@ -246,3 +249,56 @@ def analytic_profile(model: StepModel, block_size: int = defaults.BLOCK_SIZE,
     # The fits' spread over the model's own points is the linear form's error, not a
     # step-time spread to draw from: the analytic steps are exact.
     return replace(fit_profile(profile), step_cv=0.0)
+
+
+def check_against(model: StepModel, measured: Profile) -> dict[str, Any]:
+    """The step model and its profile against a measured profile's samples.
+
+    Each point is one measured schedule (its repeats' median time). Errors are relative:
+    (predicted - measured) / measured.
+
+    Returns:
+        `{"points": [...], "error": {...}, "hardware": ..., "measured_hardware": ...}`:
+        per point the schedule's summary, the measured and both predicted seconds; the
+        median, p90 and max of the absolute errors by kind and over all points.
+    """
+    if model.shape.model_id != measured.model_id:
+        raise ValueError(f"the measured profile is of {measured.model_id}, the model "
+                         f"config of {model.shape.model_id}")
+    profile = analytic_profile(model, measured.block_size, measured.max_model_len,
+                               torch_threads=measured.torch_threads)
+    points = []
+    for kind in ("prefill", "decode"):
+        groups: dict[str, list[Any]] = {}
+        for sample in measured.samples[kind]:
+            groups.setdefault(json.dumps(sample["items"]), []).append(sample["y"])
+        for key, ys in groups.items():
+            items = [tuple(item) for item in json.loads(key)]
+            y = float(np.median(ys))
+            points.append({"kind": kind, "schedule": _describe(items), "measured_s": y,
+                           "step_model_s": model.step_time(items),
+                           "profile_s": profile.step_time(items)})
+    error: dict[str, Any] = {}
+    for source in ("step_model", "profile"):
+        for kind in ("prefill", "decode", "all"):
+            errors = [abs(p[f"{source}_s"] - p["measured_s"]) / p["measured_s"]
+                      for p in points if kind in ("all", p["kind"])]
+            error.setdefault(source, {})[kind] = {
+                "median": float(np.median(errors)), "p90": float(np.percentile(errors, 90)),
+                "max": float(max(errors)), "points": len(errors)}
+    a = model.accelerator
+    return {"hardware": {"name": a.name, "source": a.source, "tflops": a.flops(model.dtype) / 1e12,
+                         "memory_bandwidth_gbs": a.memory_bandwidth_gbs},
+            "measured_hardware": measured.hardware, "model_id": measured.model_id,
+            "dtype": model.dtype, "error": error, "points": points}
+
+
+def _describe(items: Sequence[tuple[int, int, bool]]) -> str:
+    """`prefill 2x256 after 512` or `decode 16 at 256` or `mixed 64 + 4 decodes`."""
+    prompts = [(s, n) for s, n, is_prompt in items if is_prompt]
+    decodes = [s for s, _, is_prompt in items if not is_prompt]
+    if prompts and decodes:
+        return f"mixed {prompts[0][1]} + {len(decodes)} decodes"
+    if prompts:
+        return f"prefill {len(prompts)}x{prompts[0][1]} after {prompts[0][0]}"
+    return f"decode {len(decodes)} at {decodes[0]}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from planner.analytic import StepModel, analytic_profile
+from planner.analytic import StepModel, analytic_profile, check_against
 from planner.plan import PlanRequest, predict
 from planner.profile import Profile
 from planner.simulator import ClusterShape
@@ -192,3 +192,20 @@ def test_profile_analytic_writes_one_profile_per_tp_that_fits(
     profile = Profile.load(tmp_path / "l70.tp4.json")
     assert (profile.model, profile.hardware["tp"], profile.workers_per_host) == (
         "llama-3-70b", 4, 2)
+
+
+def test_check_against_a_measured_profile_scores_each_point(tmp_path: Path) -> None:
+    """The check's errors, recomputed from its points; a config of another model is
+    refused."""
+    measured = Profile.load(MEASURED)
+    model = StepModel(load_model_shape("smollm2"), accelerator_from_dict("slow", {
+        **SLOW, "memory_gb": 100.0}), 1, "bfloat16")
+    check = check_against(model, measured)
+    points = check["points"]
+    assert {p["kind"] for p in points} == {"prefill", "decode"}
+    assert len(points) == len({(p["kind"], p["schedule"]) for p in points})
+    errors = sorted(abs(p["step_model_s"] - p["measured_s"]) / p["measured_s"] for p in points)
+    assert check["error"]["step_model"]["all"]["max"] == errors[-1]
+    assert check["error"]["step_model"]["all"]["points"] == len(points)
+    with pytest.raises(ValueError, match="the measured profile is of LlamaForCausalLM:L30"):
+        check_against(tiny(), measured)
