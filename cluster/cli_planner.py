@@ -73,6 +73,9 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS)
     plan.add_argument("--cost-per-hour-prefill", type=float, default=1.0)
     plan.add_argument("--cost-per-hour-decode", type=float, default=1.0)
+    plan.add_argument("--no-calibrate", action="store_true",
+                      help="plan on the profiles as measured; by default a profile measured "
+                           "on this machine is first scaled to its speed now (probe steps)")
     plan.add_argument("--json", type=Path, required=True, help="OUT.json")
     plan.add_argument("--plot", type=Path, default=None, help="OUT.png: goodput by split")
     plan.add_argument("--validate", action="store_true",
@@ -198,8 +201,18 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.plot is not None or args.validate:
         require_bench_extra("pdcluster plan --plot/--validate")
     request = plan_request(args)
+    calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
+    if not args.no_calibrate:
+        from dataclasses import replace
+
+        from planner.calibrate import calibrate_for_plan
+
+        with console.status("Calibrating the profiles to this machine's speed now"):
+            prefill, decode, calibration = calibrate_for_plan(request.prefill_profile,
+                                                              request.decode_profile)
+        request = replace(request, prefill_profile=prefill, decode_profile=decode)
     with console.status(f"Simulating {len(request.requests)} requests on every split"):
-        doc = plan(request)
+        doc = {**plan(request), "calibration": calibration}
     print_plan(doc)
     if args.plot is not None:
         plot_plan(doc, args.plot)

@@ -249,3 +249,43 @@ def _decode_parts(model: LinearModel, batch: int, tokens: float) -> tuple[float,
     return table, model.predict(x) - table
 
 
+
+
+def why_not_calibrate(profile: Profile) -> str | None:
+    """Why `profile` cannot be calibrated on this machine (None: it can): probes time this
+    machine's CPU engine, which says nothing of an analytic profile or another machine."""
+    from engine.hardware import cpu_features
+
+    here = cpu_features().model
+    if profile.hardware.get("analytic"):
+        return "an analytic profile has no engine here to probe"
+    if profile.hardware.get("gpu"):
+        return f"profiled on a GPU ({profile.hardware['gpu']}); the probes run on this CPU"
+    if profile.hardware.get("cpu") != here:
+        return (f"profiled on {profile.hardware.get('cpu') or 'an unnamed machine'}, "
+                f"not on this {here}")
+    if not any(f.startswith("b") for f in profile.decode.features):
+        return "the profile's decode model has no batch table (profile it again)"
+    return None
+
+
+def calibrate_for_plan(prefill: Profile, decode: Profile
+                       ) -> tuple[Profile, Profile, dict[str, Any]]:
+    """Both profiles scaled to this machine's speed now (`Calibrator`), or as given with
+    the reason.
+
+    Returns:
+        The prefill and decode profiles to plan with, and the plan file's `calibration`:
+        `{"applied": true, "prefill": record, "decode": record}` (`scale_profile`'s
+        records) or `{"applied": false, "reason": ...}`.
+    """
+    for profile in (prefill, decode):
+        if (reason := why_not_calibrate(profile)) is not None:
+            return prefill, decode, {"applied": False, "reason": reason}
+    scaled_decode, decode_record = Calibrator(decode)()
+    if prefill == decode:
+        scaled_prefill, prefill_record = scaled_decode, decode_record
+    else:
+        scaled_prefill, prefill_record = Calibrator(prefill)()
+    return scaled_prefill, scaled_decode, {"applied": True, "prefill": prefill_record,
+                                           "decode": decode_record}

@@ -42,6 +42,16 @@ def print_plan(doc: dict[str, Any]) -> None:
     console.print(table)
     if best is None:
         console.print("[red]no configuration meets the SLO within --max-workers[/]")
+    calibration = doc.get("calibration")
+    if calibration is not None:
+        console.print("calibrated to this machine's speed now" if calibration["applied"]
+                      else f"not calibrated: {calibration['reason']}")
+    if (deploy := doc.get("deploy")) is not None:
+        console.print(f"serve it:\n  {deploy['serve_command']}", soft_wrap=True)
+        console.print(f"KubeRay worker groups:\n{deploy['kuberay_worker_groups']}",
+                      soft_wrap=True, highlight=False)
+        for note in deploy["notes"]:
+            console.print(f"note: {note}")
 
 
 def print_validation(doc: dict[str, Any]) -> None:
