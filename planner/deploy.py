@@ -14,6 +14,7 @@ from planner.profile import Profile
 # `pdcluster serve --dtype` choices; a profile's other dtypes (fp8) serve as `auto`.
 SERVE_DTYPES = ("float32", "bfloat16", "float16")
 IMAGE = "registry.example.com/pdcluster:0.1.0-cuda"
+CPU_IMAGE = "registry.example.com/pdcluster:0.1.0-cpu"  # deploy/Dockerfile's CPU build
 
 
 def tensor_parallel(profile: Profile) -> int:
@@ -64,7 +65,7 @@ def worker_groups(config: dict[str, Any], prefill: Profile, decode: Profile) -> 
                                         "app.kubernetes.io/component": role,
                                         "pdcluster.io/tensor-parallel": str(tp)}},
                 "spec": {"containers": [{
-                    "name": "ray-worker", "image": IMAGE if gpu else IMAGE.removesuffix("-cuda"),
+                    "name": "ray-worker", "image": IMAGE if gpu else CPU_IMAGE,
                     "resources": {"limits": limits, "requests": dict(limits)}}]}}})
     return yaml.safe_dump({"workerGroupSpecs": groups}, sort_keys=False)
 
