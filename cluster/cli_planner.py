@@ -55,9 +55,10 @@ def add_parsers(sub: Any) -> None:
     profile.set_defaults(func=run_profile)
 
     plan = sub.add_parser("plan", help="size the prefill and decode pools for a trace and SLOs")
-    plan.add_argument("--profile", type=Path, help="profile of every worker type")
-    plan.add_argument("--prefill-profile", type=Path, help="profile of prefill workers")
-    plan.add_argument("--decode-profile", type=Path, help="profile of decode workers")
+    plan.add_argument("--profile", help="profile of every worker type (with "
+                      "--max-accelerators: comma-separated, one per TP degree)")
+    plan.add_argument("--prefill-profile", help="profile(s) of prefill workers")
+    plan.add_argument("--decode-profile", help="profile(s) of decode workers")
     plan.add_argument("--trace", type=Path, required=True, help="a `pdcluster bench` JSONL trace")
     plan.add_argument("--rate", type=float, default=None,
                       help="rescale the trace's arrivals to this mean rate (requests/s)")
@@ -73,6 +74,11 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS)
     plan.add_argument("--cost-per-hour-prefill", type=float, default=1.0)
     plan.add_argument("--cost-per-hour-decode", type=float, default=1.0)
+    plan.add_argument("--max-accelerators", type=int, default=None,
+                      help="search every P+D split and TP degree per role (one profile per "
+                           "degree) within this many accelerators, instead of --max-workers")
+    plan.add_argument("--cost-per-accelerator-hour-prefill", type=float, default=1.0)
+    plan.add_argument("--cost-per-accelerator-hour-decode", type=float, default=1.0)
     plan.add_argument("--no-calibrate", action="store_true",
                       help="plan on the profiles as measured; by default a profile measured "
                            "on this machine is first scaled to its speed now (probe steps)")
@@ -170,16 +176,68 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     return values
 
 
-def plan_request(args: argparse.Namespace) -> Any:
-    """The PlanRequest the flags describe."""
-    from planner.plan import PlanRequest, at_rate, load_trace
+def _profiles(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """The prefill and the decode profiles the flags name."""
     from planner.profile import Profile
-    from protocol.serving import Slo
 
     if args.profile is None and (args.prefill_profile is None or args.decode_profile is None):
         raise ValueError("give --profile, or both --prefill-profile and --decode-profile")
-    prefill = Profile.load(args.prefill_profile or args.profile)
-    decode = Profile.load(args.decode_profile or args.profile)
+
+    def load(text: str) -> list[Any]:
+        return [Profile.load(Path(p.strip())) for p in text.split(",") if p.strip()]
+
+    return load(args.prefill_profile or args.profile), load(args.decode_profile or args.profile)
+
+
+def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """`plan --max-accelerators`: the search over splits and TP degrees per role."""
+    from rich.progress import BarColumn, Progress, TimeElapsedColumn
+
+    from planner.calibrate import calibrate_each
+    from planner.plan import at_rate, load_trace
+    from planner.search import BudgetRequest, profiles_by_tp, search
+    from protocol.serving import Slo
+
+    prefills, decodes = _profiles(args)
+    calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
+    if not args.no_calibrate:
+        with console.status("Calibrating the profiles to this machine's speed now"):
+            prefills, decodes, calibration = calibrate_each(prefills, decodes)
+    requests = load_trace(args.trace, decodes[0].model)
+    if args.rate is not None:
+        requests = at_rate(requests, args.rate)
+    budgets = _ints(args.max_num_batched_tokens, "max-num-batched-tokens")
+    thresholds = _ints(args.local_prefill_thresholds, "local-prefill-thresholds")
+    request = BudgetRequest(
+        profiles_by_tp(prefills), profiles_by_tp(decodes), requests,
+        Slo.parse(args.slo, args.attainment), args.max_accelerators,
+        {"prefill": args.cost_per_accelerator_hour_prefill,
+         "decode": args.cost_per_accelerator_hour_decode},
+        tuple(m.strip() for m in args.modes.split(",") if m.strip()), budgets[0],
+        args.max_num_seqs, thresholds[0])
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  "{task.completed}/{task.total}", TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("simulating", total=None)
+        doc = search(request, lambda done, most: progress.update(task, completed=done,
+                                                                  total=max(done, most)))
+    s = doc["search"]
+    console.print(f"{s['within_budget']} configurations within {s['max_accelerators']} "
+                  f"accelerators: {s['pruned_by_throughput']} pruned by throughput, "
+                  f"{s['pruned_by_latency']} by unloaded latency; {s['simulated']} simulated "
+                  f"over {s['cost_levels']} cost levels in {s['seconds']:.0f} s")
+    return {**doc, "calibration": calibration}
+
+
+def plan_request(args: argparse.Namespace) -> Any:
+    """The PlanRequest the flags describe."""
+    from planner.plan import PlanRequest, at_rate, load_trace
+    from protocol.serving import Slo
+
+    prefills, decodes = _profiles(args)
+    if len(prefills) > 1 or len(decodes) > 1:
+        raise ValueError("several profiles per role (TP degrees) need --max-accelerators")
+    prefill, decode = prefills[0], decodes[0]
     slo = Slo.parse(args.slo, args.attainment)
     requests = load_trace(args.trace, decode.model)
     if args.rate is not None:
@@ -200,6 +258,17 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.plot is not None or args.validate:
         require_bench_extra("pdcluster plan --plot/--validate")
+    if args.max_accelerators is not None:
+        if args.validate:
+            raise ValueError("--validate serves on this machine: plan without "
+                             "--max-accelerators")
+        doc = run_budget_plan(args)
+        print_plan(doc)
+        if args.plot is not None:
+            plot_plan(doc, args.plot)
+        args.json.write_text(json.dumps(doc, indent=1))
+        console.print(f"wrote {args.json}")
+        return 0
     request = plan_request(args)
     calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
     if not args.no_calibrate:

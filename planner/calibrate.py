@@ -289,3 +289,31 @@ def calibrate_for_plan(prefill: Profile, decode: Profile
         scaled_prefill, prefill_record = Calibrator(prefill)()
     return scaled_prefill, scaled_decode, {"applied": True, "prefill": prefill_record,
                                            "decode": decode_record}
+
+
+def calibrate_each(prefills: Sequence[Profile], decodes: Sequence[Profile]
+                   ) -> tuple[list[Profile], list[Profile], dict[str, Any]]:
+    """Every profile that can be calibrated here scaled to this machine's speed now (each
+    distinct one probed once), the others as given.
+
+    Returns:
+        The profiles in the same order, and the plan file's `calibration`: `applied`, and
+        `records` (one per distinct profile: `scale_profile`'s record, or the reason it
+        was not calibrated) or, when none was, the first `reason`.
+    """
+    done: list[tuple[Profile, Profile, dict[str, Any]]] = []
+
+    def one(profile: Profile) -> Profile:
+        for original, scaled, _ in done:
+            if original == profile:
+                return scaled
+        reason = why_not_calibrate(profile)
+        scaled, record = (profile, {"reason": reason}) if reason else Calibrator(profile)()
+        done.append((profile, scaled, record))
+        return scaled
+
+    out = [one(p) for p in prefills], [one(p) for p in decodes]
+    records = [record for _, _, record in done]
+    if all("reason" in r for r in records):
+        return *out, {"applied": False, "reason": records[0]["reason"]}
+    return *out, {"applied": True, "records": records}
