@@ -235,7 +235,8 @@ def analytic_profile(model: StepModel, block_size: int = defaults.BLOCK_SIZE,
     block_bytes = int(model.kv_bytes_per_token()) * block_size
     hardware = {"accelerator": a.name, "tp": model.tp, "analytic": True,
                 "kv_dtype": model.kv_dtype, "source": a.source,
-                "gpu": None if a.name == "cpu" else a.name, "cores": a.devices_per_node}
+                "gpu": None if a.name == "cpu" else a.name,
+                "devices_per_node": a.devices_per_node}
     profile = Profile(
         model=name or s.name, model_id=s.model_id, dtype=model.dtype,
         torch_threads=torch_threads, hardware=hardware, block_size=block_size,

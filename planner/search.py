@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from engine import defaults
-from planner.deploy import deployment
+from planner.deploy import deployment, tensor_parallel
 from planner.plan import (
     SCHEMA,
     PlanRequest,
@@ -99,11 +99,11 @@ class Candidate:
 
     @property
     def prefill_tp(self) -> int:
-        return _tp(self.prefill_profile)
+        return tensor_parallel(self.prefill_profile)
 
     @property
     def decode_tp(self) -> int:
-        return _tp(self.decode_profile)
+        return tensor_parallel(self.decode_profile)
 
     @property
     def key(self) -> tuple[str, int, int, int, int]:
@@ -112,10 +112,6 @@ class Candidate:
     @property
     def accelerators(self) -> int:
         return self.prefill * self.prefill_tp + self.decode * self.decode_tp
-
-
-def _tp(profile: Profile) -> int:
-    return int(profile.hardware.get("tp", 1))
 
 
 @dataclass(frozen=True)
@@ -168,19 +164,23 @@ def needed(request: BudgetRequest, load: Load, mode: str, prefill: Profile,
             (load.output_tokens + short) / per_decode)
 
 
-def idle_attainment(request: BudgetRequest, prefill: Profile, decode: Profile) -> float:
-    """An upper bound on attainment: the share of requests whose TTFT (prefill alone, in
-    budget-sized chunks, then the transfer) and TPOT (batch 1) meet their bounds with no
-    queue and no neighbour."""
+def idle_attainment(request: BudgetRequest, mode: str, prefill: Profile, decode: Profile
+                    ) -> float:
+    """An upper bound on attainment: the share of requests whose TTFT (the prompt alone in
+    budget-sized chunks, on the prefill worker then the transfer, or on the decode worker
+    when colocated or under the local-prefill threshold) and TPOT (batch 1) meet their
+    bounds with no queue and no neighbour."""
     ttft_bound = request.slo.bound("ttft")
     tpot_bound = request.slo.bound("tpot")
     ok = 0
     budget = request.max_num_batched_tokens
     for r in request.requests:
+        remote = mode == "disaggregated" and r.prompt_len >= request.local_prefill_threshold
+        worker = prefill if remote else decode
         chunks = [(start, min(budget, r.prompt_len - start))
                   for start in range(0, r.prompt_len, budget)]
-        ttft = sum(prefill.step_time([(s, n, True)]) for s, n in chunks) + \
-            prefill.transfer_time(-(-r.prompt_len // prefill.block_size))
+        ttft = sum(worker.step_time([(s, n, True)]) for s, n in chunks) + (
+            prefill.transfer_time(-(-r.prompt_len // prefill.block_size)) if remote else 0.0)
         tpot = decode.step_time([(r.prompt_len, 1, False)])
         ok += (ttft_bound is None or ttft * 1e3 <= ttft_bound) and (
             tpot_bound is None or r.output_len <= 1 or tpot * 1e3 <= tpot_bound)
@@ -193,17 +193,14 @@ def candidates(request: BudgetRequest) -> tuple[list[Candidate], dict[str, int]]
     load = offered_load(request)
     cost = request.cost_per_accelerator_hour
     counts = {"within_budget": 0, "pruned_by_throughput": 0, "pruned_by_latency": 0}
-    feasible = {}
-    for p in request.prefill_profiles:
-        for d in request.decode_profiles:
-            feasible[id(p), id(d)] = idle_attainment(request, p, d) >= request.slo.attainment
     out = []
     for mode in request.modes:
         pairs = [(p, d) for p in request.prefill_profiles for d in request.decode_profiles] \
             if mode == "disaggregated" else [(d, d) for d in request.decode_profiles]
         for p, d in pairs:
-            tp_p, tp_d = _tp(p), _tp(d)
+            tp_p, tp_d = tensor_parallel(p), tensor_parallel(d)
             need_p, need_d = needed(request, load, mode, p, d)
+            feasible = idle_attainment(request, mode, p, d) >= request.slo.attainment
             for num_p in range(1 if mode == "disaggregated" else 0,
                                request.max_accelerators // tp_p + 1 if mode == "disaggregated"
                                else 1):
@@ -211,7 +208,7 @@ def candidates(request: BudgetRequest) -> tuple[list[Candidate], dict[str, int]]
                     counts["within_budget"] += 1
                     if num_p < need_p or num_d < need_d:
                         counts["pruned_by_throughput"] += 1
-                    elif not feasible[id(p), id(d)]:
+                    elif not feasible:
                         counts["pruned_by_latency"] += 1
                     else:
                         out.append(Candidate(mode, num_p, num_d, p, d,
@@ -222,15 +219,14 @@ def candidates(request: BudgetRequest) -> tuple[list[Candidate], dict[str, int]]
     return out, counts
 
 
-def plan_request(request: BudgetRequest, c: Candidate, find_max_rate: bool = False
-                 ) -> PlanRequest:
+def plan_request(request: BudgetRequest, c: Candidate) -> PlanRequest:
     cost = request.cost_per_accelerator_hour
     return PlanRequest(c.prefill_profile, c.decode_profile, request.requests, request.slo,
                        max_workers=max(c.prefill + c.decode, 2), modes=(c.mode,),
                        max_num_seqs=request.max_num_seqs,
                        cost_per_hour={"prefill": c.prefill_tp * cost["prefill"],
                                       "decode": c.decode_tp * cost["decode"]},
-                       find_max_rate=find_max_rate)
+                       find_max_rate=False)
 
 
 def shape(request: BudgetRequest, c: Candidate) -> ClusterShape:
@@ -249,9 +245,10 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
     Returns:
         A `pdcluster.plan/1` document: `configs` holds the simulated candidates (with
         `prefill_tp`, `decode_tp`, `accelerators`), `search` the bounds' counts, the
-        simulations and the seconds taken.
+        simulations, and the wall and CPU seconds taken (the pick's sustained rate
+        included).
     """
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     found, counts = candidates(request)
     levels: dict[float, list[Candidate]] = {}
     for c in found:
@@ -295,7 +292,8 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
             "search": {**counts, "candidates": len(found), "cost_levels": len(costs),
                        "simulated": len(configs),
                        "max_accelerators": request.max_accelerators,
-                       "seconds": time.perf_counter() - start}}
+                       "seconds": time.perf_counter() - start,
+                       "cpu_seconds": time.process_time() - cpu}}
 
 
 def throughput_bound(request: BudgetRequest, c: Candidate, load: Load | None = None
@@ -340,7 +338,7 @@ def profiles_by_tp(profiles: Sequence[Profile]) -> tuple[Profile, ...]:
     """
     by_tp: dict[int, Profile] = {}
     for p in profiles:
-        by_tp.setdefault(_tp(p), p)
+        by_tp.setdefault(tensor_parallel(p), p)
     if not by_tp:
         raise ValueError("no profiles")
     return tuple(by_tp[tp] for tp in sorted(by_tp))

@@ -89,3 +89,12 @@ def test_plan_cli_searches_the_budget(tmp_path: Path) -> None:
     assert doc["calibration"]["applied"] is False
     assert main(["plan", "--profile", f"{paths[0]},{paths[1]}", "--trace", str(trace_path),
                  "--slo", "ttft_p90_ms=900", "--json", str(out)]) == 2
+
+
+def test_colocated_candidates_use_the_decode_profiles_alone() -> None:
+    """Colocated workers prefill on themselves (no transfer, no prefill profile): with
+    different prefill and decode profiles the colocated splits are the decode TP's."""
+    request = replace(budget("ttft_p90_ms=3000", LIGHT), modes=("colocated",))
+    found, counts = candidates(request)
+    assert counts["within_budget"] == 4  # 1 to 4 colocated TP-1 workers
+    assert {(c.mode, c.prefill, c.decode_tp) for c in found} == {("colocated", 0, 1)}
