@@ -322,8 +322,9 @@ class Autoscaler:
 
     def sustained_rate(self, trace: list[TraceRequest], split: tuple[int, int]) -> float:
         """The highest arrival rate at which `split` meets the SLO on `trace`'s mix
-        (`planner.plan.max_rate`; 0 if none)."""
-        return max_rate(self._request(trace), self._shape(*split))
+        (`planner.plan.max_rate`; 0 if none). Searched only on a tie under overload, where
+        the observed rate already fails: four bisections below it, five simulations."""
+        return max_rate(self._request(trace), self._shape(*split), iterations=4)
 
     def _holds_with_headroom(self, window: Window, split: tuple[int, int]) -> bool:
         """Whether `split` meets the SLO at the observed rate x (1 + headroom)."""
