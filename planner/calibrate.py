@@ -249,3 +249,71 @@ def _decode_parts(model: LinearModel, batch: int, tokens: float) -> tuple[float,
     return table, model.predict(x) - table
 
 
+
+
+def why_not_calibrate(profile: Profile) -> str | None:
+    """Why `profile` cannot be calibrated on this machine (None: it can): probes time this
+    machine's CPU engine, which says nothing of an analytic profile or another machine."""
+    from engine.hardware import cpu_features
+
+    here = cpu_features().model
+    if profile.hardware.get("analytic"):
+        return "an analytic profile has no engine here to probe"
+    if profile.hardware.get("gpu"):
+        return f"profiled on a GPU ({profile.hardware['gpu']}); the probes run on this CPU"
+    if profile.hardware.get("cpu") != here:
+        return (f"profiled on {profile.hardware.get('cpu') or 'an unnamed machine'}, "
+                f"not on this {here}")
+    if not any(f.startswith("b") for f in profile.decode.features):
+        return "the profile's decode model has no batch table (profile it again)"
+    return None
+
+
+def calibrate_for_plan(prefill: Profile, decode: Profile
+                       ) -> tuple[Profile, Profile, dict[str, Any]]:
+    """Both profiles scaled to this machine's speed now (`Calibrator`), or as given with
+    the reason.
+
+    Returns:
+        The prefill and decode profiles to plan with, and the plan file's `calibration`:
+        `{"applied": true, "prefill": record, "decode": record}` (`scale_profile`'s
+        records) or `{"applied": false, "reason": ...}`.
+    """
+    for profile in (prefill, decode):
+        if (reason := why_not_calibrate(profile)) is not None:
+            return prefill, decode, {"applied": False, "reason": reason}
+    scaled_decode, decode_record = Calibrator(decode)()
+    if prefill == decode:
+        scaled_prefill, prefill_record = scaled_decode, decode_record
+    else:
+        scaled_prefill, prefill_record = Calibrator(prefill)()
+    return scaled_prefill, scaled_decode, {"applied": True, "prefill": prefill_record,
+                                           "decode": decode_record}
+
+
+def calibrate_each(prefills: Sequence[Profile], decodes: Sequence[Profile]
+                   ) -> tuple[list[Profile], list[Profile], dict[str, Any]]:
+    """Every profile that can be calibrated here scaled to this machine's speed now (each
+    distinct one probed once), the others as given.
+
+    Returns:
+        The profiles in the same order, and the plan file's `calibration`: `applied`, and
+        `records` (one per distinct profile: `scale_profile`'s record, or the reason it
+        was not calibrated) or, when none was, the first `reason`.
+    """
+    done: list[tuple[Profile, Profile, dict[str, Any]]] = []
+
+    def one(profile: Profile) -> Profile:
+        for original, scaled, _ in done:
+            if original == profile:
+                return scaled
+        reason = why_not_calibrate(profile)
+        scaled, record = (profile, {"reason": reason}) if reason else Calibrator(profile)()
+        done.append((profile, scaled, record))
+        return scaled
+
+    out = [one(p) for p in prefills], [one(p) for p in decodes]
+    records = [record for _, _, record in done]
+    if all("reason" in r for r in records):
+        return *out, {"applied": False, "reason": records[0]["reason"]}
+    return *out, {"applied": True, "records": records}

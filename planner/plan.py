@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from engine import defaults
+from planner.deploy import deployment
 from planner.profile import Profile, check_same_model
 from planner.simulator import ClusterShape, SimResult, Simulation
 from protocol.defaults import LOCAL_PREFILL_THRESHOLD
@@ -246,7 +247,8 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     """Search the configurations and recommend the cheapest that meets the SLO.
 
     Returns:
-        The `pdcluster.plan/1` document (see docs/planner.md).
+        The `pdcluster.plan/1` document (see docs/planner.md), with `deploy`: the
+        recommended configuration's `pdcluster serve` command and KubeRay worker groups.
     """
     configs = []
     for group in shapes(request):
@@ -260,10 +262,12 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     good = [c for c in configs if c["meets_slo"]]
     recommended = min(good, key=lambda c: (c["cost_per_hour"], -c["predicted"]["goodput_rps"],
                                            c["prefill"] + c["decode"]), default=None)
+    deploy = None if recommended is None else deployment(
+        recommended, request.prefill_profile, request.decode_profile, request.max_num_seqs)
     return {"schema": SCHEMA, "model": request.decode_profile.model,
             "slo": request.slo.as_dict(),
             "rate_rps": trace_rate(request.requests), "num_requests": len(request.requests),
-            "recommended": recommended, "configs": configs}
+            "recommended": recommended, "deploy": deploy, "configs": configs}
 
 
 def shape_entry(shape: ClusterShape, threads_per_worker: int) -> dict[str, Any]:

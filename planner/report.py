@@ -32,7 +32,8 @@ def print_plan(doc: dict[str, Any]) -> None:
         p = c["predicted"]
         mark = "[bold green]recommended[/]" if c is best or c == best else \
             ("yes" if c["meets_slo"] else "[red]no[/]")
-        table.add_row(label(c), str(c["local_prefill_threshold"]),
+        tp = f" TP{c['prefill_tp'] or '-'}/{c['decode_tp']}" if "decode_tp" in c else ""
+        table.add_row(label(c) + tp, str(c["local_prefill_threshold"]),
                       str(c["max_num_batched_tokens"]),
                       f"{_ms(p['ttft_p50_ms'])} / {_ms(p['ttft_p90_ms'])}",
                       f"{_ms(p['tpot_p50_ms'])} / {_ms(p['tpot_p90_ms'])}",
@@ -41,7 +42,18 @@ def print_plan(doc: dict[str, Any]) -> None:
                       f"{p['cost_per_mtok']:.3g}", mark)
     console.print(table)
     if best is None:
-        console.print("[red]no configuration meets the SLO within --max-workers[/]")
+        console.print("[red]no configuration meets the SLO within --max-workers "
+                      "(or --max-accelerators)[/]")
+    calibration = doc.get("calibration")
+    if calibration is not None:
+        console.print("calibrated to this machine's speed now" if calibration["applied"]
+                      else f"not calibrated: {calibration['reason']}")
+    if (deploy := doc.get("deploy")) is not None:
+        console.print(f"serve it:\n  {deploy['serve_command']}", soft_wrap=True)
+        console.print(f"KubeRay worker groups:\n{deploy['kuberay_worker_groups']}",
+                      soft_wrap=True, highlight=False)
+        for note in deploy["notes"]:
+            console.print(f"note: {note}")
 
 
 def print_validation(doc: dict[str, Any]) -> None:

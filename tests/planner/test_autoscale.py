@@ -14,15 +14,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
 from cluster.cli import _autoscaler, build_parser, main
 from engine import SamplingParams
-from planner.autoscale_policy import Autoscaler, AutoscalerConfig, Window
+from planner.autoscale_policy import REBALANCE_MARGIN, Autoscaler, AutoscalerConfig, Window
 from protocol.serving import Slo, TraceRequest
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
+from tests.planner.synthetic import synthetic_profile
 from tests.planner.test_plan import PROFILE
 
 # Long prompts (1 s of prefill each, one output token), TTFT p90 <= 3 s. One prefill worker
@@ -136,13 +138,19 @@ class Predicted(Autoscaler):
     """The policy over given predicted attainments per split (at the observed rate, and at
     the rate plus headroom): the decision logic alone, on known numbers."""
 
-    def __init__(self, config: AutoscalerConfig, at_rate: dict, with_headroom: dict) -> None:
+    def __init__(self, config: AutoscalerConfig, at_rate: dict, with_headroom: dict,
+                 sustained: dict | None = None) -> None:
         super().__init__(config, PROFILE, PROFILE)
         self.tables = {False: at_rate, True: with_headroom}
+        self.sustained = sustained or {}
 
     def predict(self, trace: list, split: tuple[int, int]) -> dict[str, Any]:
         headroom = len(trace) and trace[-1].timestamp < self.base_span * 0.9
-        return {"attainment": self.tables[bool(headroom)][split]}
+        attainment = self.tables[bool(headroom)][split]
+        return {"attainment": attainment, "goodput_rps": attainment}  # at 1 req/s
+
+    def sustained_rate(self, trace: list, split: tuple[int, int]) -> float:
+        return self.sustained[split]
 
     def trace(self, window: Window, rate: float) -> list:
         trace = super().trace(window, rate)
@@ -166,20 +174,75 @@ def test_a_rebalance_between_splits_near_the_boundary_needs_a_clear_gain() -> No
     # 0P+2D meets at the observed rate only: not a clear enough reason to move.
     held = decide({(1, 1): 0.85, (0, 2): 0.92}, {(1, 1): 0.8, (0, 2): 0.88})
     assert (held.action, held.prefill, held.decode) == ("hold", 1, 1)
-    assert "would not gain 25%" in held.reason
+    assert "would not gain clearly" in held.reason
     # Neither meets, 0P+2D 21 points closer: a burst of documents was predicted so in the
     # measured experiment, where the move drained 1P+1D's queued documents for 15 s.
     burst = decide({(1, 1): 0.37, (0, 2): 0.58}, {(1, 1): 0.3, (0, 2): 0.5})
     assert (burst.action, burst.prefill, burst.decode) == ("hold", 1, 1)
-    assert burst.reason == ("1P+1D is predicted at 37% at 1.00 req/s; rebalancing to 0P+2D "
-                            "(58%) would not gain 25% with headroom")
+    assert burst.reason == ("1P+1D is predicted at 0.370 req/s good, 37% at 1.00 req/s; "
+                            "moving to 0P+2D (0.580 req/s good, 58%) would not gain clearly")
     # It meets with headroom: move.
     moved = decide({(1, 1): 0.85, (0, 2): 0.95}, {(1, 1): 0.8, (0, 2): 0.93})
     assert (moved.action, moved.prefill, moved.decode) == ("rebalance", 0, 2)
-    # Neither meets; 0P+2D is predicted far better: move to the one that comes closest.
+    # Neither meets; 0P+2D is predicted far better: move to the one that delivers the most.
     closer = decide({(1, 1): 0.4, (0, 2): 0.8}, {(1, 1): 0.3, (0, 2): 0.7})
     assert (closer.action, closer.prefill, closer.decode) == ("rebalance", 0, 2)
-    assert "comes closest" in closer.reason
+    assert "0P+2D delivers the most" in closer.reason
+    assert closer.reason.endswith("a clear gain in attainment")
+
+
+def test_under_overload_the_split_that_still_delivers_the_most_is_taken() -> None:
+    """The chat-only overload of the issue, simulated: 40-120-token prompts (prefilled on
+    the decode worker, under the local-prefill threshold), 80-120-token answers at 1.6
+    req/s, TPOT p90 <= 220 ms, at most 2 workers. 1P+1D has one worker doing all the work
+    and its queue grows (about 1 % attainment); 0P+2D misses the SLO too but serves over
+    a fifth of the requests within it. The gap in attainment is under REBALANCE_MARGIN, so
+    ranking by attainment alone held 1P+1D; ranking by goodput moves."""
+    rng = np.random.default_rng(0)
+    n, duration = 96, 60.0
+    chat = Window(0.0, duration, sorted(rng.uniform(0, duration, n).tolist()),
+                  rng.integers(40, 121, n).tolist(), rng.integers(80, 121, n).tolist())
+    profile = synthetic_profile(prefill=(0.02, 1e-3, 0.0, 0.0), decode=(0.06, 0.012, 0.0))
+    config = AutoscalerConfig(Slo.parse("tpot_p90_ms=220,ttft_p90_ms=2000"), "disaggregated",
+                              2, 2, min_prefill=0, trace_requests=200)
+    scaler = Autoscaler(config, profile, profile)
+    trace = scaler.trace(chat, chat.rate)
+    one, two = scaler.predict(trace, (1, 1)), scaler.predict(trace, (0, 2))
+    assert one["attainment"] < 0.02 and one["ttft_p90_ms"] > 10_000  # its queue grows
+    assert 0.1 < two["attainment"] < one["attainment"] + REBALANCE_MARGIN < 0.9
+    assert two["goodput_rps"] > 10 * one["goodput_rps"]
+
+    decision = scaler.decide(0.0, chat, (1, 1))
+
+    assert (decision.action, decision.prefill, decision.decode) == ("rebalance", 0, 2)
+    assert decision.reason.startswith("no split within 2 workers meets the SLO at 1.60 "
+                                      "req/s; 0P+2D delivers the most")
+    assert decision.reason.endswith("a clear gain in goodput")
+    assert decision.predicted_attainment == two["attainment"]
+    # From 0P+2D nothing delivers more: it stays.
+    held = Autoscaler(config, profile, profile).decide(0.0, chat, (0, 2))
+    assert held.action == "hold" and "0P+2D is already the best" in held.reason
+
+
+def test_when_no_split_delivers_anything_the_highest_sustained_rate_decides() -> None:
+    """Every split at 0 attainment and 0 goodput (a tie the split tuple used to break, in
+    favour of 1P+1D): the rate each sustains decides, and only a clear gain moves."""
+    config = AutoscalerConfig(SLO, "disaggregated", 2, 2, min_prefill=0, trace_requests=50)
+    nothing = {(1, 1): 0.0, (0, 2): 0.0}
+
+    def decide(sustained: dict, current: tuple[int, int] = (1, 1)) -> Any:
+        return Predicted(config, nothing, nothing, sustained).decide(0.0, window(1.0), current)
+
+    moved = decide({(1, 1): 0.3, (0, 2): 0.7})
+    assert (moved.action, moved.prefill, moved.decode) == ("rebalance", 0, 2)
+    assert moved.reason.endswith("a clear gain in sustained rate")
+    close = decide({(1, 1): 0.5, (0, 2): 0.7})
+    assert (close.action, close.prefill, close.decode) == ("hold", 1, 1)
+    assert close.reason.endswith("would not gain clearly")
+    stays = decide({(1, 1): 0.3, (0, 2): 0.7}, current=(0, 2))
+    assert stays.action == "hold" and "0P+2D is already the best" in stays.reason
+    tied = decide({(1, 1): 0.4, (0, 2): 0.4})
+    assert tied.action == "hold" and "1P+1D is already the best" in tied.reason
 
 
 class Counting(Autoscaler):
