@@ -48,6 +48,9 @@ class RouterConfig:
             metrics' `model_name` label); None: the name the backend loaded it by.
         request_timeout_s: longest a request may take, queue included (a shorter client
             deadline wins); past it the request is aborted everywhere. None: no limit.
+        sse_keepalive_s: an HTTP stream that has sent nothing for this long sends an SSE
+            comment (`: keep-alive`), e.g. while a long prompt waits for its first token;
+            None sends none.
     """
 
     max_running: int = 256
@@ -55,13 +58,14 @@ class RouterConfig:
     queue_timeout_s: float | None = 60.0
     served_model_name: str | None = None
     request_timeout_s: float | None = None
+    sse_keepalive_s: float | None = 15.0
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for name in ("queue_timeout_s", "request_timeout_s"):
+        for name in ("queue_timeout_s", "request_timeout_s", "sse_keepalive_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
