@@ -14,13 +14,13 @@ from typing import Any
 from engine import (
     IncrementalDetokenizer,
     SamplingParams,
-    apply_chat_template,
     check_request,
     fit_context,
     load_tokenizer,
 )
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
+from router.chat import ChatTemplate
 from router.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -86,6 +86,7 @@ class Router:
         if self.config.served_model_name:
             self.model_info = replace(self.model_info, name=self.config.served_model_name)
         self.tokenizer = load_tokenizer(self.model_info.model_dir)
+        self.chat_template = ChatTemplate(self.tokenizer)
         self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
         self.metrics = RouterMetrics(self.admission, self.model_info.name)
         self._active: dict[str, _Stream] = {}
@@ -98,16 +99,18 @@ class Router:
     def prepare(self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                 messages: list[dict[str, Any]] | None = None,
                 params: dict[str, Any] | None = None, model: str | None = None,
-                request_id: str | None = None) -> GenerateRequest:
+                request_id: str | None = None,
+                tools: list[dict[str, Any]] | None = None) -> GenerateRequest:
         """Validate and tokenize a request; exactly one of prompt, prompt_token_ids, messages.
 
         Args:
             prompt: text.
             prompt_token_ids: token ids.
-            messages: a chat, rendered with the model's chat template.
+            messages: a chat, rendered with the model's chat template (see `router.chat`).
             params: SamplingParams fields; a missing or None field takes the default.
             model: the model asked for; None or empty for the served one.
             request_id: the client's id; None to have one made.
+            tools: OpenAI tool definitions, rendered into a chat's prompt.
 
         Returns:
             The request, ready for `generate`.
@@ -120,13 +123,35 @@ class Router:
         try:
             self._check_model(model)
             sampling = _sampling_params(params or {})
-            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling)
+            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling,
+                                               tools)
             sampling = self._fit_context(len(token_ids), sampling)
             rid = _request_id(request_id)
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
             raise
         return GenerateRequest(rid, token_ids, sampling, arrival)
+
+    def check_model(self, model: str | None) -> None:
+        """Raises ModelNotFoundError unless `model` is None, empty or the served model."""
+        try:
+            self._check_model(model)
+        except RouterError as e:
+            self.metrics.rejected.labels(e.code).inc()
+            raise
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens kept).
+
+        Raises:
+            InvalidRequestError: an id outside the vocabulary.
+        """
+        vocab_size = self.model_info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"tokens: {bad} is not a token id (the vocabulary has "
+                                      f"ids 0..{vocab_size - 1})", "tokens")
+        return self.tokenizer.decode(token_ids)
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self.model_info.name:
@@ -135,7 +160,8 @@ class Router:
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
                           messages: list[dict[str, Any]] | None,
-                          sampling: SamplingParams) -> list[int]:
+                          sampling: SamplingParams,
+                          tools: list[dict[str, Any]] | None) -> list[int]:
         inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
         given = [name for name, value in inputs.items() if value is not None]
         if len(given) != 1:
@@ -151,10 +177,7 @@ class Router:
                 if isinstance(message, dict):
                     for key, value in message.items():
                         _check_unicode(f"messages[{i}].{key}", value)
-            try:
-                ids = apply_chat_template(self.tokenizer, messages)
-            except ValueError as e:
-                raise InvalidRequestError(str(e)) from None
+            ids = self.chat_template.render(messages, tools)
         else:
             ids = list(prompt_token_ids or [])
         info = self.model_info

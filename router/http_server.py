@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import socket
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing, nullcontext, suppress
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -33,11 +34,21 @@ from router.openai_protocol import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseBuilder,
+    TokenizeRequest,
     error_body,
     total_usage,
 )
 from router.outputs import GenerateOutput
+from router.tool_calls import ToolCalling
+
+T = TypeVar("T")
+
+try:
+    VERSION = importlib.metadata.version("pdcluster")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    VERSION = "unknown"
 
 # Router error -> (HTTP status, OpenAI error type, OpenAI error code).
 _HTTP_ERRORS: dict[type[RouterError], tuple[int, str, str | None]] = {
@@ -53,13 +64,16 @@ _HTTP_ERRORS: dict[type[RouterError], tuple[int, str, str | None]] = {
 # A client's own id for its request (as vLLM's `X-Request-Id`): the gRPC `Abort` takes it.
 _REQUEST_ID = "x-request-id"
 
+# The paths that need a key when keys are set.
+_KEYED = ("/v1/", "/tokenize", "/detokenize")
+
 # Router finish reasons that are not OpenAI's: the request ends with an error instead.
 _FAILED = ("abort", "error")
 
 
 def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI:
-    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-    `/metrics`.
+    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, vLLM's
+    `/tokenize`, `/detokenize` and `/version`, `/health`, `/metrics`.
 
     Args:
         router: the shared router.
@@ -68,7 +82,7 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
     Returns:
         The app, ready for any ASGI server.
     """
-    app = FastAPI(title="pdcluster", version="0.1.0")
+    app = FastAPI(title="pdcluster", version=VERSION)
     app.state.router = router
     add_auth(app, security or SecurityConfig())
     app.add_exception_handler(RouterError, _router_error)
@@ -94,10 +108,31 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        router.check_model(body.model)
+        calling = _checked(router, lambda: body.tool_calling(router.chat_template))
         request = router.prepare(messages=body.message_dicts(),
-                                 params=body.params(info.max_model_len), model=body.model,
-                                 request_id=raw.headers.get(_REQUEST_ID))
-        return await _respond(router, _fan_out([request], body.n), body, chat=True, raw=raw)
+                                 params=body.params(info.max_model_len, calling),
+                                 model=body.model, request_id=raw.headers.get(_REQUEST_ID),
+                                 tools=body.tool_dicts())
+        return await _respond(router, _fan_out([request], body.n), body, chat=True, raw=raw,
+                              calling=calling)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        router.check_model(body.model)
+        ids = _checked(router, lambda: body.token_ids(router.chat_template))
+        strs = router.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        router.check_model(body.model)
+        return {"prompt": _checked(router, lambda: router.detokenize(body.tokens))}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -131,9 +166,19 @@ def _fan_out(prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
     return out
 
 
+def _checked(router: Router, check: Callable[[], T]) -> T:
+    """`check()`, counting the bad requests it refuses in the rejection metric."""
+    try:
+        return check()
+    except RouterError as e:
+        router.metrics.rejected.labels(e.code).inc()
+        raise
+
+
 async def _respond(router: Router, requests: list[GenerateRequest],
                    body: CompletionRequest | ChatCompletionRequest, chat: bool, raw: Request,
-                   echo: list[str] | None = None) -> Response:
+                   echo: list[str] | None = None, calling: ToolCalling | None = None
+                   ) -> Response:
     """Run the choices' requests and answer with one response (or one SSE stream)."""
     if body.return_tokens_as_token_ids:
         def name(token_id: int) -> str:
@@ -141,7 +186,8 @@ async def _respond(router: Router, requests: list[GenerateRequest],
     else:
         def name(token_id: int) -> str:
             return router.tokenizer.decode([token_id])
-    builder = ResponseBuilder(chat, requests[0].request_id, router.model_info.name, name)
+    builder = ResponseBuilder(chat, requests[0].request_id, router.model_info.name, name,
+                              calling)
     keepalive = router.config.sse_keepalive_s
     outputs = await _admitted(router, requests, keepalive if body.stream else None)
     n = body.n
@@ -350,16 +396,17 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 
 def add_auth(app: FastAPI, security: SecurityConfig) -> None:
-    """Require a key (`Authorization: Bearer <key>`) on `/v1/*`; 401 without a valid one.
+    """Require a key (`Authorization: Bearer <key>`) on `/v1/*`, `/tokenize` and
+    `/detokenize`; 401 without a valid one.
 
-    `/health` and `/metrics` stay open, for load balancers and scrapers.
+    `/health`, `/metrics` and `/version` stay open, for load balancers and scrapers.
     """
     if not security.authenticated:
         return
 
     @app.middleware("http")
     async def require_key(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith(_KEYED):
             key = bearer_token(request.headers.get("authorization"))
             if security.access(key) < Access.USER:
                 return JSONResponse(error_body(

@@ -4,6 +4,7 @@ reason), SSE keep-alive comments, `/tokenize`, `/detokenize`, `/version`."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -119,3 +120,71 @@ def test_keep_alive_comments_while_the_first_token_waits(make_servers, backend, 
     events = _events(lines)
     assert "".join(e["choices"][0]["text"] for e in events) == ref.text
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ---- /tokenize, /detokenize, /version --------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+
+
+def _post(servers, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{servers.http_port}{path}", json=body, timeout=30)
+
+
+def test_tokenize_a_prompt_then_detokenize(servers, offline):
+    # (These tokenizers add no special token to a prompt, so `add_special_tokens` changes
+    # nothing here.)
+    text = "Hello, wörld! 123"
+    resp = _post(servers, "/tokenize", {"model": "tiny", "prompt": text}).json()
+    expected = offline.tokenizer.encode(text)
+    assert resp == {"count": len(expected), "tokens": expected, "token_strs": None,
+                    "max_model_len": offline.engine.model_config.max_model_len}
+    assert _post(servers, "/detokenize", {"model": "tiny", "tokens": expected}).json() == {
+        "prompt": text}
+
+
+def test_tokenize_messages_counts_what_the_chat_endpoint_runs(servers, offline):
+    resp = _post(servers, "/tokenize", {"messages": MESSAGES, "return_token_strs": True}).json()
+    expected = offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+    assert resp["tokens"] == list(expected) and resp["count"] == len(expected)
+    assert resp["token_strs"] == offline.tokenizer.convert_ids_to_tokens(list(expected))
+    chat = _openai(servers.http_port).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=1)
+    assert chat.usage.prompt_tokens == resp["count"]
+    without = _post(servers, "/tokenize", {"messages": MESSAGES,
+                                           "add_generation_prompt": False}).json()
+    generation = offline.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert without["tokens"] + generation == resp["tokens"]
+
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/tokenize", {}, "prompt: give exactly one of prompt or messages"),
+    ("/tokenize", {"prompt": "a", "messages": MESSAGES},
+     "prompt: give exactly one of prompt or messages"),
+    ("/tokenize", {"prompt": 5}, "prompt: Input should be a valid string"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True,
+                   "continue_final_message": True},
+     "continue_final_message: cannot be set together with add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role: "),
+    ("/detokenize", {"tokens": [1, -3]}, "tokens: -3 is not a token id"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens: 1000000000 is not a token id"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens: Input should be a valid list"),
+    ("/detokenize", {"prompt": "x", "tokens": [1]}, "prompt: not supported by this server"),
+])
+def test_bad_tokenize_requests_are_400(servers, path, body, message):
+    resp = _post(servers, path, body)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"].startswith(message)
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenize_an_unknown_model_is_404(servers):
+    resp = _post(servers, "/tokenize", {"model": "gpt-4", "prompt": "a"})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_version(servers):
+    resp = httpx.get(f"http://127.0.0.1:{servers.http_port}/version")
+    assert resp.status_code == 200
+    assert resp.json() == {"version": importlib.metadata.version("pdcluster")}
