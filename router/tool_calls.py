@@ -56,7 +56,9 @@ class ToolCalling:
             return None
         if self.named is not None:
             return [tool_call(self.named, text)]
-        return [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+        # Compact, as the grammar writes a named call's arguments.
+        return [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False,
+                                                   separators=(",", ":")))
                 for call in parsed]
 
 

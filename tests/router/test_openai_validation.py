@@ -1,0 +1,94 @@
+"""OpenAI request validation without a server: the request bodies and their tool choices,
+checked as the HTTP front door checks them (its messages are what a client reads)."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from engine import load_tokenizer
+from router.chat import ChatTemplate
+from router.errors import InvalidRequestError
+from router.openai_protocol import ChatCompletionRequest
+from router.tool_calls import ToolCalling
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def template(tiny_dir) -> ChatTemplate:
+    return ChatTemplate(load_tokenizer(tiny_dir))
+
+
+def _calling(template: ChatTemplate, **body) -> ToolCalling | None:
+    request = ChatCompletionRequest.model_validate({"messages": USER, **body})
+    request.message_dicts()
+    return request.tool_calling(template)
+
+
+def test_smollm2s_template_takes_no_tools(template):
+    assert not template.takes_tools and not template.renders_tool_calls
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"tool_choice": "required"}, "tool_choice: only allowed when tools are given"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice: function 'g' is not among the tools (f)"),
+    ({"tools": [TOOL, TOOL], "tool_choice": "required"},
+     "tools: function names must be unique"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format: not supported together with a forced tool call"),
+    ({"tools": [TOOL], "tool_choice": "required", "stop": ["}"]},
+     "stop: not supported together with a forced tool call"),
+    ({"tools": [TOOL]}, "tool_choice: 'auto' needs the model's own tool-call format"),
+    ({"messages": [{"role": "tool", "content": "1"}]},
+     "messages[0].tool_call_id: required on a tool message and only there"),
+    ({"messages": [{"role": "user", "content": "1", "tool_call_id": "a"}]},
+     "messages[0].tool_call_id: required on a tool message and only there"),
+    ({"messages": [{"role": "user", "content": "1", "tool_calls": []}]},
+     "messages[0].tool_calls: only an assistant message may have tool calls"),
+    ({"messages": [{"role": "tool", "content": None, "tool_call_id": "a"}]},
+     "messages[0].content: only an assistant message may have null content"),
+])
+def test_bad_tool_requests(template, body, message):
+    with pytest.raises(InvalidRequestError) as e:
+        _calling(template, **body)
+    assert str(e.value).startswith(message)
+    assert e.value.param == message.split(":")[0].split("[")[0].split(".")[0]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "name"),
+    ({"tools": [{"type": "retrieval"}]}, "type"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                    "function": {"name": "f", "arguments": "{x"}}]}]}, "arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                    "function": {"name": "f", "arguments": "[1]"}}]}]}, "arguments"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+])
+def test_malformed_tool_fields_are_refused_by_the_schema(body, field):
+    with pytest.raises(pydantic.ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": USER, **body})
+    assert any(field in (str(part) for part in err["loc"]) for err in e.value.errors())
+
+
+def test_forced_calls_and_their_grammars(template):
+    named = _calling(template, tools=[TOOL], tool_choice={"type": "function",
+                                                          "function": {"name": "f"}})
+    assert named == ToolCalling({"f": TOOL["function"]["parameters"]}, "f", True)
+    assert named.json_schema() == '{"type": "object", "properties": {"x": {"type": ' \
+        '"integer"}}, "required": ["x"]}'
+    assert named.calls('{"x": 1}')[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert named.calls('{"x": ') is None
+    required = _calling(template, tools=[TOOL], tool_choice="required",
+                        parallel_tool_calls=False)
+    assert required.named is None and not required.parallel
+    schema = required.json_schema()
+    assert '"maxItems": 1' in schema and '"const": "f"' in schema
+    assert [c["function"] for c in required.calls('[{"name": "f", "parameters": {"x": 2}}]')] \
+        == [{"name": "f", "arguments": '{"x":2}'}]
+    assert _calling(template, tools=[TOOL], tool_choice="none") is None
+    assert _calling(template) is None
