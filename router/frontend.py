@@ -29,6 +29,7 @@ from router.errors import (
     RouterError,
     UnavailableError,
 )
+from router.logs import log_request
 from router.metrics import RouterMetrics
 from router.outputs import GenerateOutput, Timings, TokenLogprob, Usage
 
@@ -367,6 +368,7 @@ class _Stream:
         self.num_tokens = 0
         self.num_cached_tokens = 0
         self.backend_timings: dict[str, float] = {}
+        self.workers: list[str] = []
         self.abort_requested = False
         self.stop_matched = False
         self.finish_reason: str | None = None
@@ -376,6 +378,7 @@ class _Stream:
         self._clock(len(delta.token_ids))
         self.num_cached_tokens = delta.num_cached_tokens
         self.backend_timings.update(delta.timings)
+        self.workers += [w for w in delta.workers if w not in self.workers]
         text = self.detok.add(delta.token_ids)
         reason = delta.finish_reason
         if reason is None and self.detok.stopped:
@@ -418,11 +421,13 @@ class _Stream:
         metrics = self.router.metrics
         metrics.finished.labels(reason).inc()
         metrics.e2e.observe(now - arrival)
+        tpot = None
         if self.first_token is not None:
             metrics.prefill_time.observe(self.first_token - self.admitted)
             metrics.decode_time.observe(self.last_token - self.first_token)
             if self.num_tokens > 1:
-                metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+                tpot = (self.last_token - self.first_token) / (self.num_tokens - 1)
+                metrics.tpot.observe(tpot)
         out = out or GenerateOutput(self.request.request_id)
         timings = Timings(queue=self.admitted - arrival,
                           prefill=self.backend_timings.get("prefill", 0.0),
@@ -430,6 +435,12 @@ class _Stream:
                           ttft=0.0 if self.first_token is None else self.first_token - arrival,
                           e2e=now - arrival)
         usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.num_cached_tokens)
+        log_request({"request_id": self.request.request_id, "model": self.router.model_info.name,
+                     "status": reason, "prompt_tokens": usage.prompt_tokens,
+                     "output_tokens": usage.completion_tokens,
+                     "cached_tokens": usage.cached_tokens, "queue_s": timings.queue,
+                     "ttft_s": None if self.first_token is None else timings.ttft,
+                     "tpot_s": tpot, "e2e_s": timings.e2e, "workers": list(self.workers)})
         return GenerateOutput(out.request_id, out.text + self.detok.flush(), out.token_ids,
                               out.logprobs, reason, usage, timings,
                               error if reason == "error" else None)
