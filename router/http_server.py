@@ -110,10 +110,17 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         router.check_model(body.model)
         calling = _checked(router, lambda: body.tool_calling(router.chat_template))
-        request = router.prepare(messages=body.message_dicts(),
-                                 params=body.params(info.max_model_len, calling),
-                                 model=body.model, request_id=raw.headers.get(_REQUEST_ID),
-                                 tools=body.tool_dicts())
+        messages = _checked(router, body.message_dicts)
+        try:
+            request = router.prepare(messages=messages,
+                                     params=body.params(info.max_model_len, calling),
+                                     model=body.model, request_id=raw.headers.get(_REQUEST_ID),
+                                     tools=body.tool_dicts())
+        except InvalidRequestError as e:
+            if calling is None or e.param != "json_schema":
+                raise
+            raise InvalidRequestError(f"tools: a function's parameters cannot be enforced as "
+                                      f"a grammar ({e})", "tools") from None
         return await _respond(router, _fan_out([request], body.n), body, chat=True, raw=raw,
                               calling=calling)
 

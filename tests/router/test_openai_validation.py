@@ -92,3 +92,30 @@ def test_forced_calls_and_their_grammars(template):
         == [{"name": "f", "arguments": '{"x":2}'}]
     assert _calling(template, tools=[TOOL], tool_choice="none") is None
     assert _calling(template) is None
+
+
+# A template in the shape of Qwen2.5's: it takes `tools` and renders `tool_calls` itself.
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n"
+    "{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}:{{ c.function.arguments.x }}"
+    "</call>{% endfor %}</{{ m.role }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_template_that_takes_tools_gets_them_as_its_argument(tiny_dir):
+    tokenizer = load_tokenizer(tiny_dir)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    template = ChatTemplate(tokenizer)
+    assert template.takes_tools and template.renders_tool_calls
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": '{"x": 7}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    ids = template.render(history, [TOOL])
+    assert tokenizer.decode(ids) == ("<tools>f;</tools>\n<user>hi</user>\n"
+                                     "<assistant><call>f:7</call></assistant>\n"
+                                     "<tool>ok</tool>\n<assistant>")
+    # auto is still refused: nothing here parses the model's free-form calls.
+    with pytest.raises(InvalidRequestError, match="has one, but this server does not parse"):
+        _calling(template, tools=[TOOL], tool_choice="auto")

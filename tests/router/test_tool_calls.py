@@ -135,3 +135,13 @@ def test_calls_and_results_in_the_history_render_in_the_documented_plain_form(ap
     resp = api.chat.completions.create(model="tiny", messages=history, tools=TOOLS[:1],
                                        tool_choice="none", max_tokens=4, temperature=0.0)
     assert resp.usage.prompt_tokens == tokenized["count"]
+
+
+def test_parameters_the_grammar_cannot_hold_are_a_400(api):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "frobnicate"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _create(api, tools=[tool], tool_choice="required")
+    assert e.value.body["param"] == "tools"
+    assert e.value.body["message"].startswith(
+        "tools: a function's parameters cannot be enforced as a grammar (json_schema: ")
