@@ -208,8 +208,11 @@ async def _respond(router: Router, requests: list[GenerateRequest],
     finals = [outs[-1] for outs in collected]
     failed = next((final for final in finals if final.finish_reason in _FAILED), None)
     if failed is not None:
-        status, body = _failure(failed)
-        return JSONResponse(body, status)
+        status, error = _failure(failed)
+        # An abort was meant (the operator's `Abort`): the OpenAI SDKs honour this header
+        # rather than sending the request again.
+        headers = {"x-should-retry": "false"} if failed.finish_reason == "abort" else None
+        return JSONResponse(error, status, headers=headers)
     choices = []
     for index, outs in enumerate(collected):
         logprobs = None if requests[index].params.logprobs is None else \

@@ -79,6 +79,7 @@ def test_an_aborted_request_is_an_error_not_a_finish_reason(make_servers, backen
     else:
         assert result.status_code == 503
         assert result.json() == {"error": expected}
+        assert result.headers["x-should-retry"] == "false"
 
 
 def test_the_openai_client_raises_on_an_aborted_stream(make_servers, backend, wait_until):
