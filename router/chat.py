@@ -52,6 +52,12 @@ class ChatTemplate:
         return "tools" in self._variables
 
     @property
+    def hermes_tool_calls(self) -> bool:
+        """The template defines the Hermes tool-call format (`<tool_call>` blocks), which
+        `tool_choice` `auto` parses."""
+        return self.takes_tools and "<tool_call>" in (self.source or "")
+
+    @property
     def renders_tool_calls(self) -> bool:
         """The template renders an assistant message's `tool_calls`."""
         return self.source is not None and "tool_calls" in self.source

@@ -218,7 +218,7 @@ class ChatCompletionRequest(_Request):
         max_tokens = next((n for n in given if n is not None), max_model_len)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         fields = {**self.sampling(), "max_tokens": max_tokens, "logprobs": logprobs}
-        if calling is not None:
+        if calling is not None and not calling.auto:
             fields["json_schema"] = calling.json_schema()
         return fields
 
@@ -235,8 +235,8 @@ class ChatCompletionRequest(_Request):
 
         Raises:
             InvalidRequestError: a choice without tools, an unknown function, `auto` on a
-                template with no tool-call format, or a forced call with `response_format`
-                or `stop` (either would fight the call's grammar).
+                template with no tool-call format this server parses, or a forced call with
+                `response_format` or `stop` (either would fight the call's grammar).
         """
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
@@ -244,17 +244,20 @@ class ChatCompletionRequest(_Request):
                                       "tool_choice")
         if not self.tools or choice == "none":
             return None
-        if choice is None or choice == "auto":
-            reason = ("has no tool-call format" if not template.takes_tools else
-                      "has one, but this server does not parse free-form tool calls yet")
-            raise InvalidRequestError(
-                f"tool_choice: 'auto' needs the model's own tool-call format; this model's "
-                f"chat template {reason}. Ask for tool_choice 'required' or a named function "
-                "(the call is then enforced by a grammar), or 'none'", "tool_choice")
         functions = {t.function.name: t.function.parameters or {"type": "object"}
                      for t in self.tools}
         if len(functions) != len(self.tools):
             raise InvalidRequestError("tools: function names must be unique", "tools")
+        if choice is None or choice == "auto":
+            if template.hermes_tool_calls:
+                return ToolCalling(functions, auto=True)
+            reason = ("has no tool-call format" if not template.takes_tools else
+                      "takes tools, but not in a format this server parses (Hermes "
+                      "`<tool_call>` blocks)")
+            raise InvalidRequestError(
+                f"tool_choice: 'auto' needs the model's own tool-call format; this model's "
+                f"chat template {reason}. Ask for tool_choice 'required' or a named function "
+                "(the call is then enforced by a grammar), or 'none'", "tool_choice")
         named = None
         if isinstance(choice, NamedToolChoice):
             named = choice.function.name
@@ -370,11 +373,12 @@ class ResponseBuilder:
                                     "finish_reason": choice.finish_reason}
             if self.chat:
                 body["message"] = {"role": "assistant", "content": choice.text}
-                calls = self._tool_calling.calls(choice.text) if self._tool_calling else None
-                if calls is not None:
-                    body["message"] = {"role": "assistant", "content": None,
-                                       "tool_calls": calls}
-                    body["finish_reason"] = "tool_calls"
+                if self._tool_calling is not None:
+                    content, calls = self._tool_calling.parse(choice.text)
+                    if calls is not None:
+                        body["message"] = {"role": "assistant", "content": content,
+                                           "tool_calls": calls}
+                        body["finish_reason"] = "tool_calls"
             else:
                 body["text"] = choice.text
             bodies.append(body)
@@ -386,7 +390,7 @@ class ResponseBuilder:
         """A streaming chunk of choice `index`; None gives the chat stream's opening (role)
         chunk; `prefix` goes before the text (the echoed prompt)."""
         if out is None:
-            content = None if self._tool_calling else ""
+            content = None if self._tool_calling and not self._tool_calling.auto else ""
             choice = {"index": index, "delta": {"role": "assistant", "content": content},
                       "logprobs": None, "finish_reason": None}
         else:

@@ -10,7 +10,7 @@ from engine import load_tokenizer
 from router.chat import ChatTemplate
 from router.errors import InvalidRequestError
 from router.openai_protocol import ChatCompletionRequest
-from router.tool_calls import ToolCalling
+from router.tool_calls import ToolCalling, ToolCallStream
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
@@ -116,6 +116,59 @@ def test_a_template_that_takes_tools_gets_them_as_its_argument(tiny_dir):
     assert tokenizer.decode(ids) == ("<tools>f;</tools>\n<user>hi</user>\n"
                                      "<assistant><call>f:7</call></assistant>\n"
                                      "<tool>ok</tool>\n<assistant>")
-    # auto is still refused: nothing here parses the model's free-form calls.
-    with pytest.raises(InvalidRequestError, match="has one, but this server does not parse"):
+    # auto is refused: the template's call format is not one this server parses.
+    with pytest.raises(InvalidRequestError, match="takes tools, but not in a format this "
+                       "server parses"):
         _calling(template, tools=[TOOL], tool_choice="auto")
+
+
+def test_auto_on_a_hermes_template_parses_the_models_calls(tiny_dir):
+    tokenizer = load_tokenizer(tiny_dir)
+    tokenizer.chat_template = TOOL_TEMPLATE.replace("<call>", "<tool_call>")
+    calling = _calling(ChatTemplate(tokenizer), tools=[TOOL], stop=["x"])  # auto by default
+    assert calling == ToolCalling({"f": TOOL["function"]["parameters"]}, auto=True)
+    assert calling.json_schema() is None  # no grammar: the model writes as it will
+    two = ('I will call f twice.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'
+           '</tool_call>\n<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>')
+    content, calls = calling.parse(two)
+    assert content == "I will call f twice."
+    assert [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x":1}'},
+                                              {"name": "f", "arguments": '{"x": 2}'}]
+    assert calling.parse("no call here") == ("no call here", None)
+    for broken in ('<tool_call>{"name": "g", "arguments": {}}</tool_call>',  # not a tool
+                   '<tool_call>{"name": "f", "arguments": {"x": </tool_call>',
+                   '<tool_call>{"name": "f", "arguments": {"x": 1}}'):  # cut off
+        assert calling.parse(broken) == (broken, None)
+
+
+def _stream(calling: ToolCalling, pieces: list[str]) -> list[tuple[dict, bool | None]]:
+    stream = ToolCallStream(calling)
+    return [stream.delta(piece, i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+
+
+def test_auto_streams_text_then_the_calls_whole():
+    calling = ToolCalling({"f": {"type": "object"}}, auto=True)
+    deltas = _stream(calling, ["Sure", ". <to", "ol_call>", '{"name": "f", ',
+                               '"arguments": {}}</tool_call>', ""])
+    assert [d for d, _ in deltas[:5]] == [{"content": "Sure"}, {"content": ". "}, {}, {}, {}]
+    last, whole = deltas[-1]
+    assert whole is True and last["tool_calls"][0]["function"] == {"name": "f",
+                                                                   "arguments": "{}"}
+    # A tag's start that turns out to be text is sent once it cannot be a tag.
+    deltas = _stream(calling, ["a <to", "y>", " b"])
+    assert deltas == [({"content": "a "}, None), ({"content": "<toy>"}, None),
+                      ({"content": " b"}, False)]
+    # A call that does not parse goes out as text with the finish.
+    deltas = _stream(calling, ["x<tool_call>{oops", "</tool_call>"])
+    assert deltas == [({"content": "x"}, None),
+                      ({"content": "<tool_call>{oops</tool_call>"}, False)]
+
+
+def test_a_named_call_streams_its_arguments_as_they_come():
+    calling = ToolCalling({"f": {"type": "object"}}, "f")
+    (first, _), (second, _), (third, whole) = _stream(calling, ['{"x"', ": 1}", ""])
+    call = first["tool_calls"][0]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "f", "arguments": '{"x"'}
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
+    assert third == {} and whole is True

@@ -6,13 +6,17 @@ What a real model does with tools (SmolLM2) is in `test_tool_calls_smollm2.py`."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from engine import SamplingParams
+from cluster.engine_backend import EngineBackend
+from engine import CacheConfig, LLMEngine, SamplingParams
+from router.servers import start_servers
+from tests.conftest import assert_pool_free
 
 TRIP = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
         "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -145,3 +149,50 @@ def test_parameters_the_grammar_cannot_hold_are_a_400(api):
     assert e.value.body["param"] == "tools"
     assert e.value.body["message"].startswith(
         "tools: a function's parameters cannot be enforced as a grammar (json_schema: ")
+
+
+# The Hermes tool-call format, as Qwen2.5's template writes it (shortened).
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions.\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    'Return each call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+    "{%- endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{%- endfor %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def hermes_servers(loop_thread, tiny_dir, tmp_path_factory):
+    """The tiny model's weights and tokenizer behind a template with the Hermes format."""
+    copy = tmp_path_factory.mktemp("tiny-hermes")
+    for path in Path(tiny_dir).iterdir():
+        if path.name != "chat_template.jinja":
+            (copy / path.name).symlink_to(path)
+    (copy / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    backend = EngineBackend(LLMEngine(str(copy), cache=CacheConfig(num_blocks=64)), "tiny")
+    servers = loop_thread.run(start_servers(backend))
+    yield servers
+    loop_thread.run(servers.stop(grace=0.5))
+    backend.loop.call(assert_pool_free)
+    backend.close()
+
+
+@pytest.mark.server
+def test_auto_on_a_hermes_template_answers_in_text_when_the_model_calls_nothing(
+        hermes_servers):
+    # The random model never writes a <tool_call> block (the parsing of one is tested
+    # without a server): auto must leave its text alone, unconstrained.
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{hermes_servers.http_port}/v1",
+                        api_key="unused", max_retries=0, timeout=60)
+    fields = {"max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    choice = _create(api, **fields).choices[0]  # tool_choice defaults to auto with tools
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert "<tool_call>" not in choice.message.content
+    chunks = list(_create(api, stream=True, tool_choice="auto", **fields))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    tokenized = httpx.post(f"http://127.0.0.1:{hermes_servers.http_port}/tokenize",
+                           json={"messages": MESSAGES, "tools": TOOLS}).json()
+    prompt = hermes_servers.router.tokenizer.decode(tokenized["tokens"])
+    assert prompt.startswith("<|im_start|>system\nYou may call functions.\n<tools>"
+                             '{"type": "function", "function": {"name": "plan_trip"')
