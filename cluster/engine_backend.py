@@ -15,6 +15,9 @@ from engine.engine_loop import EngineLoop
 from protocol import WorkerStatus
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 
+# The one worker's id, in `status` and in the request log's `workers`.
+WORKER_ID = "engine-0"
+
 
 class EngineBackend(Backend):
     """One colocated engine in this process, driven by an `EngineLoop` thread.
@@ -62,7 +65,8 @@ class EngineBackend(Backend):
                 continue
             loop, queue = target
             delta = TokenDelta(out.request_id, out.new_token_ids, out.finish_reason,
-                               out.new_logprobs, out.num_cached_tokens)
+                               out.new_logprobs, out.num_cached_tokens,
+                               workers=(WORKER_ID,) if out.finish_reason else ())
             loop.call_soon_threadsafe(queue.put_nowait, delta)
 
     async def abort(self, request_id: str) -> bool:
@@ -73,7 +77,7 @@ class EngineBackend(Backend):
 
     async def status(self) -> dict[str, Any]:
         stats = await asyncio.to_thread(self.loop.call, lambda e: e.stats())
-        worker = WorkerStatus(**stats, worker_id="engine-0", role="mixed", pid=os.getpid())
+        worker = WorkerStatus(**stats, worker_id=WORKER_ID, role="mixed", pid=os.getpid())
         return {"mode": "engine", "pools": {"mixed": [msgspec.to_builtins(worker)]}}
 
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:

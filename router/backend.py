@@ -47,6 +47,8 @@ class TokenDelta:
         num_cached_tokens: prompt tokens found in a prefix cache.
         timings: seconds, e.g. `prefill`, `transfer` (filled by the backend).
         error: a message when `finish_reason` is `error`.
+        workers: the ids of the workers that served the request, when the backend says
+            (e.g. on the last delta), for the request's log line.
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    workers: tuple[str, ...] = ()
 
 
 class Backend(ABC):

@@ -14,13 +14,13 @@ from typing import Any
 from engine import (
     IncrementalDetokenizer,
     SamplingParams,
-    apply_chat_template,
     check_request,
     fit_context,
     load_tokenizer,
 )
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
+from router.chat import ChatTemplate
 from router.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -29,6 +29,7 @@ from router.errors import (
     RouterError,
     UnavailableError,
 )
+from router.logs import log_request
 from router.metrics import RouterMetrics
 from router.outputs import GenerateOutput, Timings, TokenLogprob, Usage
 
@@ -48,6 +49,9 @@ class RouterConfig:
             metrics' `model_name` label); None: the name the backend loaded it by.
         request_timeout_s: longest a request may take, queue included (a shorter client
             deadline wins); past it the request is aborted everywhere. None: no limit.
+        sse_keepalive_s: an HTTP stream that has sent nothing for this long sends an SSE
+            comment (`: keep-alive`), e.g. while a long prompt waits for its first token;
+            None sends none.
     """
 
     max_running: int = 256
@@ -55,13 +59,14 @@ class RouterConfig:
     queue_timeout_s: float | None = 60.0
     served_model_name: str | None = None
     request_timeout_s: float | None = None
+    sse_keepalive_s: float | None = 15.0
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for name in ("queue_timeout_s", "request_timeout_s"):
+        for name in ("queue_timeout_s", "request_timeout_s", "sse_keepalive_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
@@ -82,6 +87,7 @@ class Router:
         if self.config.served_model_name:
             self.model_info = replace(self.model_info, name=self.config.served_model_name)
         self.tokenizer = load_tokenizer(self.model_info.model_dir)
+        self.chat_template = ChatTemplate(self.tokenizer)
         self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
         self.metrics = RouterMetrics(self.admission, self.model_info.name)
         self._active: dict[str, _Stream] = {}
@@ -94,16 +100,18 @@ class Router:
     def prepare(self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                 messages: list[dict[str, Any]] | None = None,
                 params: dict[str, Any] | None = None, model: str | None = None,
-                request_id: str | None = None) -> GenerateRequest:
+                request_id: str | None = None,
+                tools: list[dict[str, Any]] | None = None) -> GenerateRequest:
         """Validate and tokenize a request; exactly one of prompt, prompt_token_ids, messages.
 
         Args:
             prompt: text.
             prompt_token_ids: token ids.
-            messages: a chat, rendered with the model's chat template.
+            messages: a chat, rendered with the model's chat template (see `router.chat`).
             params: SamplingParams fields; a missing or None field takes the default.
             model: the model asked for; None or empty for the served one.
             request_id: the client's id; None to have one made.
+            tools: OpenAI tool definitions, rendered into a chat's prompt.
 
         Returns:
             The request, ready for `generate`.
@@ -116,13 +124,35 @@ class Router:
         try:
             self._check_model(model)
             sampling = _sampling_params(params or {})
-            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling)
+            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling,
+                                               tools)
             sampling = self._fit_context(len(token_ids), sampling)
             rid = _request_id(request_id)
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
             raise
         return GenerateRequest(rid, token_ids, sampling, arrival)
+
+    def check_model(self, model: str | None) -> None:
+        """Raises ModelNotFoundError unless `model` is None, empty or the served model."""
+        try:
+            self._check_model(model)
+        except RouterError as e:
+            self.metrics.rejected.labels(e.code).inc()
+            raise
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens kept).
+
+        Raises:
+            InvalidRequestError: an id outside the vocabulary.
+        """
+        vocab_size = self.model_info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"tokens: {bad} is not a token id (the vocabulary has "
+                                      f"ids 0..{vocab_size - 1})", "tokens")
+        return self.tokenizer.decode(token_ids)
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self.model_info.name:
@@ -131,7 +161,8 @@ class Router:
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
                           messages: list[dict[str, Any]] | None,
-                          sampling: SamplingParams) -> list[int]:
+                          sampling: SamplingParams,
+                          tools: list[dict[str, Any]] | None) -> list[int]:
         inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
         given = [name for name, value in inputs.items() if value is not None]
         if len(given) != 1:
@@ -147,10 +178,7 @@ class Router:
                 if isinstance(message, dict):
                     for key, value in message.items():
                         _check_unicode(f"messages[{i}].{key}", value)
-            try:
-                ids = apply_chat_template(self.tokenizer, messages)
-            except ValueError as e:
-                raise InvalidRequestError(str(e)) from None
+            ids = self.chat_template.render(messages, tools)
         else:
             ids = list(prompt_token_ids or [])
         info = self.model_info
@@ -340,6 +368,7 @@ class _Stream:
         self.num_tokens = 0
         self.num_cached_tokens = 0
         self.backend_timings: dict[str, float] = {}
+        self.workers: list[str] = []
         self.abort_requested = False
         self.stop_matched = False
         self.finish_reason: str | None = None
@@ -349,6 +378,7 @@ class _Stream:
         self._clock(len(delta.token_ids))
         self.num_cached_tokens = delta.num_cached_tokens
         self.backend_timings.update(delta.timings)
+        self.workers += [w for w in delta.workers if w not in self.workers]
         text = self.detok.add(delta.token_ids)
         reason = delta.finish_reason
         if reason is None and self.detok.stopped:
@@ -391,11 +421,13 @@ class _Stream:
         metrics = self.router.metrics
         metrics.finished.labels(reason).inc()
         metrics.e2e.observe(now - arrival)
+        tpot = None
         if self.first_token is not None:
             metrics.prefill_time.observe(self.first_token - self.admitted)
             metrics.decode_time.observe(self.last_token - self.first_token)
             if self.num_tokens > 1:
-                metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+                tpot = (self.last_token - self.first_token) / (self.num_tokens - 1)
+                metrics.tpot.observe(tpot)
         out = out or GenerateOutput(self.request.request_id)
         timings = Timings(queue=self.admitted - arrival,
                           prefill=self.backend_timings.get("prefill", 0.0),
@@ -403,6 +435,12 @@ class _Stream:
                           ttft=0.0 if self.first_token is None else self.first_token - arrival,
                           e2e=now - arrival)
         usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.num_cached_tokens)
+        log_request({"request_id": self.request.request_id, "model": self.router.model_info.name,
+                     "status": reason, "prompt_tokens": usage.prompt_tokens,
+                     "output_tokens": usage.completion_tokens,
+                     "cached_tokens": usage.cached_tokens, "queue_s": timings.queue,
+                     "ttft_s": None if self.first_token is None else timings.ttft,
+                     "tpot_s": tpot, "e2e_s": timings.e2e, "workers": list(self.workers)})
         return GenerateOutput(out.request_id, out.text + self.detok.flush(), out.token_ids,
                               out.logprobs, reason, usage, timings,
                               error if reason == "error" else None)

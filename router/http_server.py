@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import socket
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing, nullcontext, suppress
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -33,11 +34,21 @@ from router.openai_protocol import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseBuilder,
+    TokenizeRequest,
     error_body,
     total_usage,
 )
 from router.outputs import GenerateOutput
+from router.tool_calls import ToolCalling
+
+T = TypeVar("T")
+
+try:
+    VERSION = importlib.metadata.version("pdcluster")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    VERSION = "unknown"
 
 # Router error -> (HTTP status, OpenAI error type, OpenAI error code).
 _HTTP_ERRORS: dict[type[RouterError], tuple[int, str, str | None]] = {
@@ -50,10 +61,19 @@ _HTTP_ERRORS: dict[type[RouterError], tuple[int, str, str | None]] = {
     UnavailableError: (503, "server_error", "draining"),
 }
 
+# A client's own id for its request (as vLLM's `X-Request-Id`): the gRPC `Abort` takes it.
+_REQUEST_ID = "x-request-id"
+
+# The paths that need a key when keys are set.
+_KEYED = ("/v1/", "/tokenize", "/detokenize")
+
+# Router finish reasons that are not OpenAI's: the request ends with an error instead.
+_FAILED = ("abort", "error")
+
 
 def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI:
-    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-    `/metrics`.
+    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, vLLM's
+    `/tokenize`, `/detokenize` and `/version`, `/health`, `/metrics`.
 
     Args:
         router: the shared router.
@@ -62,7 +82,7 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
     Returns:
         The app, ready for any ASGI server.
     """
-    app = FastAPI(title="pdcluster", version="0.1.0")
+    app = FastAPI(title="pdcluster", version=VERSION)
     app.state.router = router
     add_auth(app, security or SecurityConfig())
     app.add_exception_handler(RouterError, _router_error)
@@ -72,8 +92,13 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         params = body.params()
-        prompts = [router.prepare(**prompt, params=params, model=body.model)
-                   for prompt in body.prompts()]
+        prompts = body.prompts()
+        if len(prompts) > 1 and raw.headers.get(_REQUEST_ID):
+            raise InvalidRequestError(f"{_REQUEST_ID}: one id cannot name {len(prompts)} "
+                                      "prompts; send one prompt per request", "prompt")
+        prompts = [router.prepare(**prompt, params=params, model=body.model,
+                                  request_id=raw.headers.get(_REQUEST_ID))
+                   for prompt in prompts]
         echo = None
         if body.echo:
             texts = [router.tokenizer.decode(r.prompt_token_ids) for r in prompts]
@@ -83,9 +108,38 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        request = router.prepare(messages=body.message_dicts(),
-                                 params=body.params(info.max_model_len), model=body.model)
-        return await _respond(router, _fan_out([request], body.n), body, chat=True, raw=raw)
+        router.check_model(body.model)
+        calling = _checked(router, lambda: body.tool_calling(router.chat_template))
+        messages = _checked(router, body.message_dicts)
+        try:
+            request = router.prepare(messages=messages,
+                                     params=body.params(info.max_model_len, calling),
+                                     model=body.model, request_id=raw.headers.get(_REQUEST_ID),
+                                     tools=body.tool_dicts())
+        except InvalidRequestError as e:
+            if calling is None or e.param != "json_schema":
+                raise
+            raise InvalidRequestError(f"tools: a function's parameters cannot be enforced as "
+                                      f"a grammar ({e})", "tools") from None
+        return await _respond(router, _fan_out([request], body.n), body, chat=True, raw=raw,
+                              calling=calling)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        router.check_model(body.model)
+        ids = _checked(router, lambda: body.token_ids(router.chat_template))
+        strs = router.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        router.check_model(body.model)
+        return {"prompt": _checked(router, lambda: router.detokenize(body.tokens))}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -119,9 +173,19 @@ def _fan_out(prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
     return out
 
 
+def _checked(router: Router, check: Callable[[], T]) -> T:
+    """`check()`, counting the bad requests it refuses in the rejection metric."""
+    try:
+        return check()
+    except RouterError as e:
+        router.metrics.rejected.labels(e.code).inc()
+        raise
+
+
 async def _respond(router: Router, requests: list[GenerateRequest],
                    body: CompletionRequest | ChatCompletionRequest, chat: bool, raw: Request,
-                   echo: list[str] | None = None) -> Response:
+                   echo: list[str] | None = None, calling: ToolCalling | None = None
+                   ) -> Response:
     """Run the choices' requests and answer with one response (or one SSE stream)."""
     if body.return_tokens_as_token_ids:
         def name(token_id: int) -> str:
@@ -129,20 +193,26 @@ async def _respond(router: Router, requests: list[GenerateRequest],
     else:
         def name(token_id: int) -> str:
             return router.tokenizer.decode([token_id])
-    builder = ResponseBuilder(chat, requests[0].request_id, router.model_info.name, name)
-    outputs = await _admitted(router, requests)
+    builder = ResponseBuilder(chat, requests[0].request_id, router.model_info.name, name,
+                              calling)
+    keepalive = router.config.sse_keepalive_s
+    outputs = await _admitted(router, requests, keepalive if body.stream else None)
     n = body.n
     if body.stream:
-        return StreamingResponse(_sse(builder, outputs, body.include_usage, n, echo),
+        return StreamingResponse(_sse(builder, outputs, body.include_usage, n, echo, keepalive),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     collected = await _collect_unless_disconnected(outputs, raw)
     if collected is None:  # the client left: the requests were aborted, nobody reads this
         return Response(status_code=499)
     finals = [outs[-1] for outs in collected]
-    failed = next((final for final in finals if final.finish_reason == "error"), None)
+    failed = next((final for final in finals if final.finish_reason in _FAILED), None)
     if failed is not None:
-        return JSONResponse(error_body(failed.error or "generation failed", "server_error"), 500)
+        status, error = _failure(failed)
+        # An abort was meant (the operator's `Abort`): the OpenAI SDKs honour this header
+        # rather than sending the request again.
+        headers = {"x-should-retry": "false"} if failed.finish_reason == "abort" else None
+        return JSONResponse(error, status, headers=headers)
     choices = []
     for index, outs in enumerate(collected):
         logprobs = None if requests[index].params.logprobs is None else \
@@ -152,19 +222,33 @@ async def _respond(router: Router, requests: list[GenerateRequest],
     return JSONResponse(builder.response(choices, total_usage(finals, n)))
 
 
-async def _admitted(router: Router, requests: list[GenerateRequest]
+async def _admitted(router: Router, requests: list[GenerateRequest], patience: float | None
                     ) -> list[AsyncGenerator[GenerateOutput, None]]:
-    """Start every request; admission errors (queue full, deadline) surface here, before any
-    byte is sent, and end the requests already started."""
+    """Start every request and wait for their first outputs, up to `patience` seconds (None:
+    as long as it takes). Errors that come by then (queue full, queue timeout, deadline)
+    surface here, before any byte is sent, and end the requests already started; a stream
+    still waiting after `patience` goes on in the response (its errors become error events),
+    so a long admission or prefill wait does not hold back the headers and keep-alives."""
     streams = [router.generate(request) for request in requests]
-    firsts = await asyncio.gather(*(anext(stream) for stream in streams),
-                                  return_exceptions=True)
-    error = next((f for f in firsts if isinstance(f, BaseException)), None)
-    if error is not None:
-        for stream in streams:
-            await stream.aclose()
-        raise error
+    firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+    try:
+        await asyncio.wait(firsts, timeout=patience)
+        error = next((f.exception() for f in firsts if f.done() and f.exception()), None)
+        if error is not None:
+            raise error
+    except BaseException:
+        for first, stream in zip(firsts, streams, strict=True):
+            await _close(first, stream)
+        raise
     return [_chain(first, stream) for first, stream in zip(firsts, streams, strict=True)]
+
+
+async def _close(first: asyncio.Future[GenerateOutput],
+                 stream: AsyncGenerator[GenerateOutput, None]) -> None:
+    """End a stream whose first output may still be pending (which aborts its request)."""
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await stream.aclose()
 
 
 async def _collect(outputs: AsyncGenerator[GenerateOutput, None]) -> list[GenerateOutput]:
@@ -202,18 +286,22 @@ async def _collect_unless_disconnected(streams: list[AsyncGenerator[GenerateOutp
     return None
 
 
-async def _chain(first: GenerateOutput, rest: AsyncGenerator[GenerateOutput, None]
+async def _chain(first: asyncio.Future[GenerateOutput],
+                 rest: AsyncGenerator[GenerateOutput, None]
                  ) -> AsyncGenerator[GenerateOutput, None]:
-    async with aclosing(rest):
-        yield first
+    try:
+        yield await first
         async for out in rest:
             yield out
+    finally:
+        await _close(first, rest)
 
 
-async def _merged(streams: list[AsyncGenerator[GenerateOutput, None]]
-                  ) -> AsyncGenerator[tuple[int, GenerateOutput], None]:
-    """The choices' outputs as they come, tagged with the choice's index; closing it closes
-    (and so aborts) every choice still running."""
+async def _merged(streams: list[AsyncGenerator[GenerateOutput, None]], idle: float | None
+                  ) -> AsyncGenerator[tuple[int, GenerateOutput] | None, None]:
+    """The choices' outputs as they come, tagged with the choice's index, and None after each
+    `idle` seconds without one; closing it closes (and so aborts) every choice still
+    running."""
     queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncGenerator[GenerateOutput, None]) -> None:
@@ -230,7 +318,11 @@ async def _merged(streams: list[AsyncGenerator[GenerateOutput, None]]
     try:
         running = len(tasks)
         while running:
-            index, item = await queue.get()
+            try:
+                index, item = await asyncio.wait_for(queue.get(), idle)
+            except TimeoutError:
+                yield None
+                continue
             if item is None:
                 running -= 1
             elif isinstance(item, BaseException):
@@ -244,18 +336,22 @@ async def _merged(streams: list[AsyncGenerator[GenerateOutput, None]]
 
 
 async def _sse(builder: ResponseBuilder, streams: list[AsyncGenerator[GenerateOutput, None]],
-               include_usage: bool, n: int, echo: list[str] | None
+               include_usage: bool, n: int, echo: list[str] | None, keepalive: float | None
                ) -> AsyncGenerator[str, None]:
     finals: dict[int, GenerateOutput] = {}
-    async with aclosing(_merged(streams)) as outputs:
+    async with aclosing(_merged(streams, keepalive)) as outputs:
         if builder.chat:
             for index in range(len(streams)):
                 yield _event(builder.chunk(index, None, include_usage))
         pending_echo = dict(enumerate(echo or []))
         try:
-            async for index, out in outputs:
-                if out.finish_reason == "error":
-                    yield _event(error_body(out.error or "generation failed", "server_error"))
+            async for item in outputs:
+                if item is None:  # an SSE comment, so proxies and clients see a live stream
+                    yield ": keep-alive\n\n"
+                    continue
+                index, out = item
+                if out.finish_reason in _FAILED:
+                    yield _event(_failure(out)[1])
                     break
                 yield _event(builder.chunk(index, out, include_usage,
                                            pending_echo.pop(index, "")))
@@ -273,6 +369,17 @@ async def _sse(builder: ResponseBuilder, streams: list[AsyncGenerator[GenerateOu
 
 def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
+
+
+def _failure(out: GenerateOutput) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body of a request that ended without an answer: an
+    abort (the `Abort` API, or a backend that gave the request up) or a backend error.
+    OpenAI has no finish_reason for either."""
+    if out.finish_reason == "abort":
+        tokens = out.usage.completion_tokens if out.usage else 0
+        return 503, error_body(f"request {out.request_id!r} was aborted after {tokens} tokens",
+                               "server_error", None, "request_aborted")
+    return 500, error_body(out.error or "generation failed", "server_error")
 
 
 async def _router_error(request: Request, exc: Exception) -> Response:
@@ -299,16 +406,17 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 
 def add_auth(app: FastAPI, security: SecurityConfig) -> None:
-    """Require a key (`Authorization: Bearer <key>`) on `/v1/*`; 401 without a valid one.
+    """Require a key (`Authorization: Bearer <key>`) on `/v1/*`, `/tokenize` and
+    `/detokenize`; 401 without a valid one.
 
-    `/health` and `/metrics` stay open, for load balancers and scrapers.
+    `/health`, `/metrics` and `/version` stay open, for load balancers and scrapers.
     """
     if not security.authenticated:
         return
 
     @app.middleware("http")
     async def require_key(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith(_KEYED):
             key = bearer_token(request.headers.get("authorization"))
             if security.access(key) < Access.USER:
                 return JSONResponse(error_body(

@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from router.chat import ChatTemplate
 from router.errors import InvalidRequestError
 from router.outputs import GenerateOutput, TokenLogprob, Usage
+from router.tool_calls import ToolCalling, ToolCallStream
 
 _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                     "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
@@ -118,18 +120,80 @@ class CompletionRequest(_Request):
                 for p in prompt]
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"must be a JSON object as text ({e})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object as text")
+        return arguments
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def text(self, index: int) -> str:
+    def as_dict(self, index: int) -> dict[str, Any]:
+        """The message for the chat template (`developer` is OpenAI's newer `system`)."""
+        where = f"messages[{index}]"
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequestError(f"{where}.tool_calls: only an assistant message may "
+                                      "have tool calls", "messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise InvalidRequestError(f"{where}.tool_call_id: required on a tool message and "
+                                      "only there", "messages")
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.text(index)}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+    def text(self, index: int) -> str | None:
         """The content; a list of parts is joined, and must hold only text parts."""
         if self.content is None:
             if self.role != "assistant":
                 raise InvalidRequestError(f"messages[{index}].content: only an assistant "
                                           "message may have null content", "messages")
-            return ""
+            return None
         if isinstance(self.content, str):
             return self.content
         if any(part.get("type") != "text" for part in self.content):
@@ -143,17 +207,106 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def params(self, max_model_len: int) -> dict[str, Any]:
+    def params(self, max_model_len: int, calling: ToolCalling | None = None) -> dict[str, Any]:
         """SamplingParams fields; as OpenAI does, an unset max_tokens runs to the end of the
-        context."""
+        context. A forced tool call's grammar takes the place of `response_format`'s."""
         given = (self.max_completion_tokens, self.max_tokens)
         max_tokens = next((n for n in given if n is not None), max_model_len)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return {**self.sampling(), "max_tokens": max_tokens, "logprobs": logprobs}
+        fields = {**self.sampling(), "max_tokens": max_tokens, "logprobs": logprobs}
+        if calling is not None and not calling.auto:
+            fields["json_schema"] = calling.json_schema()
+        return fields
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        return [m.as_dict(i) for i, m in enumerate(self.messages)]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_calling(self, template: ChatTemplate) -> ToolCalling | None:
+        """The forced tool calls this request asks for; None when the output is text.
+
+        `tool_choice` defaults to `auto` with tools and `none` without, as OpenAI's.
+
+        Raises:
+            InvalidRequestError: a choice without tools, an unknown function, `auto` on a
+                template with no tool-call format this server parses, or a forced call with
+                `response_format` or `stop` (either would fight the call's grammar).
+        """
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise InvalidRequestError("tool_choice: only allowed when tools are given",
+                                      "tool_choice")
+        if not self.tools or choice == "none":
+            return None
+        functions = {t.function.name: t.function.parameters or {"type": "object"}
+                     for t in self.tools}
+        if len(functions) != len(self.tools):
+            raise InvalidRequestError("tools: function names must be unique", "tools")
+        if choice is None or choice == "auto":
+            if template.hermes_tool_calls:
+                return ToolCalling(functions, auto=True)
+            reason = ("has no tool-call format" if not template.takes_tools else
+                      "takes tools, but not in a format this server parses (Hermes "
+                      "`<tool_call>` blocks)")
+            raise InvalidRequestError(
+                f"tool_choice: 'auto' needs the model's own tool-call format; this model's "
+                f"chat template {reason}. Ask for tool_choice 'required' or a named function "
+                "(the call is then enforced by a grammar), or 'none'", "tool_choice")
+        named = None
+        if isinstance(choice, NamedToolChoice):
+            named = choice.function.name
+            if named not in functions:
+                raise InvalidRequestError(f"tool_choice: function {named!r} is not among the "
+                                          f"tools ({', '.join(functions)})", "tool_choice")
+        for name, value in (("response_format", self.response_format), ("stop", self.stop)):
+            if value:
+                raise InvalidRequestError(f"{name}: not supported together with a forced "
+                                          "tool call (tool_choice 'required' or a named "
+                                          "function)", name)
+        return ToolCalling(functions, named, self.parallel_tool_calls is not False)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a `prompt` (special tokens added by default) or `messages`
+    (rendered with the chat template; special tokens not added by default)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None  # default: True unless continue_final_message
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def token_ids(self, template: ChatTemplate) -> list[int]:
+        """The ids the request's text or chat tokenizes to."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt: give exactly one of prompt or messages",
+                                      "prompt")
+        if self.prompt is not None:
+            if self.tools is not None:
+                raise InvalidRequestError("tools: only allowed with messages", "tools")
+            add_special = self.add_special_tokens is not False
+            return list(template.tokenizer.encode(self.prompt, add_special_tokens=add_special))
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        generation = self.add_generation_prompt
+        if generation is None:
+            generation = not self.continue_final_message
+        return template.render([m.as_dict(i) for i, m in enumerate(self.messages or [])],
+                               tools, generation, self.continue_final_message,
+                               self.add_special_tokens is True)
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -195,14 +348,18 @@ class ResponseBuilder:
         request_id: the router's id; the response id is derived from it.
         model: the served model's name.
         decode_token: token id -> its text, for logprobs.
+        tool_calling: a chat request's forced tool calls, if any.
     """
 
-    def __init__(self, chat: bool, request_id: str, model: str, decode_token: Any) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, decode_token: Any,
+                 tool_calling: ToolCalling | None = None) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
         self._decode = decode_token
+        self._tool_calling = tool_calling
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -216,6 +373,12 @@ class ResponseBuilder:
                                     "finish_reason": choice.finish_reason}
             if self.chat:
                 body["message"] = {"role": "assistant", "content": choice.text}
+                if self._tool_calling is not None:
+                    content, calls = self._tool_calling.parse(choice.text)
+                    if calls is not None:
+                        body["message"] = {"role": "assistant", "content": content,
+                                           "tool_calls": calls}
+                        body["finish_reason"] = "tool_calls"
             else:
                 body["text"] = choice.text
             bodies.append(body)
@@ -227,13 +390,20 @@ class ResponseBuilder:
         """A streaming chunk of choice `index`; None gives the chat stream's opening (role)
         chunk; `prefix` goes before the text (the echoed prompt)."""
         if out is None:
-            choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+            content = None if self._tool_calling and not self._tool_calling.auto else ""
+            choice = {"index": index, "delta": {"role": "assistant", "content": content},
                       "logprobs": None, "finish_reason": None}
         else:
             text = prefix + out.text
             choice = {"index": index, "logprobs": self._logprobs(out.logprobs),
                       "finish_reason": out.finish_reason}
-            if self.chat:
+            if self._tool_calling is not None:
+                stream = self._tool_streams.setdefault(index,
+                                                       ToolCallStream(self._tool_calling))
+                choice["delta"], whole = stream.delta(text, out.finished)
+                if whole:
+                    choice["finish_reason"] = "tool_calls"
+            elif self.chat:
                 choice["delta"] = {"content": text} if text else {}
             else:
                 choice["text"] = text

@@ -8,6 +8,7 @@ and SmolLM2 in the colocated (mixed) role by the unit tests against `transformer
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 
@@ -119,6 +120,42 @@ def test_structured_output_and_penalties_across_prefill_and_decode(disaggregated
                                     frequency_penalty=0.3, json_schema=json.dumps(schema)))
     assert [t for o in outs for t in o.token_ids] == offline.token_ids
     assert outs[-1].finish_reason == "stop"
+    _pools_free(disaggregated.grpc)
+
+
+def test_forced_tool_call_tokenize_and_version(disaggregated, smollm2):
+    """A named tool call is its function's parameters grammar, carried from the prefill
+    worker to the decode worker: the arguments equal the offline engine's output under that
+    schema on the same prompt, which `/tokenize` gives (tools included)."""
+    import jsonschema
+    import openai
+
+    weather = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+               "properties": {"city": {"type": "string", "maxLength": 30},
+                              "unit": {"enum": ["celsius", "fahrenheit"]}}}
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": weather}}]
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    http = openai.OpenAI(base_url=disaggregated.http + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+    reply = http.chat.completions.create(
+        model="smollm2", messages=messages, tools=tools, max_tokens=60, temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), weather)
+    tokenized = httpx.post(disaggregated.http + "/tokenize", timeout=60, json={
+        "model": "smollm2", "messages": messages, "tools": tools}).json()
+    assert tokenized["count"] == reply.usage.prompt_tokens
+    offline = smollm2.generate(tokenized["tokens"], SamplingParams(
+        temperature=0.0, max_tokens=60, json_schema=json.dumps(weather)))[0].outputs[0]
+    assert call.function.arguments == offline.text
+    detokenized = httpx.post(disaggregated.http + "/detokenize", timeout=60,
+                             json={"tokens": tokenized["tokens"]}).json()
+    assert detokenized == {"prompt": smollm2.tokenizer.decode(tokenized["tokens"])}
+    assert httpx.get(disaggregated.http + "/version", timeout=10).json() == {
+        "version": importlib.metadata.version("pdcluster")}
     _pools_free(disaggregated.grpc)
 
 

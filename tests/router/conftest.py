@@ -136,6 +136,18 @@ def offline() -> LLM:
     return LLM("tiny", cache=CacheConfig(num_blocks=256))
 
 
+@pytest.fixture(scope="module")
+def smollm2_servers(loop_thread: LoopThread, smollm2: LLM) -> Iterator[Servers]:
+    """Servers over the session's SmolLM2 engine, on an engine thread the module stops again
+    (the offline tests drive the same engine from their own thread afterwards)."""
+    backend = EngineBackend(smollm2.engine, "smollm2")
+    servers = loop_thread.run(start_servers(backend))
+    yield servers
+    loop_thread.run(servers.stop(grace=0.5))
+    backend.loop.call(assert_pool_free)
+    backend.close()
+
+
 @pytest.fixture
 def wait_until() -> Callable[..., None]:
     return wait_for

@@ -175,12 +175,19 @@ def test_unsupported_fields_are_refused_by_name(api, fields, param):
     assert "not supported" in e.value.body["message"]
 
 
-def test_tools_are_refused_by_name(api):
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_tool_choice_without_a_template_format_is_a_400(api, choice):
+    # The tiny model has SmolLM2's chat template, which defines no tool-call format; auto is
+    # the default when tools are given, as in OpenAI.
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    extra = {} if choice is None else {"tool_choice": choice}
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                    tools=[tool])
-    assert e.value.body["param"] == "tools"
+                                    tools=[tool], **extra)
+    assert e.value.body["param"] == "tool_choice"
+    assert e.value.body["message"].startswith(
+        "tool_choice: 'auto' needs the model's own tool-call format; this model's chat "
+        "template has no tool-call format.")
 
 
 def test_chat_without_max_tokens_runs_to_the_end_of_the_context(api, servers):

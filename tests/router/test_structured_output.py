@@ -4,15 +4,12 @@ set of prompts parses and validates against its schema."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from cluster.engine_backend import EngineBackend
-from router.servers import Servers, start_servers
-from tests.conftest import assert_pool_free
+from router.servers import Servers
 
 pytestmark = pytest.mark.slow
 
@@ -32,18 +29,6 @@ CASES = [
     ("Recommend a book as JSON.", BOOK),
     ("Tell me about the history of Rome.", BOOK),
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_servers(loop_thread, smollm2) -> Iterator[Servers]:
-    # The session's SmolLM2 engine, on an engine thread this module stops again (the offline
-    # tests drive the same engine from their own thread afterwards).
-    backend = EngineBackend(smollm2.engine, "smollm2")
-    servers = loop_thread.run(start_servers(backend))
-    yield servers
-    loop_thread.run(servers.stop(grace=0.5))
-    backend.loop.call(assert_pool_free)
-    backend.close()
 
 
 @pytest.fixture
