@@ -12,6 +12,7 @@ from typing import Any
 
 from engine import defaults as engine_defaults
 from protocol import defaults
+from router.logs import LOG_LEVELS
 
 # `docker run IMAGE serve ...` must listen on every interface; the image sets this.
 HOST_ENV = "PDCLUSTER_HOST"
@@ -24,6 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.serve import ServeOptions, run
     from router.auth import SecurityConfig
     from router.frontend import RouterConfig
+    from router.logs import configure_logging
 
     worker: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb,
                               "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -46,13 +48,14 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(cluster, args.address, args.host, args.grpc_port, args.http_port,
                            RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
                                         served_model_name=args.served_model_name,
-                                        request_timeout_s=args.request_timeout),
+                                        request_timeout_s=args.request_timeout,
+                                        sse_keepalive_s=args.sse_keepalive or None),
                            security=security,
                            allow_unauthenticated=args.allow_unauthenticated,
                            drain_timeout_s=args.drain_timeout,
                            metrics_compat=args.metrics_compat,
                            autoscaler=_autoscaler(args))
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
     asyncio.run(run(options))
     return 0
@@ -211,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING)
     serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE)
+    serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                       help="level of the server's log; INFO includes one line per finished "
+                            "request (ids, token counts, latencies, workers; never the text)")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="json: one object per line, for log shippers")
+    serve.add_argument("--sse-keepalive", type=float, default=15.0, metavar="SECONDS",
+                       help="an HTTP stream silent this long (a long prefill or queue) sends "
+                            "an SSE comment so proxies keep it open; 0 turns it off")
     serve.add_argument("--metrics-compat", choices=["vllm"], default=None,
                        help="also export vLLM's metric names (vllm:num_requests_waiting, "
                             "vllm:kv_cache_usage_perc, ...) for existing dashboards and "

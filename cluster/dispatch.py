@@ -98,6 +98,11 @@ class RequestState:
     timings: dict[str, float] = field(default_factory=dict)
     transfer_retries: int = 0
     finished: bool = False
+    workers: list[str] = field(default_factory=list)  # every worker that served it, in order
+
+    def served_by(self, worker_id: str) -> None:
+        if worker_id not in self.workers:
+            self.workers.append(worker_id)
 
     @property
     def tokens_left(self) -> int:
@@ -199,6 +204,7 @@ class Dispatcher:
                 continue
             decode = self.pool.workers[placement.decode_worker]
             state.decode, state.prefill, state.placement = decode.worker_id, None, placement
+            state.served_by(decode.worker_id)
             decode.add(request.request_id)
             command = Generate(request_id=state.attempt_id, prompt_token_ids=prompt,
                                params=params, remote_prefill=placement.prefill_worker is not None,
@@ -239,6 +245,7 @@ class Dispatcher:
             self._spawn(self.migrate(state, "its prefill worker went away", count=False))
             return
         state.prefill = prefill_id
+        state.served_by(prefill_id)
         state.num_kv_blocks = len(reply.dst_block_ids)
         prefill.add(state.request.request_id)
         self._send_nowait(prefill, Prefill(
@@ -357,7 +364,8 @@ class Dispatcher:
         state.generated.extend(record.token_ids)
         state.queue.put_nowait(TokenDelta(
             state.request.request_id, record.token_ids, record.finish_reason, record.logprobs,
-            record.num_cached_tokens, error=record.error))
+            record.num_cached_tokens, error=record.error,
+            workers=tuple(state.workers) if record.finish_reason is not None else ()))
         if record.finish_reason is not None:
             # The worker let go of it. Finished now, not when the client reads this: a move
             # or migration in between would start an attempt past its end.

@@ -176,6 +176,12 @@ def test_pd_across_nodes_matches_transformers_over_zmq(cluster: Cluster, smollm2
     shipped = cluster.transfer_bytes()
     assert set(shipped) == {"zmq"} and shipped["zmq"] > 0
     cluster.wait_pools_free()
+    # One log line per request, naming the workers on both hosts and never the text.
+    ids = {w.role: w.worker_id for w in ws}
+    lines = [line for line in cluster.serve_log().splitlines() if "pdcluster.requests" in line]
+    assert len(lines) == len(SMOL_CHATS)
+    assert all(f"workers={ids['decode']},{ids['prefill']}" in line and "status=length" in line
+               and SMOL_CHATS[0] not in line for line in lines)
 
 
 def test_curve_refuses_a_keyless_peer_on_another_node(cluster: Cluster) -> None:

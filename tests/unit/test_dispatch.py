@@ -172,6 +172,7 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     assert h.tokens("r") == [7, 8, 9]
     last = h.finish("r")
     assert last.finish_reason == "length" and last.timings == {"prefill": 0.2, "transfer": 0.01}
+    assert last.workers == ("decode-0", "prefill-0")  # for the request's log line
     assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_bytes_total",
                                                {"transport": "zmq"}) == 3 * BLOCK_BYTES
     assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_seconds_count") == 1
