@@ -28,13 +28,15 @@ from protocol import (
     encode,
 )
 
-_SPEC = {"model": "smollm2", "kv_cache_memory_gb": 0.5, "torch_threads": 1,
+DEFAULT_SPEC = {"model": "smollm2", "kv_cache_memory_gb": 0.5, "torch_threads": 1,
          "max_num_batched_tokens": 4096, "transports": ("shm", "zmq")}
 
 
-def _run_worker(spec: WorkerSpec, ready: Any) -> None:
+def _run_worker(spec: WorkerSpec, ready: Any, setup: Callable[[], None] | None) -> None:
     from cluster.worker import Worker
 
+    if setup is not None:
+        setup()
     worker = Worker(spec)
     ready.send(worker.info())
     ready.recv()  # until told to stop
@@ -46,21 +48,29 @@ class WorkerPair:
 
     Args:
         spec: WorkerSpec fields for both workers (default: SmolLM2 over shm).
+        roles: per role (`prefill`, `decode`), WorkerSpec fields that override `spec` and a
+            picklable `setup` its process calls first (the experiments put each worker on
+            a host of its own this way).
+        host: the address this end's socket binds (the workers must reach it).
     """
 
-    def __init__(self, spec: dict[str, Any] | None = None) -> None:
+    def __init__(self, spec: dict[str, Any] | None = None,
+                 roles: dict[str, dict[str, Any]] | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind("tcp://127.0.0.1:0")
+        self.pull.bind(f"tcp://{host}:0")
         endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         spawn = mp.get_context("spawn")
         self.procs, self.pipes, self.infos, self.push = [], [], {}, {}
         for role in ("decode", "prefill"):
             ours, theirs = spawn.Pipe()
+            overrides = dict((roles or {}).get(role, {}))
+            setup = overrides.pop("setup", None)
             # Unique ids: the decode worker's shared-memory pool is named after it.
             worker = WorkerSpec(worker_id=f"{role}-{uuid.uuid4().hex[:8]}", role=role,
-                                router_endpoint=endpoint, **(spec or _SPEC))
-            proc = spawn.Process(target=_run_worker, args=(worker, theirs), daemon=True)
+                                router_endpoint=endpoint, **{**(spec or DEFAULT_SPEC), **overrides})
+            proc = spawn.Process(target=_run_worker, args=(worker, theirs, setup), daemon=True)
             proc.start()
             self.procs.append(proc)
             self.pipes.append(ours)

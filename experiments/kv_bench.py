@@ -76,7 +76,6 @@ def compat(kv: KVCache) -> CompatRecord:
 
 
 CROSS_HOST_TRANSPORTS = ("zmq", "torch_dist")  # shared memory does not cross hosts
-CLONE_NEWNET = 0x40000000
 
 
 def settings(key: ClusterKey | None = None, host: str = "127.0.0.1",
@@ -84,17 +83,6 @@ def settings(key: ClusterKey | None = None, host: str = "127.0.0.1",
     """`transports` unkeyed; with `key`, zmq alone under CURVE."""
     return TransferConfig(transports=transports if key is None else ("zmq",), host=host,
                           request_timeout_s=120.0, cluster_key=key)
-
-
-def enter_netns(pid: int) -> None:
-    """Move this process into the network namespace of `pid` (before it starts threads:
-    a thread's sockets live in the namespace of the thread that made it)."""
-    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into the network namespace of {pid}")
-    finally:
-        os.close(fd)
 
 
 def layer_digests(kv: KVCache, num_blocks: int) -> list[int]:
@@ -119,6 +107,8 @@ def receiver_process(conn: Any, num_blocks: int, key: ClusterKey,
                      host: str = "127.0.0.1", netns_pid: int | None = None) -> None:
     """The receiving host: every transport into one pool (shm only when on this host)."""
     if netns_pid is not None:
+        from tests.multinode.netns import enter_netns
+
         enter_netns(netns_pid)
     transports = TRANSPORTS if netns_pid is None else CROSS_HOST_TRANSPORTS
     pool = SharedKVPool() if "shm" in transports else None
@@ -343,10 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="receiver and sender on two hosts made of network namespaces "
                              "(root); writes experiments/results/kv_transfer_cross_host.json")
     args = parser.parse_args(argv)
-    if args.cross_host:
-        args.skip_exposed = True
-        if args.out == OUT:
-            args.out = RESULTS / "kv_transfer_cross_host.json"
+    if args.cross_host and args.out == OUT:
+        args.out = RESULTS / "kv_transfer_cross_host.json"
     # One thread copies at memory bandwidth already; two stall on each other whenever the
     # shared machine is busy (measured 5-20x slower then), which would flatter every ratio.
     torch.set_num_threads(1)
@@ -354,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         results = run(stack, args, num_blocks)
     if not args.skip_exposed:
-        exposed = kv_exposed.measure([512, 2048], repeats=3)
+        exposed = kv_exposed.measure([512, 2048], repeats=3, cross_host=args.cross_host)
         results["exposed_transfer"] = exposed
         results["exposed_transfer_share_2048"] = exposed["2048"]["share"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -373,7 +361,7 @@ def run(stack: contextlib.ExitStack, args: argparse.Namespace, num_blocks: int
     key = ClusterKey.generate()
     rx_host, tx_host, netns_pid, transports = "127.0.0.1", "127.0.0.1", None, TRANSPORTS
     if args.cross_host:
-        from tests.multinode.netns import Hosts, unavailable
+        from tests.multinode.netns import CLONE_NEWNET, Hosts, enter_netns, unavailable
 
         if (why := unavailable()) is not None:
             raise SystemExit(f"--cross-host needs network namespaces: {why}")

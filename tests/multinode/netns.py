@@ -16,6 +16,7 @@ Needs root (`ip netns`, `unshare`, `nsenter`); `unavailable()` says why it canno
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import secrets
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "pdcmn"
+CLONE_NEWNET = 0x40000000
 # pid 1 of each host: reaps the orphans (Ray daemonizes its raylet and workers).
 INIT = ("import os, time\n"
         "while True:\n"
@@ -56,6 +58,18 @@ def unavailable() -> str | None:
         return f"`ip netns add` failed: {probe.stderr.strip()}"
     _run("ip", "netns", "del", name, check=False)
     return None
+
+
+def enter_netns(pid: int) -> None:
+    """Move this process into the network namespace of `pid` — before it starts threads:
+    a socket lives in the namespace of the thread that made it (the experiments run one end
+    of a transfer per host this way)."""
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the network namespace of {pid}")
+    finally:
+        os.close(fd)
 
 
 def sweep() -> None:
