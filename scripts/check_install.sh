@@ -26,7 +26,8 @@ export PATH="$work/venv/bin:$PATH" PDCLUSTER_CACHE="$work/cache"
 "$py" - <<'PY'
 from importlib.metadata import files
 
-tops = sorted({f.parts[0] for f in files("pdcluster") if f.parts[0].isidentifier()})
+# Packages are folders (a license file may be listed at the top as well).
+tops = sorted({f.parts[0] for f in files("pdcluster") if len(f.parts) > 1 and f.parts[0].isidentifier()})
 print("installed packages:", " ".join(tops))
 expected = ["bench", "cluster", "decode_worker", "engine", "kv_transfer", "planner",
             "prefill_worker", "protocol", "router"]
