@@ -19,8 +19,9 @@ from kv_transfer.compat import CompatRecord, KVCompatibilityError, check_compat
 from kv_transfer.config import TransferConfig
 from kv_transfer.endpoint import _MAX_BATCH, Endpoint
 from kv_transfer.events import TransferDone, TransferEvent, TransferFailed
-from kv_transfer.transports import locality, open_recv_channel
+from kv_transfer.transports import locality, mooncake_protocol, open_recv_channel
 from kv_transfer.transports.base import RecvChannel
+from kv_transfer.transports.mooncake import MooncakePool
 from kv_transfer.transports.shm import SharedKVPool
 from kv_transfer.wire import pack, unpack
 
@@ -79,6 +80,9 @@ class KVReceiver(Endpoint):
             raise ValueError("pass shm_pool exactly when config.transports offers 'shm'")
         if shm_pool is not None and shm_pool.nbytes != kv_cache.buffer.nbytes:
             raise ValueError("shm_pool did not allocate this KV cache")
+        # First, so that a missing or failing engine leaves nothing else open.
+        self._mooncake = MooncakePool(kv_cache.buffer, config.host, mooncake_protocol(config)) \
+            if "mooncake" in config.transports else None
         super().__init__(kv_cache, compat, config, "receiver")
         self._shm = shm_pool
         self._id = uuid.uuid4().hex
@@ -101,7 +105,8 @@ class KVReceiver(Endpoint):
 
         Returns:
             Control endpoint, compatibility record, pool size, offered transports, and the
-            shared-memory handle / rendezvous store when those are offered.
+            shared-memory handle / rendezvous store / registered mooncake pool when those
+            are offered.
         """
         info: dict[str, Any] = {
             "receiver_id": self._id,
@@ -116,6 +121,8 @@ class KVReceiver(Endpoint):
             info["shm"] = self._shm.handle()
         if self._store_addr is not None:
             info["store"] = self._store_addr
+        if self._mooncake is not None:
+            info["mooncake"] = self._mooncake.handle()
         return info
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
@@ -347,6 +354,8 @@ class KVReceiver(Endpoint):
             sender.channel.close()
         self._senders.clear()
         self._store = None
+        if self._mooncake is not None:
+            self._mooncake.close()  # the engine refuses writes into the pool from now on
 
     def _reply(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._sock.send_multipart([ident, pack(msg)])

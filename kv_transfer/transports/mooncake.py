@@ -1,0 +1,186 @@
+"""Any host, through Mooncake's Transfer Engine: the sender writes each layer's runs straight
+into the receiver's registered pool (TCP, or RDMA where NICs exist), then sends the header.
+
+Each process runs one engine (`P2PHANDSHAKE`: peers exchange segment descriptors directly,
+no metadata server) and registers each KV pool once. A receiver advertises its engine's
+session (`host:rpc_port`) and its pool's base address; a sender turns destination block ids
+into remote addresses and issues one batch write per layer, one entry per run, from its own
+(registered) pool. The write is synchronous on the sender's IO thread, so, as with `shm`,
+the "layer" header leaves only after the bytes are in the receiver's memory, and once the
+sender acknowledges a failed request no byte of it is still on its way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from kv_transfer.blocks import Run
+from kv_transfer.transports.base import Landed
+from kv_transfer.wire import pack
+
+PROTOCOLS = ("tcp", "rdma")
+INSTALL_HINT = ("pip install 'pdcluster[mooncake]' (mooncake-transfer-engine) and "
+                "apt-get install -y libibverbs1")
+
+
+def default_protocol() -> str:
+    """`rdma` where the kernel lists an RDMA device (`/sys/class/infiniband`), else `tcp`."""
+    devices = Path("/sys/class/infiniband")
+    return "rdma" if devices.is_dir() and any(devices.iterdir()) else "tcp"
+
+
+def check_installed() -> None:
+    """Raise `RuntimeError` naming what to install when the engine cannot be imported."""
+    _engine_class()
+
+
+def _engine_class() -> Any:
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # glog: no INFO line per connection
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise RuntimeError(f"the mooncake transport needs {INSTALL_HINT} ({exc})") from exc
+    return TransferEngine
+
+
+class _Engine:
+    """The process's Transfer Engine and the pools registered with it (counted)."""
+
+    def __init__(self, host: str, protocol: str) -> None:
+        self.host, self.protocol = host, protocol
+        self.te = _engine_class()()
+        # "" as the device: the engine discovers the RDMA NICs (and their topology) itself.
+        if self.te.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
+            raise RuntimeError(f"mooncake: initializing the transfer engine on {host} over "
+                               f"{protocol} failed (see its log above)")
+        self.session = f"{host}:{self.te.get_rpc_port()}"
+        self._registered: dict[tuple[int, int], int] = {}
+
+    def register(self, tensor: torch.Tensor) -> tuple[int, int]:
+        key = (tensor.data_ptr(), tensor.nbytes)
+        if key not in self._registered and self.te.register_memory(*key) != 0:
+            raise RuntimeError(f"mooncake: registering {key[1]} bytes at {key[0]:#x} failed")
+        self._registered[key] = self._registered.get(key, 0) + 1
+        return key
+
+    def unregister(self, key: tuple[int, int]) -> None:
+        self._registered[key] -= 1
+        if not self._registered[key]:
+            del self._registered[key]
+            self.te.unregister_memory(key[0])
+
+
+_lock = threading.Lock()
+_engine: _Engine | None = None
+
+
+def engine(host: str, protocol: str) -> _Engine:
+    """The process's engine, started on first use; every later user must agree on both.
+
+    Raises:
+        RuntimeError: the extra is missing, the engine did not start, or it runs with
+            another host or protocol.
+    """
+    global _engine
+    with _lock:
+        if _engine is None:
+            _engine = _Engine(host, protocol)
+        elif (_engine.host, _engine.protocol) != (host, protocol):
+            raise RuntimeError(f"this process's mooncake engine runs on {_engine.host} over "
+                               f"{_engine.protocol}, not {host} over {protocol}")
+        return _engine
+
+
+class MooncakePool:
+    """A KV pool registered with the process's engine, as a receiver advertises it.
+
+    Args:
+        buffer: the whole pool, `[num_layers, num_blocks, 2, block_size, H, D]`, CPU.
+        host: address the engine binds and advertises.
+        protocol: "tcp" or "rdma".
+    """
+
+    def __init__(self, buffer: torch.Tensor, host: str, protocol: str) -> None:
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("the mooncake transport needs a contiguous CPU KV pool")
+        self._engine = engine(host, protocol)
+        self._key: tuple[int, int] | None = self._engine.register(buffer)
+        self._shape = tuple(buffer.shape)
+
+    def handle(self) -> dict[str, Any]:
+        """What a sender needs: engine session, protocol, pool base address and size."""
+        if self._key is None:
+            raise RuntimeError("the pool is no longer registered")
+        return {"session": self._engine.session, "protocol": self._engine.protocol,
+                "base": self._key[0], "nbytes": self._key[1]}
+
+    def close(self) -> None:
+        """Unregister the pool: the engine refuses writes into it from then on."""
+        if self._key is not None:
+            self._engine.unregister(self._key)
+            self._key = None
+
+
+class MooncakeSendChannel:
+    """Batch-writes each layer's runs into the receiver's reserved blocks, then the header.
+
+    Args:
+        src: the sender's whole pool (registered here for the channel's lifetime).
+        peer: the receiver's `MooncakePool.handle()`.
+        peer_blocks: blocks in the receiver's pool.
+        host: address this process's engine binds.
+        protocol: this side's protocol; must equal the receiver's.
+
+    Raises:
+        ValueError: the protocols differ, or the advertised pool does not fit the layout.
+    """
+
+    def __init__(self, src: torch.Tensor, peer: dict[str, Any], peer_blocks: int,
+                 host: str, protocol: str) -> None:
+        if peer["protocol"] != protocol:
+            raise ValueError(f"the decode side's mooncake engine speaks {peer['protocol']}, "
+                             f"this one {protocol} (set --mooncake-protocol alike)")
+        num_layers = src.shape[0]
+        self._block_bytes = src[0, 0].nbytes
+        self._layer_bytes = peer_blocks * self._block_bytes
+        if num_layers * self._layer_bytes != peer["nbytes"]:
+            raise ValueError(f"the peer's registered pool of {peer['nbytes']} bytes is not "
+                             f"{num_layers} layers of {peer_blocks} blocks")
+        self._session, self._base = peer["session"], peer["base"]
+        self._engine = engine(host, protocol)
+        self._key: tuple[int, int] | None = self._engine.register(src)
+
+    def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,
+                   runs: list[Run]) -> None:
+        if self._key is None:
+            raise RuntimeError("mooncake channel already closed")
+        size, base = self._block_bytes, self._base + header["layer"] * self._layer_bytes
+        here = src.data_ptr()
+        rc = self._engine.te.batch_transfer_sync_write(
+            self._session, [here + s * size for s, _, _ in runs],
+            [base + d * size for _, d, _ in runs], [n * size for _, _, n in runs])
+        if rc != 0:
+            raise ConnectionError(f"mooncake write to {self._session} failed ({rc})")
+        sock.send(pack(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
+
+    def close(self) -> None:
+        if self._key is not None:
+            self._engine.unregister(self._key)
+            self._key = None
+
+
+class MooncakeRecvChannel:
+    """Nothing to do: the "layer" header arrives after the sender's write completed."""
+
+    def recv_layer(self, sock: zmq.Socket, header: dict[str, Any], dst: torch.Tensor,
+                   runs: list[tuple[int, int]], landed: Landed) -> None:
+        landed(None)
+
+    def close(self) -> None:
+        """Nothing to release: the pool's registration belongs to the receiver."""
