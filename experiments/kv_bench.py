@@ -2,17 +2,17 @@
 
     python -m experiments.kv_bench [--sizes-mb 1 4 16 64 256] [--repeats 10]
 
-A receiver process offers shm, zmq and torch_dist on one shared-memory pool, zmq once more
-with the cluster's CURVE key (`zmq_curve`: encrypted, what `--internal-auth curve` costs),
-plus a plain TCP socket that `recv_into`s the same pool. This process sends each size over
-each of them and copies the same bytes in-process with `torch.copy_` (one thread), in rounds
-that run every method once (`--repeats` rounds after a warm-up). Bandwidths are medians over rounds;
-a ratio is the median over rounds of the two methods' times in that round, so bursts of
-load on a shared machine hit both sides; the headline ratios are the worst over sizes of at
-least 16 MiB. A transfer is timed from `begin` to the acknowledged `TransferDone` and moves
-all layers of consecutive blocks. One-block latency is the median over `--latency-repeats`
-one-block requests. Results go to experiments/results/kv_transfer.json and a table on the
-terminal.
+A receiver process offers shm, zmq, torch_dist and mooncake (tcp unless the host has an RDMA
+device) on one shared-memory pool, zmq once more with the cluster's CURVE key (`zmq_curve`:
+encrypted, what `--internal-auth curve` costs), plus a plain TCP socket that `recv_into`s
+the same pool. This process sends each size over each of them and copies the same bytes in-process
+with `torch.copy_` (one thread), in rounds that run every method once (`--repeats`
+rounds after a warm-up). Bandwidths are medians over rounds; a ratio is the median over
+rounds of the two methods' times in that round, so bursts of load on a shared machine hit
+both sides; the headline ratios are the worst over sizes of at least 16 MiB. A transfer is
+timed from `begin` to the acknowledged `TransferDone` and moves all layers of consecutive
+blocks. One-block latency is the median over `--latency-repeats` one-block requests.
+Results go to experiments/results/kv_transfer.json and a table on the terminal.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ DTYPE = torch.float32
 MIB = 1 << 20
 OUT = RESULTS / "kv_transfer.json"
 TARGETS = {"same_host_over_memcpy": 0.5, "zmq_tcp_over_raw_socket": 0.8,
-           "exposed_transfer_share_2048": 0.02}
+           "mooncake_tcp_over_raw_socket": 0.8, "exposed_transfer_share_2048": 0.02}
 
 
 def make_kv(num_blocks: int, allocator: Any = None) -> KVCache:
@@ -246,6 +246,7 @@ def measure(bench: Bench, args: argparse.Namespace, num_blocks: int) -> dict[str
     times = bandwidth_rounds(bench, args.sizes_mb, args.repeats)
     shm_over_copy = ratios(times, "shm", "memcpy")
     zmq_over_raw = ratios(times, "zmq", "raw_socket")
+    mooncake_over_raw = ratios(times, "mooncake", "raw_socket")
     return {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__, "load_average": os.getloadavg()},
@@ -257,12 +258,15 @@ def measure(bench: Bench, args: argparse.Namespace, num_blocks: int) -> dict[str
         "verified": bench.verify(num_blocks),
         "ratios_by_size_mb": {"shm_over_memcpy": shm_over_copy,
                               "zmq_over_raw_socket": zmq_over_raw,
+                              "mooncake_over_raw_socket": mooncake_over_raw,
                               "torch_dist_over_raw_socket": ratios(times, "torch_dist",
                                                                    "raw_socket"),
                               "zmq_curve_over_zmq": ratios(times, "zmq_curve", "zmq")},
         "zmq_curve_over_zmq_round_range": ratio_spread(times, "zmq_curve", "zmq"),
+        "raw_socket_over_mooncake_round_range": ratio_spread(times, "raw_socket", "mooncake"),
         "same_host_over_memcpy": worst_at_least(shm_over_copy, 16),
         "zmq_tcp_over_raw_socket": worst_at_least(zmq_over_raw, 16),
+        "mooncake_tcp_over_raw_socket": worst_at_least(mooncake_over_raw, 16),
         "targets": TARGETS,
     }
 
