@@ -6,11 +6,13 @@ the bridge as a client on another machine would.
 The tests run in order on one cluster: exact tokens across the boundary (never over shared
 memory), CURVE refusing a keyless peer on another node, scaling that adds a decode worker
 on the other decode node, the prefill node's link cut in the middle of transfers, the loss
-of a whole decode node, and then gloo (`--transport torch`) between nodes.
+of a whole decode node, and then gloo (`--transport torch`) and Mooncake's Transfer Engine
+over TCP (`--transport mooncake`) between nodes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -292,4 +294,19 @@ def test_gloo_between_nodes_matches_transformers(cluster: Cluster) -> None:
     assert (tokens, finish) == (hf_greedy("smollm2", LONG[:400], 16), "length")
     shipped = cluster.transfer_bytes()
     assert set(shipped) == {"torch_dist"} and shipped["torch_dist"] > 0
+    cluster.wait_pools_free()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                    reason="the mooncake extra is not installed: pip install 'pdcluster[mooncake]'")
+def test_mooncake_between_nodes_matches_transformers(cluster: Cluster) -> None:
+    cluster.stop_serve()
+    cluster.serve("--transport", "mooncake", "--mooncake-protocol", "tcp", "--decode", "1")
+    ws = cluster.workers()
+    assert {w.role: w.host for w in ws}["prefill"] == _ip(cluster, "pf")
+    assert {w.role: w.host for w in ws}["decode"] != _ip(cluster, "pf")
+    tokens, finish, _ = _greedy(cluster, 16, prompt_token_ids=LONG[:400])
+    assert (tokens, finish) == (hf_greedy("smollm2", LONG[:400], 16), "length")
+    shipped = cluster.transfer_bytes()
+    assert set(shipped) == {"mooncake"} and shipped["mooncake"] > 0
     cluster.wait_pools_free()
