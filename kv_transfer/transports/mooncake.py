@@ -50,7 +50,8 @@ def _engine_class() -> Any:
 
 
 class _Engine:
-    """The process's Transfer Engine and the pools registered with it (counted)."""
+    """The process's Transfer Engine and the pools registered with it (counted; endpoints
+    register from their callers' threads and unregister from their IO threads)."""
 
     def __init__(self, host: str, protocol: str) -> None:
         self.host, self.protocol = host, protocol
@@ -61,19 +62,23 @@ class _Engine:
                                f"{protocol} failed (see its log above)")
         self.session = f"{host}:{self.te.get_rpc_port()}"
         self._registered: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
 
     def register(self, tensor: torch.Tensor) -> tuple[int, int]:
         key = (tensor.data_ptr(), tensor.nbytes)
-        if key not in self._registered and self.te.register_memory(*key) != 0:
-            raise RuntimeError(f"mooncake: registering {key[1]} bytes at {key[0]:#x} failed")
-        self._registered[key] = self._registered.get(key, 0) + 1
+        with self._lock:
+            if key not in self._registered and self.te.register_memory(*key) != 0:
+                raise RuntimeError(f"mooncake: registering {key[1]} bytes at {key[0]:#x} "
+                                   "failed")
+            self._registered[key] = self._registered.get(key, 0) + 1
         return key
 
     def unregister(self, key: tuple[int, int]) -> None:
-        self._registered[key] -= 1
-        if not self._registered[key]:
-            del self._registered[key]
-            self.te.unregister_memory(key[0])
+        with self._lock:
+            self._registered[key] -= 1
+            if not self._registered[key]:
+                del self._registered[key]
+                self.te.unregister_memory(key[0])
 
 
 _lock = threading.Lock()
