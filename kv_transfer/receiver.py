@@ -53,6 +53,7 @@ class _Incoming:
     payload: Any = None
     failure: str | None = None
     acked: bool = False  # the sender confirmed it stopped writing
+    admitted: list[tuple[int, int]] = field(default_factory=list)  # mooncake registrations
     grace_deadline: float = 0.0
 
 
@@ -234,6 +235,12 @@ class KVReceiver(Endpoint):
         except (ValueError, TypeError) as exc:
             self._fail(req, f"begin does not match the reservation: {exc}")
             return
+        if sender.transport == "mooncake":  # its writes are accepted from here to _end
+            try:
+                req.admitted = self._mooncake.admit(req.runs)
+            except RuntimeError as exc:
+                self._fail(req, str(exc))
+                return
         self._reply(sender.ident, {"op": "begin_ok", "rid": rid})
 
     def _on_layer(self, sender: _Sender, msg: dict[str, Any], sock: zmq.Socket) -> None:
@@ -320,6 +327,8 @@ class KVReceiver(Endpoint):
         return None
 
     def _end(self, req: _Incoming, event: TransferEvent) -> None:
+        if req.admitted:
+            self._mooncake.revoke(req.admitted)  # the engine refuses late writes from now on
         del self._requests[req.request_id]
         self._emit(event)
 
@@ -354,8 +363,6 @@ class KVReceiver(Endpoint):
             sender.channel.close()
         self._senders.clear()
         self._store = None
-        if self._mooncake is not None:
-            self._mooncake.close()  # the engine refuses writes into the pool from now on
 
     def _reply(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._sock.send_multipart([ident, pack(msg)])

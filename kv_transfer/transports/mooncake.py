@@ -1,13 +1,19 @@
 """Any host, through Mooncake's Transfer Engine: the sender writes each layer's runs straight
-into the receiver's registered pool (TCP, or RDMA where NICs exist), then sends the header.
+into the receiver's pool (TCP, or RDMA where NICs exist), then sends the header.
 
 Each process runs one engine (`P2PHANDSHAKE`: peers exchange segment descriptors directly,
-no metadata server) and registers each KV pool once. A receiver advertises its engine's
-session (`host:rpc_port`) and its pool's base address; a sender turns destination block ids
-into remote addresses and issues one batch write per layer, one entry per run, from its own
-(registered) pool. The write is synchronous on the sender's IO thread, so, as with `shm`,
-the "layer" header leaves only after the bytes are in the receiver's memory, and once the
-sender acknowledges a failed request no byte of it is still on its way.
+no metadata server). A receiver advertises its engine's session (`host:rpc_port`) and its
+pool's base address; a sender turns destination block ids into remote addresses and issues
+one batch write per layer, one entry per run, from its own pool (registered once). The
+write is synchronous on the sender's IO thread, so, as with `shm`, the "layer" header
+leaves only after the bytes are in the receiver's memory, and once the sender acknowledges
+a failed request no write of it is still on its way.
+
+A sender that is lost cannot acknowledge, and a write of its may still be on its way: over
+TCP a write blocked by a cut link lands when the link returns, even one the sender's
+engine already reported as failed. So the receiver registers only the destination slices
+of each request, from its begin to its end (`MooncakePool.admit` / `revoke`), and the engine
+refuses anything later.
 """
 
 from __future__ import annotations
@@ -64,8 +70,8 @@ class _Engine:
         self._registered: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
 
-    def register(self, tensor: torch.Tensor) -> tuple[int, int]:
-        key = (tensor.data_ptr(), tensor.nbytes)
+    def register(self, addr: int, nbytes: int) -> tuple[int, int]:
+        key = (addr, nbytes)
         with self._lock:
             if key not in self._registered and self.te.register_memory(*key) != 0:
                 raise RuntimeError(f"mooncake: registering {key[1]} bytes at {key[0]:#x} "
@@ -103,7 +109,10 @@ def engine(host: str, protocol: str) -> _Engine:
 
 
 class MooncakePool:
-    """A KV pool registered with the process's engine, as a receiver advertises it.
+    """A receiver's KV pool as the process's engine exposes it: only the destination slices
+    of requests in flight are registered, so a write that arrives after its request ended
+    (one held up by a cut link, say) is refused by the engine instead of landing in blocks
+    already given to another request.
 
     Args:
         buffer: the whole pool, `[num_layers, num_blocks, 2, block_size, H, D]`, CPU.
@@ -115,21 +124,38 @@ class MooncakePool:
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("the mooncake transport needs a contiguous CPU KV pool")
         self._engine = engine(host, protocol)
-        self._key: tuple[int, int] | None = self._engine.register(buffer)
-        self._shape = tuple(buffer.shape)
+        self._base, self._nbytes = buffer.data_ptr(), buffer.nbytes
+        self._num_layers = buffer.shape[0]
+        self._layer_bytes, self._block_bytes = buffer[0].nbytes, buffer[0, 0].nbytes
 
     def handle(self) -> dict[str, Any]:
         """What a sender needs: engine session, protocol, pool base address and size."""
-        if self._key is None:
-            raise RuntimeError("the pool is no longer registered")
         return {"session": self._engine.session, "protocol": self._engine.protocol,
-                "base": self._key[0], "nbytes": self._key[1]}
+                "base": self._base, "nbytes": self._nbytes}
 
-    def close(self) -> None:
-        """Unregister the pool: the engine refuses writes into it from then on."""
-        if self._key is not None:
-            self._engine.unregister(self._key)
-            self._key = None
+    def admit(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Register a request's destination: each `(dst_start, num_blocks)` run, every layer.
+
+        Returns:
+            The registrations, for `revoke`.
+        """
+        keys: list[tuple[int, int]] = []
+        try:
+            for layer in range(self._num_layers):
+                for start, n in runs:
+                    keys.append(self._engine.register(
+                        self._base + layer * self._layer_bytes + start * self._block_bytes,
+                        n * self._block_bytes))
+        except RuntimeError:
+            self.revoke(keys)
+            raise
+        return keys
+
+    def revoke(self, keys: list[tuple[int, int]]) -> None:
+        """Unregister what `admit` registered: the engine refuses writes there from now on
+        (a slice it already admitted still completes)."""
+        for key in keys:
+            self._engine.unregister(key)
 
 
 class MooncakeSendChannel:
@@ -159,7 +185,7 @@ class MooncakeSendChannel:
                              f"{num_layers} layers of {peer_blocks} blocks")
         self._session, self._base = peer["session"], peer["base"]
         self._engine = engine(host, protocol)
-        self._key: tuple[int, int] | None = self._engine.register(src)
+        self._key: tuple[int, int] | None = self._engine.register(src.data_ptr(), src.nbytes)
 
     def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,
                    runs: list[Run]) -> None:

@@ -161,6 +161,11 @@ def receiver_main(conn: Any, transport: str) -> None:
                 conn.send("ok")
             elif cmd[0] == "wait_landed":
                 conn.send(rx.wait_landed(cmd[1], cmd[2]))
+            elif cmd[0] == "events":
+                conn.send(collect(rx, cmd[1]))
+            elif cmd[0] == "nonzero":  # (layer, block) pairs holding any non-zero byte
+                conn.send([(layer, b) for layer in range(NUM_LAYERS)
+                           for b in range(RECEIVER_BLOCKS) if kv.buffer[layer, b].any()])
 
 
 def _context() -> Any:

@@ -18,10 +18,13 @@ from kv_peer import (
     RECEIVER_BLOCKS,
     SEED,
     SENDER_BLOCKS,
+    ask,
+    child,
     collect,
     compat_of,
     config,
     make_kv,
+    receiver_main,
 )
 
 from kv_transfer import KVReceiver, KVSender, TransferDone
@@ -29,22 +32,36 @@ from kv_transfer.transports.mooncake import engine
 
 
 @NEEDS_MOONCAKE
-def test_the_receiver_advertises_its_registered_pool_and_revokes_it_on_close() -> None:
-    kv = make_kv(RECEIVER_BLOCKS)
-    src = make_kv(SENDER_BLOCKS, seed=SEED).buffer
-    with KVReceiver(kv, compat_of(kv), config("mooncake", mooncake_protocol="tcp")) as rx:
-        handle = rx.peer_info()["mooncake"]
-    te = engine("127.0.0.1", "tcp")
-    assert handle == {"session": te.session, "protocol": "tcp", "base": kv.buffer.data_ptr(),
-                      "nbytes": kv.buffer.nbytes}
-    # Closed: the engine refuses a write into the pool (its memory may be reused).
-    key = te.register(src)
-    try:
-        assert te.te.transfer_sync_write(handle["session"], src.data_ptr(), handle["base"],
-                                         1024) != 0
-    finally:
-        te.unregister(key)
-    assert not kv.buffer.any()
+@pytest.mark.subprocess
+def test_the_engine_accepts_writes_into_a_request_only_while_it_is_in_flight() -> None:
+    """A write held up on the network (a cut link) can arrive after its request ended and
+    its blocks went to another request; the receiver's engine must refuse it. Such a late
+    write is issued here by hand, through this process's engine, at addresses computed as
+    the sender computes them."""
+    kv = make_kv(SENDER_BLOCKS, seed=SEED)
+    with KVSender(kv, compat_of(kv), config("mooncake")) as tx, \
+            child(receiver_main, "mooncake") as (_, conn):
+        info = ask(conn)
+        peer = tx.connect(info, "mooncake")
+        handle, te = info["mooncake"], engine("127.0.0.1", "tcp")
+        block_bytes = kv.layers[0][0].nbytes
+
+        def late_write(layer: int, block: int) -> int:
+            dst = handle["base"] + (layer * RECEIVER_BLOCKS + block) * block_bytes
+            return te.te.transfer_sync_write(handle["session"], kv.buffer.data_ptr(), dst,
+                                             block_bytes)
+
+        assert late_write(0, 20) != 0  # nothing expected, nothing accepted
+        ask(conn, "expect", "r1", [20, 21])
+        tx.begin("r1", peer, [3, 4], [20, 21])
+        tx.send_layer("r1", 0)
+        assert ask(conn, "wait_landed", "r1", 1)
+        assert late_write(3, 21) == 0  # in flight: its blocks accept writes
+        tx.abort("r1")
+        (event,) = ask(conn, "events", 1)
+        assert event.reason == "aborted by the sender: aborted by the prefill side"
+        assert late_write(2, 20) != 0 and late_write(3, 21) != 0  # ended: refused
+        assert ask(conn, "nonzero") == [(0, 20), (0, 21), (3, 21)]
 
 
 @NEEDS_MOONCAKE
