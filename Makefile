@@ -8,9 +8,9 @@ SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
 install: $(STAMP)
 
-# The last step builds the CPU paged-decode kernel (cached), not inside the first worker.
 # The mooncake extra (in dev) loads libibverbs.so.1: installed here when missing (as root,
-# which CI is; otherwise the command to run is printed).
+# which CI is; otherwise the command to run is printed). The last step builds the CPU
+# paged-decode kernel (cached), not inside the first worker.
 $(STAMP): pyproject.toml
 	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \
 		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q libibverbs1 || \
@@ -71,6 +71,8 @@ bench-engine: install setup-vllm
 
 bench-kv: install
 	$(PY) -m experiments.kv_bench
+	@if [ "$$(id -u)" = 0 ]; then $(PY) -m experiments.kv_bench_netns; \
+	else echo "bench-kv: the figures between two hosts need root (network namespaces)"; fi
 
 # 1P+1D -> 0P+2D under 16 decoding answers, with and without spreading them onto the
 # worker that joins (alternating rounds on one cluster): time per token after the move.
