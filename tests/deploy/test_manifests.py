@@ -259,7 +259,9 @@ def stand_in_backend() -> SimpleNamespace:
     and the cluster's own metrics, built as the backend builds them."""
     workers = {worker_id: SimpleNamespace(worker_id=worker_id, role=role, stats=WORKER_STATS)
                for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
-    return SimpleNamespace(workers=workers, metrics=ClusterMetrics())
+    metrics = ClusterMetrics()
+    metrics.transfer_bytes.labels("zmq")  # labelled: no series until a transfer touches it
+    return SimpleNamespace(workers=workers, metrics=metrics)
 
 
 @functools.cache
