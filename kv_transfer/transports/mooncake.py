@@ -30,7 +30,6 @@ from kv_transfer.blocks import Run
 from kv_transfer.transports.base import Landed
 from kv_transfer.wire import pack
 
-PROTOCOLS = ("tcp", "rdma")
 INSTALL_HINT = ("pip install 'pdcluster[mooncake]' (mooncake-transfer-engine) and "
                 "apt-get install -y libibverbs1")
 
@@ -153,7 +152,7 @@ class MooncakePool:
 
     def revoke(self, keys: list[tuple[int, int]]) -> None:
         """Unregister what `admit` registered: the engine refuses writes there from now on
-        (a slice it already admitted still completes)."""
+        (one it had already accepted may still complete)."""
         for key in keys:
             self._engine.unregister(key)
 
@@ -181,7 +180,7 @@ class MooncakeSendChannel:
         self._block_bytes = src[0, 0].nbytes
         self._layer_bytes = peer_blocks * self._block_bytes
         if num_layers * self._layer_bytes != peer["nbytes"]:
-            raise ValueError(f"the peer's registered pool of {peer['nbytes']} bytes is not "
+            raise ValueError(f"the peer's pool of {peer['nbytes']} bytes is not "
                              f"{num_layers} layers of {peer_blocks} blocks")
         self._session, self._base = peer["session"], peer["base"]
         self._engine = engine(host, protocol)
@@ -193,11 +192,10 @@ class MooncakeSendChannel:
             raise RuntimeError("mooncake channel already closed")
         size, base = self._block_bytes, self._base + header["layer"] * self._layer_bytes
         here = src.data_ptr()
-        rc = self._engine.te.batch_transfer_sync_write(
-            self._session, [here + s * size for s, _, _ in runs],
-            [base + d * size for _, d, _ in runs], [n * size for _, _, n in runs])
-        if rc != 0:
-            raise ConnectionError(f"mooncake write to {self._session} failed ({rc})")
+        if runs and self._engine.te.batch_transfer_sync_write(
+                self._session, [here + s * size for s, _, _ in runs],
+                [base + d * size for _, d, _ in runs], [n * size for _, _, n in runs]) != 0:
+            raise ConnectionError(f"mooncake write to {self._session} failed (see its log)")
         sock.send(pack(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
 
     def close(self) -> None:
@@ -214,4 +212,4 @@ class MooncakeRecvChannel:
         landed(None)
 
     def close(self) -> None:
-        """Nothing to release: the pool's registration belongs to the receiver."""
+        """Nothing to release: the registrations belong to the receiver's requests."""
