@@ -32,6 +32,10 @@ from kv_transfer.wire import pack
 
 INSTALL_HINT = ("pip install 'pdcluster[mooncake]' (mooncake-transfer-engine) and "
                 "apt-get install -y libibverbs1")
+# How long a write may stay blocked (a cut link, a silent host) before the engine fails it,
+# in seconds; Mooncake's default is 30, all that time holding the sender's IO thread and
+# every transfer behind it. The environment's MC_TRANSFER_TIMEOUT wins.
+WRITE_TIMEOUT_S = 5
 
 
 def default_protocol() -> str:
@@ -47,6 +51,7 @@ def check_installed() -> None:
 
 def _engine_class() -> Any:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # glog: no INFO line per connection
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(WRITE_TIMEOUT_S))
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
