@@ -8,15 +8,15 @@ SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
 install: $(STAMP)
 
-# The mooncake extra (in dev) loads libibverbs.so.1: installed here when missing (as root,
-# which CI is; otherwise the command to run is printed). The last step builds the CPU
-# paged-decode kernel (cached), not inside the first worker.
+# The mooncake extra (in dev; Linux only) loads libibverbs.so.1: installed here when missing
+# (as root, which CI is; otherwise the command to run is printed). The last step builds
+# the CPU paged-decode kernel (cached), not inside the first worker.
 $(STAMP): pyproject.toml
-	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \
+	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q libibverbs1 || \
 			{ apt-get update -q && apt-get install -y -q libibverbs1; }; \
 		else echo "the mooncake extra needs libibverbs1: sudo apt-get install -y libibverbs1" >&2; \
-			exit 1; fi; }
+			exit 1; fi; fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
