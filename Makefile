@@ -8,8 +8,15 @@ SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
 install: $(STAMP)
 
-# The last step builds the CPU paged-decode kernel (cached), not inside the first worker.
+# The mooncake extra (in dev; Linux only) loads libibverbs.so.1: installed here when missing
+# (as root, which CI is; otherwise the command to run is printed). The last step builds
+# the CPU paged-decode kernel (cached), not inside the first worker.
 $(STAMP): pyproject.toml
+	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q libibverbs1 || \
+			{ apt-get update -q && apt-get install -y -q libibverbs1; }; \
+		else echo "the mooncake extra needs libibverbs1: sudo apt-get install -y libibverbs1" >&2; \
+			exit 1; fi; fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -65,7 +72,8 @@ bench-engine: install setup-vllm
 # Same host, then across two hosts made of network namespaces (root).
 bench-kv: install
 	$(PY) -m experiments.kv_bench
-	$(PY) -m experiments.kv_bench --cross-host --sizes-mb 1 4 16 64
+	@if [ "$$(id -u)" = 0 ]; then $(PY) -m experiments.kv_bench --cross-host --sizes-mb 1 4 16 64; \
+	else echo "bench-kv: the figures between two hosts need root (network namespaces)"; fi
 
 # 1P+1D -> 0P+2D under 16 decoding answers, with and without spreading them onto the
 # worker that joins (alternating rounds on one cluster): time per token after the move.

@@ -32,6 +32,14 @@ def _serve(args: argparse.Namespace) -> int:
                               "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
                               "policy": args.policy, "max_model_len": args.max_model_len,
                               "enable_prefix_caching": not args.no_prefix_caching}
+    if args.transport == "mooncake":
+        from kv_transfer.transports.mooncake import check_installed
+
+        try:
+            check_installed()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+        worker["mooncake_protocol"] = args.mooncake_protocol
     cluster = ClusterConfig(
         model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
         transports=TRANSPORTS[args.transport],
@@ -166,8 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                        default="disaggregated")
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
     serve.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
-    serve.add_argument("--transport", choices=["shm", "zmq", "torch"], default="shm",
-                       help="KV transport (shm falls back to zmq across hosts)")
+    serve.add_argument("--transport", choices=["shm", "zmq", "torch", "mooncake"],
+                       default="shm",
+                       help="KV transport (shm falls back to zmq across hosts; mooncake: "
+                            "Mooncake's Transfer Engine, pip install 'pdcluster[mooncake]')")
+    serve.add_argument("--mooncake-protocol", choices=["auto", "tcp", "rdma"], default="auto",
+                       help="what --transport mooncake speaks; auto (default): rdma where "
+                            "the node lists an RDMA device, else tcp (NICs are picked by "
+                            "the engine)")
     serve.add_argument("--address", default=None,
                        help="existing Ray cluster ('auto', 'ray://host:10001'); "
                             "default: embedded local Ray")

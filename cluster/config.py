@@ -14,7 +14,8 @@ INTERNAL_AUTH = ("auto", "curve", "off")
 MODES = ("disaggregated", "colocated")
 # `serve --transport` -> the KV transports a decode worker offers, best first: shared
 # memory is never chosen between hosts, so zmq backs it up there.
-TRANSPORTS = {"shm": ("shm", "zmq"), "zmq": ("zmq",), "torch": ("torch_dist", "zmq")}
+TRANSPORTS = {"shm": ("shm", "zmq"), "zmq": ("zmq",), "torch": ("torch_dist", "zmq"),
+              "mooncake": ("mooncake", "zmq")}
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ class WorkerSpec:
         block_size: tokens per block.
         max_num_batched_tokens: step token budget.
         max_num_seqs: most running requests.
-        transports: KV transports a decode worker offers (`shm`, `zmq`, `torch_dist`).
+        transports: KV transports a decode worker offers (`shm`, `zmq`, `torch_dist`,
+            `mooncake`).
         torch_threads: intra-op threads for this worker.
         policy: `continuous` batching, or `static` (for comparison benchmarks).
         enable_prefix_caching: reuse cached prompt blocks.
@@ -69,6 +70,8 @@ class WorkerSpec:
         cluster_key: the cluster's CURVE keypair (handed out by the router through Ray):
             every socket of the worker and of its KV endpoint speaks CURVE and admits only
             holders of it; None: plain TCP.
+        mooncake_protocol: the mooncake transport's `tcp`, `rdma` or `auto` (rdma where
+            the node has an RDMA device).
     """
 
     worker_id: str
@@ -89,6 +92,7 @@ class WorkerSpec:
     kv_wait_timeout_s: float = 600.0
     max_model_len: int | None = None
     cluster_key: ClusterKey | None = None
+    mooncake_protocol: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
@@ -149,7 +153,8 @@ class Worker:
         spec = self.spec
         compat = CompatRecord.from_kv_cache(self.engine.kv_cache, str(self.engine.model_dir))
         config = TransferConfig(transports=spec.transports, host=spec.host,
-                                cluster_key=spec.cluster_key)
+                                cluster_key=spec.cluster_key,
+                                mooncake_protocol=spec.mooncake_protocol)
         if spec.role == Role.PREFILL:
             return PrefillRole(spec.worker_id, self.engine,
                                KVSender(self.engine.kv_cache, compat, config))

@@ -2,24 +2,25 @@
 
     python -m experiments.kv_bench [--sizes-mb 1 4 16 64 256] [--repeats 10]
 
-A receiver process offers shm, zmq and torch_dist on one shared-memory pool, zmq once more
-with the cluster's CURVE key (`zmq_curve`: encrypted, what `--internal-auth curve` costs),
-plus a plain TCP socket that `recv_into`s the same pool. This process sends each size over
-each of them and copies the same bytes in-process with `torch.copy_` (one thread), in rounds
-that run every method once (`--repeats` rounds after a warm-up). Bandwidths are medians over rounds;
-a ratio is the median over rounds of the two methods' times in that round, so bursts of
-load on a shared machine hit both sides; the headline ratios are the worst over sizes of at
-least 16 MiB. A transfer is timed from `begin` to the acknowledged `TransferDone` and moves
-all layers of consecutive blocks. One-block latency is the median over `--latency-repeats`
-one-block requests. Results go to experiments/results/kv_transfer.json and a table on the
-terminal.
+A receiver process offers shm, zmq, torch_dist and mooncake (tcp unless the host has an RDMA
+device) on one shared-memory pool, zmq once more with the cluster's CURVE key (`zmq_curve`:
+encrypted, what `--internal-auth curve` costs), plus a plain TCP socket that `recv_into`s
+the same pool. This process sends each size over each of them and copies the same bytes in-process
+with `torch.copy_` (one thread), in rounds that run every method once (`--repeats`
+rounds after a warm-up). Bandwidths are medians over rounds; a ratio is the median over
+rounds of the two methods' times in that round, so bursts of load on a shared machine hit
+both sides; the headline ratios are the worst over sizes of at least 16 MiB. A transfer is
+timed from `begin` to the acknowledged `TransferDone` and moves all layers of consecutive
+blocks. One-block latency is the median over `--latency-repeats` one-block requests.
+Results go to experiments/results/kv_transfer.json and a table on the terminal.
 
     python -m experiments.kv_bench --cross-host   # root: two hosts joined by a veth bridge
 
 With `--cross-host` the receiver runs in one network namespace and this process in another
 (`tests/multinode/netns.py`, the multi-node tests' hosts), so every byte crosses a veth
-pair and a bridge as it would cross a link between hosts: zmq, zmq under CURVE and gloo
-against a raw socket over the same path (no shm, no in-process copy). Results go to
+pair and a bridge as it would cross a link between hosts: zmq, zmq under CURVE, gloo and
+mooncake against a raw socket over the same path (no shm), then the exposed transfer
+between real SmolLM2 workers on two hosts. Results go to
 experiments/results/kv_transfer_cross_host.json.
 """
 
@@ -64,7 +65,7 @@ DTYPE = torch.float32
 MIB = 1 << 20
 OUT = RESULTS / "kv_transfer.json"
 TARGETS = {"same_host_over_memcpy": 0.5, "zmq_tcp_over_raw_socket": 0.8,
-           "exposed_transfer_share_2048": 0.02}
+           "mooncake_tcp_over_raw_socket": 0.8, "exposed_transfer_share_2048": 0.02}
 
 
 def make_kv(num_blocks: int, allocator: Any = None) -> KVCache:
@@ -75,7 +76,7 @@ def compat(kv: KVCache) -> CompatRecord:
     return CompatRecord.from_kv_cache(kv, "kv-bench")
 
 
-CROSS_HOST_TRANSPORTS = ("zmq", "torch_dist")  # shared memory does not cross hosts
+CROSS_HOST_TRANSPORTS = ("zmq", "torch_dist", "mooncake")  # shared memory does not cross hosts
 
 
 def settings(key: ClusterKey | None = None, host: str = "127.0.0.1",
@@ -269,26 +270,36 @@ def worst_at_least(per_size: dict[str, float], min_mb: int) -> float | None:
 def measure(bench: Bench, args: argparse.Namespace, num_blocks: int) -> dict[str, Any]:
     times = bandwidth_rounds(bench, args.sizes_mb, args.repeats)
     zmq_over_raw = ratios(times, "zmq", "raw_socket")
+    mooncake_over_raw = ratios(times, "mooncake", "raw_socket")
     if args.cross_host:
         return {**common_results(bench, args, num_blocks, times),
                 "ratios_by_size_mb": {"zmq_over_raw_socket": zmq_over_raw,
+                                      "mooncake_over_raw_socket": mooncake_over_raw,
                                       "torch_dist_over_raw_socket": ratios(
                                           times, "torch_dist", "raw_socket"),
                                       "zmq_curve_over_raw_socket": ratios(
                                           times, "zmq_curve", "raw_socket")},
                 "zmq_over_raw_socket_round_range": ratio_spread(times, "zmq", "raw_socket"),
-                "zmq_tcp_over_raw_socket": worst_at_least(zmq_over_raw, 16)}
+                "mooncake_over_raw_socket_round_range": ratio_spread(times, "mooncake",
+                                                                     "raw_socket"),
+                "zmq_tcp_over_raw_socket": worst_at_least(zmq_over_raw, 16),
+                "mooncake_tcp_over_raw_socket": worst_at_least(mooncake_over_raw, 16),
+                "targets": TARGETS}
     shm_over_copy = ratios(times, "shm", "memcpy")
     return {
         **common_results(bench, args, num_blocks, times),
         "ratios_by_size_mb": {"shm_over_memcpy": shm_over_copy,
                               "zmq_over_raw_socket": zmq_over_raw,
+                              "mooncake_over_raw_socket": mooncake_over_raw,
                               "torch_dist_over_raw_socket": ratios(times, "torch_dist",
                                                                    "raw_socket"),
                               "zmq_curve_over_zmq": ratios(times, "zmq_curve", "zmq")},
         "zmq_curve_over_zmq_round_range": ratio_spread(times, "zmq_curve", "zmq"),
+        "mooncake_over_raw_socket_round_range": ratio_spread(times, "mooncake",
+                                                             "raw_socket"),
         "same_host_over_memcpy": worst_at_least(shm_over_copy, 16),
         "zmq_tcp_over_raw_socket": worst_at_least(zmq_over_raw, 16),
+        "mooncake_tcp_over_raw_socket": worst_at_least(mooncake_over_raw, 16),
         "targets": TARGETS,
     }
 
@@ -348,7 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     keys = ("one_block_latency_us", "verified", *TARGETS, "exposed_transfer_share_2048",
-            "zmq_curve_over_zmq_round_range", "zmq_over_raw_socket_round_range")
+            "mooncake_over_raw_socket_round_range", "zmq_curve_over_zmq_round_range",
+            "zmq_over_raw_socket_round_range")
     print(json.dumps({k: results.get(k) for k in keys}, indent=2))
     return results
 

@@ -36,7 +36,9 @@ Guarantees:
 
 Transports (`TransferConfig.transports`; control messages are msgpack over ZMQ always):
 `shm` (same host: the sender copies into the receiver's pool in a memfd), `zmq` (TCP,
-zero-copy frames), `torch_dist` (pairwise gloo group, NCCL when the pool is on CUDA).
+zero-copy frames), `torch_dist` (pairwise gloo group, NCCL when the pool is on CUDA),
+`mooncake` (Mooncake's Transfer Engine, TCP or RDMA: the sender writes into the receiver's
+registered pool; the `mooncake` extra).
 """
 
 from kv_transfer.compat import CompatRecord, KVCompatibilityError, check_compat

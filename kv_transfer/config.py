@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from protocol.secure import ClusterKey
 
-TRANSPORTS = ("shm", "zmq", "torch_dist")
+TRANSPORTS = ("shm", "zmq", "torch_dist", "mooncake")
+MOONCAKE_PROTOCOLS = ("auto", "tcp", "rdma")
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,9 @@ class TransferConfig:
 
     Args:
         transports: what a receiver offers: "zmq" (TCP, any host), "shm" (same host; needs
-            the pool in a `SharedKVPool`), "torch_dist" (gloo on CPU, NCCL on CUDA). A sender
-            ignores it and picks per peer (see `KVSender.connect`).
+            the pool in a `SharedKVPool`), "torch_dist" (gloo on CPU, NCCL on CUDA),
+            "mooncake" (Mooncake's Transfer Engine over TCP or RDMA; the `mooncake` extra).
+            A sender ignores it and picks per peer (see `KVSender.connect`).
         host: address this endpoint binds and advertises (ZMQ control socket, rendezvous
             store, gloo device); the default only reaches the same host.
         verify_checksums: a receiver with this set asks senders for an xxh3_64 per block and
@@ -30,6 +32,9 @@ class TransferConfig:
         cluster_key: the cluster's CURVE keypair: the control socket (and the zmq
             transport's KV bytes on it) is encrypted and admits only holders of this key;
             None: plain TCP. Both ends must agree.
+        mooncake_protocol: what the mooncake transport's engine speaks: "tcp", "rdma", or
+            "auto" (rdma where the kernel lists an RDMA device, else tcp); both ends must
+            end up alike. The engine picks the RDMA NICs itself.
     """
 
     transports: tuple[str, ...] = ("zmq",)
@@ -40,12 +45,16 @@ class TransferConfig:
     peer_timeout_s: float = 5.0
     connect_timeout_s: float = 10.0
     cluster_key: ClusterKey | None = None
+    mooncake_protocol: str = "auto"
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.transports if t not in TRANSPORTS]
         if not self.transports or unknown:
             raise ValueError(f"transports must be a non-empty subset of {TRANSPORTS}, "
                              f"got {self.transports!r}")
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise ValueError(f"mooncake_protocol must be one of {MOONCAKE_PROTOCOLS}, "
+                             f"got {self.mooncake_protocol!r}")
         for name in ("request_timeout_s", "heartbeat_s", "peer_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -19,8 +19,9 @@ from kv_transfer.compat import CompatRecord, KVCompatibilityError, check_compat
 from kv_transfer.config import TransferConfig
 from kv_transfer.endpoint import _MAX_BATCH, Endpoint
 from kv_transfer.events import TransferDone, TransferEvent, TransferFailed
-from kv_transfer.transports import locality, open_recv_channel
+from kv_transfer.transports import locality, mooncake_protocol, open_recv_channel
 from kv_transfer.transports.base import RecvChannel
+from kv_transfer.transports.mooncake import MooncakePool
 from kv_transfer.transports.shm import SharedKVPool
 from kv_transfer.wire import pack, unpack
 
@@ -52,6 +53,7 @@ class _Incoming:
     payload: Any = None
     failure: str | None = None
     acked: bool = False  # the sender confirmed it stopped writing
+    admitted: list[tuple[int, int]] = field(default_factory=list)  # mooncake registrations
     grace_deadline: float = 0.0
 
 
@@ -79,6 +81,9 @@ class KVReceiver(Endpoint):
             raise ValueError("pass shm_pool exactly when config.transports offers 'shm'")
         if shm_pool is not None and shm_pool.nbytes != kv_cache.buffer.nbytes:
             raise ValueError("shm_pool did not allocate this KV cache")
+        # First, so that a missing or failing engine leaves nothing else open.
+        self._mooncake = MooncakePool(kv_cache.buffer, config.host, mooncake_protocol(config)) \
+            if "mooncake" in config.transports else None
         super().__init__(kv_cache, compat, config, "receiver")
         self._shm = shm_pool
         self._id = uuid.uuid4().hex
@@ -101,7 +106,8 @@ class KVReceiver(Endpoint):
 
         Returns:
             Control endpoint, compatibility record, pool size, offered transports, and the
-            shared-memory handle / rendezvous store when those are offered.
+            shared-memory handle / rendezvous store / registered mooncake pool when those
+            are offered.
         """
         info: dict[str, Any] = {
             "receiver_id": self._id,
@@ -116,6 +122,8 @@ class KVReceiver(Endpoint):
             info["shm"] = self._shm.handle()
         if self._store_addr is not None:
             info["store"] = self._store_addr
+        if self._mooncake is not None:
+            info["mooncake"] = self._mooncake.handle()
         return info
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
@@ -227,6 +235,12 @@ class KVReceiver(Endpoint):
         except (ValueError, TypeError) as exc:
             self._fail(req, f"begin does not match the reservation: {exc}")
             return
+        if sender.transport == "mooncake":  # its writes are accepted from here to _end
+            try:
+                req.admitted = self._mooncake.admit(req.runs)
+            except RuntimeError as exc:
+                self._fail(req, str(exc))
+                return
         self._reply(sender.ident, {"op": "begin_ok", "rid": rid})
 
     def _on_layer(self, sender: _Sender, msg: dict[str, Any], sock: zmq.Socket) -> None:
@@ -313,6 +327,8 @@ class KVReceiver(Endpoint):
         return None
 
     def _end(self, req: _Incoming, event: TransferEvent) -> None:
+        if req.admitted:
+            self._mooncake.revoke(req.admitted)  # the engine refuses late writes from now on
         del self._requests[req.request_id]
         self._emit(event)
 

@@ -79,8 +79,8 @@ class KVSender(Endpoint):
 
         Args:
             peer_info: the receiver's `KVReceiver.peer_info()`.
-            transport: "shm", "zmq" or "torch_dist"; None picks shm when the receiver
-                offers it and shares this host, else torch_dist, else zmq.
+            transport: "shm", "zmq", "torch_dist" or "mooncake"; None picks shm when the
+                receiver offers it and shares this host, else mooncake, torch_dist, zmq.
 
         Returns:
             The peer id to pass to `begin`.
@@ -88,8 +88,8 @@ class KVSender(Endpoint):
         Raises:
             KVCompatibilityError: the caches differ (checked here and by the receiver).
             ConnectionError: no answer within `connect_timeout_s`, or the transport failed.
-            ValueError: the transport is not offered or does not fit this pool (shm and
-                zmq need a CPU pool).
+            ValueError: the transport is not offered or does not fit this pool (shm, zmq
+                and mooncake need a CPU pool).
         """
         check_compat(self.compat, CompatRecord.from_dict(peer_info.get("compat")))
         transport = transport or self._pick_transport(peer_info)
@@ -197,7 +197,7 @@ class KVSender(Endpoint):
         offered = peer_info["transports"]
         if "shm" in offered and peer_info.get("locality") == locality():
             return "shm"
-        for name in ("torch_dist", "zmq"):
+        for name in ("mooncake", "torch_dist", "zmq"):
             if name in offered:
                 return name
         raise ValueError(f"none of {offered} reaches this host; the receiver must offer zmq")

@@ -40,6 +40,11 @@ if pdcluster bench --address 127.0.0.1:1 2>"$work/bench.err"; then
     echo "pdcluster bench ran without its extra" >&2; exit 1
 fi
 grep -q "pip install 'pdcluster\[bench\]'" "$work/bench.err" || { cat "$work/bench.err"; exit 1; }
+# Likewise the mooncake transport, before anything starts.
+if pdcluster serve --transport mooncake 2>"$work/mooncake.err"; then
+    echo "pdcluster serve --transport mooncake ran without its extra" >&2; exit 1
+fi
+grep -q "pip install 'pdcluster\[mooncake\]'" "$work/mooncake.err" || { cat "$work/mooncake.err"; exit 1; }
 
 # The image's command line: its entrypoint script with the environment the Dockerfile sets.
 # On every interface without a key it must refuse to start, and say how to fix it.

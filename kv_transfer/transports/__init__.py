@@ -1,4 +1,5 @@
-"""Transports: `shm` (same host), `zmq` (TCP, any host), `torch_dist` (gloo / NCCL).
+"""Transports: `shm` (same host), `zmq` (TCP, any host), `torch_dist` (gloo / NCCL),
+`mooncake` (Mooncake's Transfer Engine: TCP or RDMA, any host).
 
 Control messages always travel over ZMQ; a transport only decides how a layer's bytes move.
 """
@@ -12,6 +13,11 @@ from typing import Any
 from engine.kv_cache import KVCache
 from kv_transfer.config import TransferConfig
 from kv_transfer.transports.base import RecvChannel, SendChannel
+from kv_transfer.transports.mooncake import (
+    MooncakeRecvChannel,
+    MooncakeSendChannel,
+    default_protocol,
+)
 from kv_transfer.transports.shm import ShmRecvChannel, ShmSendChannel, map_peer_pool
 from kv_transfer.transports.torch_dist import (
     SENDER_RANK,
@@ -29,12 +35,19 @@ def locality() -> str:
     return f"{boot_id}/{os.readlink('/proc/self/ns/pid')}"
 
 
+def mooncake_protocol(config: TransferConfig) -> str:
+    """The mooncake protocol `config` asks for, with "auto" resolved for this host."""
+    if config.mooncake_protocol == "auto":
+        return default_protocol()
+    return config.mooncake_protocol
+
+
 def open_send_channel(transport: str, peer_info: dict[str, Any], kv: KVCache,
                       config: TransferConfig, pair_name: str) -> SendChannel:
     """Set up the sender's half of a connection (may block: mapping, group rendezvous).
 
     Args:
-        transport: "shm", "zmq" or "torch_dist".
+        transport: "shm", "zmq", "torch_dist" or "mooncake".
         peer_info: the receiver's `KVReceiver.peer_info()`.
         kv: the sender's pool.
         config: the sender's settings.
@@ -50,6 +63,9 @@ def open_send_channel(transport: str, peer_info: dict[str, Any], kv: KVCache,
         return ShmSendChannel(map_peer_pool(peer_info["shm"], shape, kv.dtype))
     if transport == "zmq":
         return ZmqSendChannel()
+    if transport == "mooncake":
+        return MooncakeSendChannel(kv.buffer, peer_info["mooncake"], peer_info["num_blocks"],
+                                   config.host, mooncake_protocol(config))
     return DistSendChannel(open_pair_group(peer_info["store"], pair_name, SENDER_RANK,
                                            kv.buffer.device, config.host, config.peer_timeout_s))
 
@@ -60,7 +76,7 @@ def open_recv_channel(transport: str, store: dict[str, Any] | None, kv: KVCache,
     """Set up the receiver's half of a connection (never blocks).
 
     Args:
-        transport: "shm", "zmq" or "torch_dist".
+        transport: "shm", "zmq", "torch_dist" or "mooncake".
         store: the receiver's rendezvous store address (torch_dist only).
         kv: the receiver's pool.
         config: the receiver's settings.
@@ -74,6 +90,8 @@ def open_recv_channel(transport: str, store: dict[str, Any] | None, kv: KVCache,
         return ShmRecvChannel()
     if transport == "zmq":
         return ZmqRecvChannel()
+    if transport == "mooncake":
+        return MooncakeRecvChannel()
     if store is None:
         raise ValueError("torch_dist needs the receiver's rendezvous store")
     return DistRecvChannel(store, pair_name, kv.buffer.device, config.host,

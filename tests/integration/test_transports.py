@@ -1,10 +1,11 @@
 """The disaggregated path over each KV transport gives the engine's exact tokens: torch
-distributed here; shared memory by tests/integration/test_cluster.py and
+distributed and mooncake (tcp) here; shared memory by tests/integration/test_cluster.py and
 test_internal_auth.py, zmq by test_internal_auth.py (its `off` cluster: the same config)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 
 import pytest
@@ -18,7 +19,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 pytestmark = pytest.mark.cluster
 
 
-@pytest.mark.parametrize("transports", [("torch_dist",)])
+@pytest.mark.parametrize("transports", [("torch_dist",), pytest.param(("mooncake",), marks=(
+    pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                       reason="the mooncake extra is not installed")))], ids=lambda t: t[0])
 def test_transport_end_to_end(ray_local, loop_thread, transports):
     rng = random.Random(9)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 150))]

@@ -9,6 +9,7 @@ from kv_peer import (
     RECEIVER_BLOCKS,
     SEED,
     SENDER_BLOCKS,
+    TRANSPORT_PARAMS,
     NotingReceiver,
     ask,
     child,
@@ -21,7 +22,6 @@ from kv_peer import (
 )
 
 from kv_transfer import (
-    TRANSPORTS,
     KVCompatibilityError,
     KVSender,
     SharedKVPool,
@@ -48,7 +48,7 @@ def only_failure(events: list, request_id: str) -> str:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_receiver_killed_mid_transfer_fails_and_releases_the_request(transport: str) -> None:
     kv = make_kv(SENDER_BLOCKS, seed=SEED)
     with KVSender(kv, compat_of(kv), config(transport, peer_timeout_s=LOST_AFTER_S)) as tx, \
@@ -74,7 +74,7 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_request(transport: 
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_sender_killed_mid_transfer_fails_on_the_receiver(transport: str) -> None:
     with receiver_for(transport, peer_timeout_s=LOST_AFTER_S) as rx, \
             child(sender_main, transport) as (proc, conn):
@@ -88,7 +88,7 @@ def test_sender_killed_mid_transfer_fails_on_the_receiver(transport: str) -> Non
         assert "lost the sender" in reason
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_checksum_mismatch_fails_both_sides(transport: str) -> None:
     with receiver_for(transport) as rx, child(sender_main, transport, True) as (_, conn):
         peer_id = ask(conn, "connect", rx.peer_info())
@@ -99,7 +99,7 @@ def test_checksum_mismatch_fails_both_sides(transport: str) -> None:
     assert "checksum mismatch" in only_failure(sender_events, "r1")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_mismatched_handshake_is_refused_by_both_sides(transport: str) -> None:
     kv = make_kv(SENDER_BLOCKS, block_size=8)
     with receiver_for(transport) as rx, KVSender(kv, compat_of(kv), config(transport)) as tx:

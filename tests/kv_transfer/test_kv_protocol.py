@@ -12,6 +12,7 @@ from kv_peer import (
     RECEIVER_BLOCKS,
     SEED,
     SENDER_BLOCKS,
+    TRANSPORT_PARAMS,
     NotingReceiver,
     collect,
     compat_of,
@@ -19,10 +20,10 @@ from kv_peer import (
     make_kv,
 )
 
-from kv_transfer import TRANSPORTS, KVReceiver, KVSender, SharedKVPool, TransferDone, TransferFailed
+from kv_transfer import KVReceiver, KVSender, SharedKVPool, TransferDone, TransferFailed
 
 
-@pytest.fixture(params=TRANSPORTS)
+@pytest.fixture(params=TRANSPORT_PARAMS)
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVReceiver, KVSender, str]]:
     """A connected receiver and sender; the receiver's pool must stay all zeros unless a
     test transfers into it."""

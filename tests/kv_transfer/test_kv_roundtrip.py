@@ -8,6 +8,7 @@ from kv_peer import (
     RECEIVER_BLOCKS,
     SEED,
     SENDER_BLOCKS,
+    TRANSPORT_PARAMS,
     ask,
     child,
     collect,
@@ -18,10 +19,10 @@ from kv_peer import (
     sender_main,
 )
 
-from kv_transfer import TRANSPORTS, KVReceiver, SharedKVPool, TransferDone
+from kv_transfer import KVReceiver, SharedKVPool, TransferDone
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_received_kv_is_bit_identical(transport: str) -> None:
     # Blocks travel whole, so a partly filled last block arrives with its unused slots too.
     pool = SharedKVPool() if transport == "shm" else None

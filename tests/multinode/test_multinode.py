@@ -6,11 +6,13 @@ the bridge as a client on another machine would.
 The tests run in order on one cluster: exact tokens across the boundary (never over shared
 memory), CURVE refusing a keyless peer on another node, scaling that adds a decode worker
 on the other decode node, the prefill node's link cut in the middle of transfers, the loss
-of a whole decode node, and then gloo (`--transport torch`) between nodes.
+of a whole decode node, and then gloo (`--transport torch`) and Mooncake's Transfer Engine
+over TCP (`--transport mooncake`) between nodes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -208,6 +210,10 @@ def test_scaling_up_adds_a_decode_worker_on_the_other_node(cluster: Cluster) -> 
 
 
 def test_link_cut_mid_transfer_fails_over_or_errors_and_leaks_nothing(cluster: Cluster) -> None:
+    _cut_the_prefill_link_mid_transfer(cluster, "zmq")
+
+
+def _cut_the_prefill_link_mid_transfer(cluster: Cluster, transport: str) -> None:
     """The prefill node's only link goes down while long prompts are prefilled and shipped
     (longer than the transfer's peer timeout, shorter than Ray's node-death timeout), then
     comes back: every request ends with the reference tokens or a clear error, no KV block
@@ -244,10 +250,10 @@ def test_link_cut_mid_transfer_fails_over_or_errors_and_leaks_nothing(cluster: C
     retried = sum(value for _, value in cluster.counter("transfer_retries")) - retries
     assert retried + sum(finish == "error" for _, finish, _ in results) >= 1
     cluster.wait_pools_free()
-    before = cluster.transfer_bytes()["zmq"]
+    before = cluster.transfer_bytes()[transport]
     tokens, finish, _ = _greedy(cluster, 8, prompt_token_ids=LONG[:600])
     assert (tokens, finish) == (hf_greedy("smollm2", LONG[:600], 8), "length")
-    assert cluster.transfer_bytes()["zmq"] > before  # the prefill node serves again
+    assert cluster.transfer_bytes()[transport] > before  # the prefill node serves again
     cluster.wait_pools_free()
 
 
@@ -299,3 +305,21 @@ def test_gloo_between_nodes_matches_transformers(cluster: Cluster) -> None:
     shipped = cluster.transfer_bytes()
     assert set(shipped) == {"torch_dist"} and shipped["torch_dist"] > 0
     cluster.wait_pools_free()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                    reason="the mooncake extra is not installed: pip install 'pdcluster[mooncake]'")
+def test_mooncake_between_nodes_matches_transformers(cluster: Cluster) -> None:
+    cluster.stop_serve()
+    cluster.serve("--transport", "mooncake", "--mooncake-protocol", "tcp", "--decode", "1")
+    ws = cluster.workers()
+    assert {w.role: w.host for w in ws}["prefill"] == _ip(cluster, "pf")
+    assert {w.role: w.host for w in ws}["decode"] != _ip(cluster, "pf")
+    tokens, finish, _ = _greedy(cluster, 16, prompt_token_ids=LONG[:400])
+    assert (tokens, finish) == (hf_greedy("smollm2", LONG[:400], 16), "length")
+    shipped = cluster.transfer_bytes()
+    assert set(shipped) == {"mooncake"} and shipped["mooncake"] > 0
+    cluster.wait_pools_free()
+    # A write blocked by the cut lands when the link is back unless the decode side has
+    # unregistered its request's blocks by then (kv_transfer/transports/mooncake.py).
+    _cut_the_prefill_link_mid_transfer(cluster, "mooncake")

@@ -43,6 +43,15 @@ def test_colocated_mode_and_pool_flags(captured: list[Any]) -> None:
     assert (options.host, options.grpc_port, options.http_port) == ("127.0.0.1", 0, 0)
 
 
+def test_mooncake_transport_and_its_protocol_reach_the_workers(captured: list[Any]) -> None:
+    pytest.importorskip("mooncake", reason="the mooncake extra is not installed")
+    assert main(["serve", "--model", "tiny", "--transport", "mooncake",
+                 "--mooncake-protocol", "tcp"]) == 0
+    (options,) = captured
+    assert options.cluster.transports == TRANSPORTS["mooncake"] == ("mooncake", "zmq")
+    assert options.cluster.worker["mooncake_protocol"] == "tcp"
+
+
 def test_tls_and_key_flags_reach_both_front_doors(captured: list[Any], tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
     assert main(["serve", "--model", "tiny", "--host", "0.0.0.0", "--api-key", "sk-u",
