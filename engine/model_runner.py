@@ -83,9 +83,10 @@ class ModelRunner:
 
     def _log_cpu_paths(self, dtype: torch.dtype) -> None:
         cpu = cpu_features()
-        # fp32 linears run on OpenBLAS (BlasLinear), decode attention on the paged kernel
-        # built for this CPU (-march=native); other dtypes take torch's kernels.
-        linears = "OpenBLAS" if dtype == torch.float32 else "torch (oneDNN/MKL)"
+        # fp32 linears run on OpenBLAS (BlasLinear), bf16 ones on oneDNN's bf16 GEMM with
+        # prepacked weights (OneDnnLinear); fp16 takes torch's kernels.
+        linears = {torch.float32: "OpenBLAS fp32",
+                   torch.bfloat16: "oneDNN bf16, prepacked"}.get(dtype, "torch")
         log.info("CPU: %s; %s, %d torch threads; linears: %s", cpu.describe(),
                  str(dtype).removeprefix("torch."), torch.get_num_threads(), linears)
         if dtype in (torch.bfloat16, torch.float16) and not cpu.native_bf16:
