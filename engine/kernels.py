@@ -15,12 +15,12 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-# Variant name -> GCC target of its copy of isa_kernels.cpp ("" for the baseline), and
-# whether it sums bf16 dot products with vdpbf16ps. What a CPU needs to run each one is
-# `CpuFeatures.kernel_isas`.
+# Variant name -> GCC target of its copy of isa_kernels.cpp ("" for the baseline) and the
+# switches of that copy: AVX-512 intrinsics, vdpbf16ps for bf16 dot products. What a CPU
+# needs to run each one is `CpuFeatures.kernel_isas`.
 _AVX512 = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
-ISA_TARGETS = {"generic": ("", False), "avx2": ("avx2,fma,f16c", False),
-               "avx512": (_AVX512, False), "avx512_bf16": (_AVX512 + ",avx512bf16", True)}
+ISA_TARGETS = {"generic": ("", (0, 0)), "avx2": ("avx2,fma,f16c", (0, 0)),
+               "avx512": (_AVX512, (1, 0)), "avx512_bf16": (_AVX512 + ",avx512bf16", (1, 1))}
 _WRAPPERS = ("fused.cpp", "paged_decode.cpp", "module.cpp")
 # -ffast-math lets exp and the sums use SIMD; no -march: each variant names its own target.
 FLAGS = ("-O3", "-ffast-math")
@@ -32,10 +32,10 @@ def kernel_source() -> str:
     csrc = Path(__file__).parent / "csrc"
     body = (csrc / "isa_kernels.cpp").read_text()
     parts = [(csrc / "common.h").read_text()]
-    for name, (target, bf16_dot) in ISA_TARGETS.items():
+    for name, (target, (avx512, bf16_dot)) in ISA_TARGETS.items():
         copy = (f"#define PDK_ISA isa_{name}\n#define PDK_ISA_NAME \"{name}\"\n"
-                f"#define PDK_BF16_DOT {int(bf16_dot)}\n{body}\n"
-                "#undef PDK_ISA\n#undef PDK_ISA_NAME\n#undef PDK_BF16_DOT\n")
+                f"#define PDK_AVX512 {avx512}\n#define PDK_BF16_DOT {bf16_dot}\n{body}\n"
+                "#undef PDK_ISA\n#undef PDK_ISA_NAME\n#undef PDK_AVX512\n#undef PDK_BF16_DOT\n")
         if target:
             copy = (f"#if defined(__x86_64__)\n#pragma GCC push_options\n"
                     f"#pragma GCC target(\"{target}\")\n{copy}#pragma GCC pop_options\n#endif\n")
