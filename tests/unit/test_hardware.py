@@ -44,3 +44,13 @@ def test_the_engine_reports_its_dtype_and_kernel_paths():
     assert stats["dtype"] == cpu_features().auto_dtype
     assert f"{cpu_features().kernel_isas[-1]} kernels" in stats["hardware"]
     assert WorkerStats(**stats).dtype == stats["dtype"]  # what `status` shows
+
+
+def test_a_bf16_kv_pool_holds_twice_the_blocks_of_fp32_in_one_budget():
+    def pool(dtype: str) -> tuple[int, torch.dtype]:
+        engine = LLM("tiny", dtype=dtype, cache=CacheConfig(kv_cache_memory_gb=0.01)).engine
+        return engine.block_pool.num_blocks, engine.kv_cache.buffer.dtype
+
+    (fp32_blocks, fp32), (bf16_blocks, bf16) = pool("float32"), pool("bfloat16")
+    assert (fp32, bf16) == (torch.float32, torch.bfloat16)
+    assert bf16_blocks // 2 == fp32_blocks  # half the bytes a block: twice the blocks
