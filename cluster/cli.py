@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "pool's limit)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                        default=engine_defaults.DTYPE,
-                       help="auto: float32 on CPU, bfloat16 on CUDA")
+                       help="auto: bfloat16 on CUDA and on CPUs with native bf16 "
+                            "(AVX512-BF16/AMX), else float32")
     serve.add_argument("--num-cpus-per-worker", type=float, default=1.0)
     serve.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     serve.add_argument("--torch-threads", type=int, default=1)

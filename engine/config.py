@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from engine import defaults
+from engine.hardware import cpu_features
+
+log = logging.getLogger(__name__)
 
 Role = Literal["mixed", "prefill", "decode"]
 Policy = Literal["continuous", "static"]
@@ -17,9 +21,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
-    """Map a user-facing dtype name to a torch dtype; `auto` (vLLM's default name) is float32
-    on CPU, where it is the exact reference and this engine's tested path, and bfloat16 on
-    CUDA.
+    """Map a user-facing dtype name to a torch dtype; `auto` (vLLM's default name) is
+    bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), float32 on CPUs
+    where bf16 would be emulated (`CpuFeatures.auto_dtype`); the choice is logged.
 
     Raises:
         ValueError: the name is not one of the supported dtypes.
@@ -29,7 +33,11 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) ->
             return dtype
         raise ValueError(f"dtype: {dtype} is not supported; use one of float32, bfloat16, float16")
     if dtype == "auto":
-        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+        if device is not None and device.type == "cuda":
+            return torch.bfloat16
+        cpu = cpu_features()
+        log.info("dtype auto: %s (%s)", cpu.auto_dtype, cpu.describe())
+        return _DTYPES[cpu.auto_dtype]
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not supported; use auto or one of "
                          f"{sorted(_DTYPES)}")

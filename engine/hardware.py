@@ -23,6 +23,7 @@ class CpuFeatures:
         native_bf16: bf16 arithmetic in hardware (`avx512_bf16` or AMX); without it bf16
             matmuls are emulated and slower than fp32.
         amx: AMX tiles present.
+        flags: the CPU's feature flags (`/proc/cpuinfo`).
     """
 
     model: str
@@ -31,6 +32,24 @@ class CpuFeatures:
     avx512: bool
     native_bf16: bool
     amx: bool
+    flags: frozenset[str] = frozenset()
+
+    @property
+    def kernel_isas(self) -> tuple[str, ...]:
+        """The engine kernels' ISA variants (`engine.kernels.ISA_TARGETS`) this CPU runs,
+        baseline first, best last."""
+        runs = {"avx2": {"avx2", "fma", "f16c"},
+                "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
+                "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma",
+                                "avx512_bf16"}}
+        return ("generic", *(isa for isa, needs in runs.items() if needs <= self.flags))
+
+    @property
+    def auto_dtype(self) -> str:
+        """`--dtype auto` on this CPU: bfloat16 where it is native (AVX512-BF16 or AMX; the
+        linears, glue, attention and KV cache then move half the bytes), float32 where
+        bf16 would be emulated and slower."""
+        return "bfloat16" if self.native_bf16 else "float32"
 
     @property
     def compute_threads(self) -> int:
@@ -70,7 +89,7 @@ def cpu_features() -> CpuFeatures:
     return CpuFeatures(model=model, cores=cores or 1,
                        isa=torch.backends.cpu.get_cpu_capability(),
                        avx512="avx512f" in flags, native_bf16=amx or "avx512_bf16" in flags,
-                       amx=amx)
+                       amx=amx, flags=frozenset(flags))
 
 
 def _best_of(fn: object, repeats: int) -> float:

@@ -1,5 +1,7 @@
 """The engine's CPU kernels (`engine/csrc/`): paged decode attention and the fused layer
-glue, built once per source, flags and CPU with torch's C++ extension tooling."""
+glue, in one build per source and flags with torch's C++ extension tooling, holding a
+variant per ISA (baseline x86-64, AVX2, AVX-512, AVX512-BF16); the CPU's features pick one
+at load (`CpuFeatures.kernel_isas`), so a build made on one CPU runs its best on another."""
 
 from __future__ import annotations
 
@@ -13,44 +15,72 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.cpp", "fused.cpp", "module.cpp")
+# Variant name -> GCC target of its copy of isa_kernels.cpp ("" for the baseline) and the
+# switches of that copy: AVX-512 intrinsics, vdpbf16ps for bf16 dot products. What a CPU
+# needs to run each one is `CpuFeatures.kernel_isas`.
+_AVX512 = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
+ISA_TARGETS = {"generic": ("", (0, 0)), "avx2": ("avx2,fma,f16c", (0, 0)),
+               "avx512": (_AVX512, (1, 0)), "avx512_bf16": (_AVX512 + ",avx512bf16", (1, 1))}
+_WRAPPERS = ("fused.cpp", "paged_decode.cpp", "module.cpp")
+# -ffast-math lets exp and the sums use SIMD; no -march: each variant names its own target.
+FLAGS = ("-O3", "-ffast-math")
+
+
+def kernel_source() -> str:
+    """The one translation unit: the shared header, a copy of the kernel bodies per ISA
+    (each in its namespace, under its target pragma), then the wrappers and the module."""
+    csrc = Path(__file__).parent / "csrc"
+    body = (csrc / "isa_kernels.cpp").read_text()
+    parts = [(csrc / "common.h").read_text()]
+    for name, (target, (avx512, bf16_dot)) in ISA_TARGETS.items():
+        copy = (f"#define PDK_ISA isa_{name}\n#define PDK_ISA_NAME \"{name}\"\n"
+                f"#define PDK_AVX512 {avx512}\n#define PDK_BF16_DOT {bf16_dot}\n{body}\n"
+                "#undef PDK_ISA\n#undef PDK_ISA_NAME\n#undef PDK_AVX512\n#undef PDK_BF16_DOT\n")
+        if target:
+            copy = (f"#if defined(__x86_64__)\n#pragma GCC push_options\n"
+                    f"#pragma GCC target(\"{target}\")\n{copy}#pragma GCC pop_options\n#endif\n")
+        parts.append(copy)
+    tables = ", ".join(f"&isa_{name}::table" for name in ISA_TARGETS)
+    parts.append(f"#if defined(__x86_64__)\n#define PDK_TABLES {tables}\n#else\n"
+                 "#define PDK_TABLES &isa_generic::table\n#endif\n")
+    parts += [(csrc / name).read_text() for name in _WRAPPERS]
+    return "\n".join(parts)
 
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """Build (once; cached under ~/.cache/torch_extensions) and load the kernels; None, with
-    a warning, where they cannot be built (no C++ compiler): the engine then runs the plain
-    torch paths, slower but the same result.
+    """Build (once; cached under ~/.cache/torch_extensions) and load the kernels, with the
+    best ISA variant this CPU runs selected (logged); None, with a warning, where they
+    cannot be built (no C++ compiler): the engine then runs the plain torch paths, slower
+    but the same result.
 
-    The build is named by a hash of the sources, the flags and the CPU and compiled from a
-    copy of the sources in its build folder: checkouts of the same code share one build
-    (the checkout's path never enters the build), and a `-march=native` build is never
-    loaded on another CPU.
+    The build is named by a hash of the sources and the flags and compiled from a copy of
+    the sources in its build folder: checkouts of the same code share one build (the
+    checkout's path never enters the build).
     """
     from torch.utils.cpp_extension import _get_build_directory, load_inline
 
     from engine.hardware import cpu_features
 
     start = time.perf_counter()
-    csrc = Path(__file__).parent / "csrc"
-    source = "\n".join((csrc / name).read_text() for name in _SOURCES)
-    # -march=native: built where it runs; -ffast-math lets exp and the sums use SIMD.
-    flags = ["-O3", "-march=native", "-ffast-math"]
-    cpu = cpu_features()
-    key = hashlib.sha256("\0".join([source, *flags, cpu.model, cpu.isa]).encode()).hexdigest()
+    source = kernel_source()
+    key = hashlib.sha256("\0".join([source, *FLAGS]).encode()).hexdigest()
     name = f"pdcluster_kernels_{key[:16]}"
     build_dir = Path(_get_build_directory(name, verbose=False))
     module = _load_built(name, build_dir)
-    if module is not None:
-        return module
-    _clear_stale_build_lock(build_dir / "lock")
-    try:
-        module = load_inline(name, [source], extra_cflags=flags)
-    except Exception as e:  # a missing compiler or headers: the torch paths still work
-        log.warning("CPU kernels unavailable, the engine falls back to plain torch ops: %s",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return None
-    log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
+    if module is None:
+        _clear_stale_build_lock(build_dir / "lock")
+        try:
+            module = load_inline(name, [source], extra_cflags=list(FLAGS))
+        except Exception as e:  # a missing compiler or headers: the torch paths still work
+            log.warning("CPU kernels unavailable, the engine falls back to plain torch ops: "
+                        "%s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        log.info("CPU kernels built in %.1f s", time.perf_counter() - start)
+    runnable = [isa for isa in cpu_features().kernel_isas if isa in module.isas()]
+    module.select_isa(runnable[-1])
+    log.info("CPU kernels: the %s variant (this CPU runs %s; compiled: %s)", module.isa(),
+             ", ".join(runnable), ", ".join(module.isas()))
     return module
 
 

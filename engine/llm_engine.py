@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from threadpoolctl import threadpool_limits
@@ -281,10 +282,12 @@ class LLMEngine:
                              f"waiting, {len(scheduler.parked)} parked)")
         self.scheduler_config = scheduler.config = replace(self.scheduler_config, role=role)
 
-    def stats(self) -> dict[str, float]:
-        """Load and memory figures for placement and metrics."""
+    def stats(self) -> dict[str, Any]:
+        """Load and memory figures for placement and metrics, and what it computes in."""
         pool = self.block_pool
         return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "hardware": self.runner.hardware,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_parked": len(self.scheduler.parked),

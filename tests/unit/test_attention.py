@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from engine.attention import BatchLayout, get_backend
+from engine.hardware import cpu_features
+from engine.kernels import cpu_kernels
 
 HEADS, KV_HEADS, DIM, BS = 6, 2, 16, 4
 
@@ -72,8 +74,18 @@ def test_unknown_backend_name():
         get_backend(torch.device("cpu"), HEADS, KV_HEADS, DIM, "magic")
 
 
+@pytest.fixture(params=cpu_features().kernel_isas)
+def isa(request):
+    """Each ISA variant of the kernels this CPU runs, selected for one test."""
+    kernels = cpu_kernels()
+    chosen = kernels.isa()
+    kernels.select_isa(request.param)
+    yield request.param
+    kernels.select_isa(chosen)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cpu_paged_decode_kernel_matches_dense_reference(dtype, tol):
+def test_cpu_paged_decode_kernel_matches_dense_reference(isa, dtype, tol):
     # SmolLM2's head geometry, pages scattered over the pool, contexts around page edges.
     from engine.attention.torch_backend import paged_decode
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import LLM
-from engine.models.llama import BlasLinear
+from engine.models.llama import BlasLinear, OneDnnLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
@@ -34,6 +34,19 @@ def test_one_weight_layout_is_kept():
     assert model._tied_head.weight_t.ctypes.data == model.embed_tokens.weight.data_ptr()
 
 
-def test_other_dtypes_keep_torch_linear():
+def test_bf16_linears_run_on_prepacked_onednn_weights_with_f_linear_results():
     model = LLM("tiny", dtype="bfloat16").engine.model
-    assert not isinstance(model.layers[0].qkv_proj.forward, BlasLinear)
+    qkv = model.layers[0].qkv_proj
+    assert isinstance(qkv.forward, OneDnnLinear) and isinstance(model._tied_head, OneDnnLinear)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 70):
+        x = torch.randn(rows, qkv.in_features, generator=gen).bfloat16()
+        assert torch.equal(qkv(x), F.linear(x, qkv.weight, qkv.bias))
+    hidden = torch.randn(3, model.cfg.hidden_size, generator=gen).bfloat16()
+    assert torch.equal(model.compute_logits(hidden),
+                       F.linear(model.norm(hidden), model.embed_tokens.weight))
+
+
+def test_fp16_keeps_torch_linear():
+    model = LLM("tiny", dtype="float16").engine.model
+    assert "forward" not in vars(model.layers[0].qkv_proj)  # nn.Linear's own

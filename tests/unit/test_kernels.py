@@ -1,5 +1,6 @@
 """The fused CPU layer kernels against the torch ops they replace (the model's own
-reference path), on odd row counts and strided views like the ones a step passes."""
+reference path), on odd row counts and strided views like the ones a step passes: every
+ISA variant this CPU runs, in float32 (to fp32 rounding) and bfloat16 (to bf16 rounding)."""
 
 from __future__ import annotations
 
@@ -7,60 +8,92 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_kernels
+from engine.hardware import cpu_features
+from engine.kernels import ISA_TARGETS, cpu_kernels
 from engine.models.llama import RMSNorm
 from engine.models.rope import apply_rope
 
 GEN = torch.Generator().manual_seed(3)
 
 
+# fp32: the kernels' sums run in another order than torch's; bf16: one rounding step apart.
+TOLERANCE = {torch.float32: {"atol": 2e-6, "rtol": 1e-5},
+             torch.bfloat16: {"atol": 1e-5, "rtol": 1.6e-2}}
+
+
 @pytest.fixture(scope="module")
-def kernels():
+def module():
     module = cpu_kernels()
     assert module is not None, "the CPU kernels must build (make install checks a compiler)"
+    assert module.isas() == list(ISA_TARGETS)  # every variant is in the build
     return module
 
 
-def _rand(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=GEN)
+@pytest.fixture(params=cpu_features().kernel_isas)
+def kernels(module, request):
+    """The module with one ISA variant selected (each variant this CPU can run)."""
+    chosen = module.isa()
+    module.select_isa(request.param)
+    assert module.isa() == request.param
+    yield module
+    module.select_isa(chosen)
 
 
+def _rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=GEN).to(dtype)
+
+
+def test_the_best_variant_this_cpu_runs_is_selected(module):
+    best = cpu_features().kernel_isas[-1]
+    assert module.isa() == best
+    if cpu_features().native_bf16 and cpu_features().avx512:
+        assert best == "avx512_bf16"
+    with pytest.raises(RuntimeError, match="no kernel variant named sse9"):
+        module.select_isa("sse9")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 33])
-def test_rms_norm_and_residual_add(kernels, rows):
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = _rand(576)
-    x, delta = _rand(rows, 576), _rand(rows, 576)
+def test_rms_norm_and_residual_add(kernels, rows, dtype):
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = _rand(576, dtype=dtype)
+    x, delta = _rand(rows, 576, dtype=dtype), _rand(rows, 576, dtype=dtype)
     torch.testing.assert_close(kernels.rms_norm(x, norm.weight, norm.eps), norm(x),
-                               atol=2e-6, rtol=1e-5)
+                               **TOLERANCE[dtype])
     residual = x.clone()
     out = kernels.add_rms_norm(residual, delta, norm.weight, norm.eps)
-    torch.testing.assert_close(residual, x + delta)  # updated in place
-    torch.testing.assert_close(out, norm(x + delta), atol=2e-6, rtol=1e-5)
+    assert torch.equal(residual, x + delta)  # updated in place, rounded as torch rounds
+    torch.testing.assert_close(out, norm(x + delta), **TOLERANCE[dtype])
 
 
-def test_rope_in_place_on_the_query_and_key_heads_only(kernels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_the_query_and_key_heads_only(kernels, dtype):
     heads, kv_heads, dim, rows = 9, 3, 64, 5
-    qkv = _rand(rows, (heads + 2 * kv_heads) * dim)
+    qkv = _rand(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
     angles = _rand(rows, dim // 2)
-    cos, sin = (torch.cat([f(angles)] * 2, -1) for f in (torch.cos, torch.sin))
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     q, k, v = (t.view(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim,
                                                          kv_heads * dim], -1))
     want_q, want_k = apply_rope(q, k, cos[:, None], sin[:, None])
     want_v = v.clone()
     kernels.rope_(qkv, cos, sin, heads + kv_heads, dim)
-    torch.testing.assert_close(q, want_q)
-    torch.testing.assert_close(k, want_k)
+    torch.testing.assert_close(q, want_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(k, want_k, **TOLERANCE[dtype])
     assert torch.equal(v, want_v)
 
 
-def test_silu_mul(kernels):
-    gate_up = _rand(6, 2 * 1536)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(kernels, dtype):
+    gate_up = _rand(6, 2 * 1536, dtype=dtype)
     gate, up = gate_up.chunk(2, -1)
-    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up,
+                               **TOLERANCE[dtype])
 
 
-def test_bad_input_is_refused(kernels):
-    with pytest.raises(RuntimeError, match="CPU float32"):
-        kernels.rms_norm(_rand(2, 8).double(), _rand(8), 1e-5)
+def test_bad_input_is_refused(module):
+    with pytest.raises(RuntimeError, match="CPU float32 or bfloat16"):
+        module.rms_norm(_rand(2, 8).double(), _rand(8), 1e-5)
     with pytest.raises(RuntimeError, match="rows contiguous"):
-        kernels.silu_mul(_rand(8, 4).T)
+        module.silu_mul(_rand(8, 4).T)
+    with pytest.raises(RuntimeError, match="weight must be of the input's dtype"):
+        module.rms_norm(_rand(2, 8, dtype=torch.bfloat16), _rand(8), 1e-5)

@@ -1,0 +1,299 @@
+// The kernels' bodies, compiled once per ISA: engine/kernels.py pastes this file into
+// `namespace PDK_ISA` under that ISA's `#pragma GCC target`, with PDK_AVX512 set where the
+// target has AVX-512 (explicit 16-key blocks in decode) and PDK_BF16_DOT where it has
+// AVX512-BF16 (`vdpbf16ps`). Plain loops with independent partial sums
+// that the compiler vectorises for the target; fp32 math on every element type, rounded
+// to the storage type where Hugging Face's bf16 modules round (so bf16 follows them).
+namespace PDK_ISA {
+
+using pdk::bf16;
+constexpr int64_t kLanes = 8;  // independent partial sums: lets the compiler use SIMD
+
+inline float load(float x) { return x; }
+inline float load(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) {  // round to nearest even, as torch's conversion
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  p->bits = static_cast<uint16_t>(u >> 16);
+}
+// v rounded to T's precision, kept in fp32 (a bf16 module's intermediate result).
+template <class T>
+inline float round_as(float v) {
+  T t;
+  store(&t, v);
+  return load(t);
+}
+
+template <class T>
+void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += load(x[i + l]) * load(x[i + l]);
+  float sq = 0.f;
+  for (; i < n; ++i) sq += load(x[i]) * load(x[i]);
+  for (int64_t l = 0; l < kLanes; ++l) sq += part[l];
+  const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
+  // Hugging Face: weight * (x * inv).to(dtype)
+  for (int64_t j = 0; j < n; ++j) store(out + j, load(w[j]) * round_as<T>(load(x[j]) * inv));
+}
+
+template <class T>
+void rms_norm(const T* x, int64_t xs, const T* w, T* out, int64_t n, float eps,
+              int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) norm_row(x + r * xs, w, out + r * n, n, eps);
+}
+
+template <class T>
+void add_rms_norm(T* res, int64_t rs, const T* x, int64_t xs, const T* w, T* out, int64_t n,
+                  float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    T* row = res + r * rs;
+    const T* add = x + r * xs;
+    for (int64_t j = 0; j < n; ++j) store(row + j, load(row[j]) + load(add[j]));
+    norm_row(row, w, out + r * n, n, eps);
+  }
+}
+
+template <class T>
+void rope(T* qkv, int64_t qs, const T* cos, int64_t cs, const T* sin, int64_t ss,
+          int64_t rotated, int64_t head_dim, int64_t begin, int64_t end) {
+  const int64_t half = head_dim / 2;
+  for (int64_t t = begin; t < end; ++t) {
+    const T* c = cos + t * cs;
+    const T* s = sin + t * ss;
+    for (int64_t h = 0; h < rotated; ++h) {
+      T* x = qkv + t * qs + h * head_dim;
+      for (int64_t d = 0; d < half; ++d) {
+        const float lo = load(x[d]), hi = load(x[d + half]);
+        // x * cos + rotate_half(x) * sin, each product rounded as a bf16 module would.
+        store(x + d, round_as<T>(lo * load(c[d])) + round_as<T>(-hi * load(s[d])));
+        store(x + d + half, round_as<T>(hi * load(c[d + half])) +
+                                round_as<T>(lo * load(s[d + half])));
+      }
+    }
+  }
+}
+
+template <class T>
+void silu_mul(const T* gate_up, int64_t gs, T* out, int64_t n, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* g = gate_up + r * gs;
+    const T* u = g + n;
+    T* o = out + r * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float x = load(g[j]);
+      store(o + j, round_as<T>(x / (1.f + std::exp(-x))) * load(u[j]));
+    }
+  }
+}
+
+// q . k over head_dim elements; q is pre-scaled fp32 (`qs`) or, with vdpbf16ps, the bf16
+// query itself (`qb`, scaled after the sum).
+inline float dot(const float* qs, const float*, const float* k, int64_t head_dim, float) {
+  float part[kLanes] = {};
+  for (int64_t d = 0; d < head_dim; d += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += qs[d + l] * k[d + l];
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += part[l];
+  return s;
+}
+inline float dot(const float* qs, const bf16* qb, const bf16* k, int64_t head_dim,
+                 float scale) {
+#if PDK_BF16_DOT
+  if (head_dim % 32 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 32)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + d),
+                             (__m512bh)_mm512_loadu_si512(k + d));
+    return _mm512_reduce_add_ps(acc) * scale;
+  }
+#endif
+  (void)qb;
+  (void)scale;
+  float part[kLanes] = {};
+  for (int64_t d = 0; d < head_dim; d += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += qs[d + l] * load(k[d + l]);
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += part[l];
+  return s;
+}
+
+#if PDK_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {  // widen 16 bf16 to fp32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Asks for n elements from p into the cache ahead of their use (pages are scattered, so
+// the hardware prefetcher restarts at every page).
+template <class T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64)
+    _mm_prefetch(bytes + i, _MM_HINT_T0);
+}
+
+// out[i] = sum of v[i]'s 16 lanes, for 16 vectors: a transposing tree of shuffles and
+// adds (45 instructions where 16 horizontal sums take about 130).
+inline __m512 sum16(__m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }  // b[i]: each 128-bit lane holds that lane's sums of v[4i .. 4i+3]
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// Scores of one query head against 16 consecutive keys `stride` elements apart.
+template <class T>
+inline void scores16(const float* qs, const T* qb, const T* k, int64_t stride,
+                     int64_t head_dim, float scale, float* out) {
+  __m512 acc[16];
+#if PDK_BF16_DOT
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (int i = 0; i < 16; ++i) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qb + d),
+                             (__m512bh)_mm512_loadu_si512(k + i * stride + d));
+      acc[i] = a;
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    return;
+  }
+#endif
+  (void)qb;
+  (void)scale;
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 16)
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + d), load16(k + i * stride + d), a);
+    acc[i] = a;
+  }
+  _mm512_storeu_ps(out, sum16(acc));
+}
+#endif
+
+template <class T>
+void decode(const T* q, const T* kv, const int64_t* tables, const int64_t* lens, T* out,
+            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+            int64_t block_size, float scale, int64_t head_tasks, int64_t begin, int64_t end) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // kv [N, 2, bs, Hkv, D]
+  const int64_t half_stride = block_size * token_stride;  // K -> V of one block
+  const int64_t block_stride = 2 * half_stride;
+  const int64_t heads_per_task = num_kv_heads / head_tasks;
+  const int64_t width = heads_per_task * group;  // query heads of a task
+  std::vector<float> qs(width * head_dim), acc(width * head_dim), scores, sums(width);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t seq = task / head_tasks, first = (task % head_tasks) * heads_per_task;
+    const int64_t len = lens[seq];
+    const int64_t* table = tables + seq * max_blocks;
+    const T* q_seq = q + (seq * num_heads + first * group) * head_dim;
+    for (int64_t i = 0; i < width * head_dim; ++i) qs[i] = load(q_seq[i]) * scale;
+    scores.resize(width * len);
+    for (int64_t t = 0; t < len;) {
+      const T* row = kv + table[t / block_size] * block_stride +
+                     (t % block_size) * token_stride + first * head_dim;
+#if PDK_AVX512
+      // 16 keys of one page at once (no horizontal sum per key).
+      if (block_size % 16 == 0 && t % 16 == 0 && t + 16 <= len && head_dim % 32 == 0) {
+        if (t % block_size == 0 && t + block_size < len)  // the next page is elsewhere
+          prefetch(kv + table[t / block_size + 1] * block_stride, half_stride);
+        for (int64_t h = 0; h < width; ++h)
+          scores16(qs.data() + h * head_dim, q_seq + h * head_dim,
+                   row + (h / group) * head_dim, token_stride, head_dim, scale,
+                   scores.data() + h * len + t);
+        t += 16;
+        continue;
+      }
+#endif
+      for (int64_t h = 0; h < width; ++h)
+        scores[h * len + t] = dot(qs.data() + h * head_dim, q_seq + h * head_dim,
+                                  row + (h / group) * head_dim, head_dim, scale);
+      ++t;
+    }
+    for (int64_t h = 0; h < width; ++h) {
+      float* sh = scores.data() + h * len;
+      const float top = *std::max_element(sh, sh + len);
+      float sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) sum += (sh[t] = std::exp(sh[t] - top));
+      sums[h] = sum;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+#if PDK_AVX512
+    if (head_dim % 64 == 0) {
+      // A page's run of V rows per head, the head's 64-column slices in registers.
+      for (int64_t t0 = 0, run; t0 < len; t0 += run) {
+        run = std::min(block_size - t0 % block_size, len - t0);
+        if (t0 + run < len)
+          prefetch(kv + table[(t0 + run) / block_size] * block_stride + half_stride, half_stride);
+        const T* rows = kv + table[t0 / block_size] * block_stride + half_stride +
+                        (t0 % block_size) * token_stride + first * head_dim;
+        for (int64_t h = 0; h < width; ++h) {
+          const T* v = rows + (h / group) * head_dim;
+          const float* p = scores.data() + h * len + t0;
+          for (int64_t d = 0; d < head_dim; d += 64) {
+            float* ah = acc.data() + h * head_dim + d;
+            __m512 a0 = _mm512_loadu_ps(ah), a1 = _mm512_loadu_ps(ah + 16),
+                   a2 = _mm512_loadu_ps(ah + 32), a3 = _mm512_loadu_ps(ah + 48);
+            for (int64_t i = 0; i < run; ++i) {
+              const __m512 pv = _mm512_set1_ps(p[i]);
+              const T* vr = v + i * token_stride + d;
+              a0 = _mm512_fmadd_ps(pv, load16(vr), a0);
+              a1 = _mm512_fmadd_ps(pv, load16(vr + 16), a1);
+              a2 = _mm512_fmadd_ps(pv, load16(vr + 32), a2);
+              a3 = _mm512_fmadd_ps(pv, load16(vr + 48), a3);
+            }
+            _mm512_storeu_ps(ah, a0);
+            _mm512_storeu_ps(ah + 16, a1);
+            _mm512_storeu_ps(ah + 32, a2);
+            _mm512_storeu_ps(ah + 48, a3);
+          }
+        }
+      }
+    } else
+#endif
+    for (int64_t t = 0; t < len; ++t) {
+      const T* row = kv + table[t / block_size] * block_stride + half_stride +
+                     (t % block_size) * token_stride + first * head_dim;
+      for (int64_t h = 0; h < width; ++h) {
+        const float p = scores[h * len + t];
+        const T* v = row + (h / group) * head_dim;
+        float* ah = acc.data() + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * load(v[d]);
+      }
+    }
+    T* o = out + (seq * num_heads + first * group) * head_dim;
+    for (int64_t h = 0; h < width; ++h)
+      for (int64_t d = 0; d < head_dim; ++d)
+        store(o + h * head_dim + d, acc[h * head_dim + d] / sums[h]);
+  }
+}
+
+template <class T>
+constexpr pdk::Ops<T> ops() {
+  return {&rms_norm<T>, &add_rms_norm<T>, &rope<T>, &silu_mul<T>, &decode<T>};
+}
+
+// constexpr: no static initialiser runs code of this ISA when the module loads.
+constexpr pdk::KernelTable table = {PDK_ISA_NAME, ops<float>(), ops<bf16>()};
+
+}  // namespace PDK_ISA
