@@ -144,12 +144,12 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2, default=str))
         return 0
     table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
-    for column in ("worker", "role", "state", "node", "host", "pid", "running", "waiting",
-                   "KV used", "prefix hits", "busy"):
+    for column in ("worker", "role", "state", "node", "host", "pid", "dtype", "running",
+                   "waiting", "KV used", "prefix hits", "busy"):
         table.add_column(column)
     for w in workers(status):
         busy = w.busy_seconds / max(w.uptime_s, 1e-9)
-        table.add_row(w.worker_id, w.role, w.state, w.node[:12], w.host, str(w.pid),
+        table.add_row(w.worker_id, w.role, w.state, w.node[:12], w.host, str(w.pid), w.dtype,
                       str(w.num_running), str(w.num_waiting), f"{w.kv_usage:.0%}",
                       f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
     Console().print(table)
