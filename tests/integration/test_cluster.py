@@ -132,7 +132,14 @@ def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, referenc
     """1P+1D -> 0P+2D -> 1P+1D under load: the same two processes serve throughout (each
     move drains a worker that holds requests, then changes its role; nothing starts), a
     decode worker is always ready, every stream finishes with the engine's tokens, and the
-    swapped roles work: prompts prefilled remotely after the moves land exactly."""
+    swapped roles work: prompts prefilled remotely after the moves land exactly.
+
+    The pool that shrinks is stopped (SIGSTOP) from before its requests arrive until its
+    worker's drain has begun, so that worker holds requests when the move starts, however
+    fast the machine (a tiny model's prefill can end between two polls)."""
+    import os
+    import signal
+
     first = random_prompts(8, seed=6, low=40, high=200)
     second = random_prompts(8, seed=26, low=40, high=200)
     after = random_prompts(4, seed=16, low=40, high=200)
@@ -147,19 +154,39 @@ def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, referenc
     def busy(role):  # requests held by the least busy worker of the pool
         return min(len(h.in_flight) for h in disagg.workers.values() if h.role == role)
 
-    async def until_busy(role):
-        while busy(role) == 0:
-            await asyncio.sleep(0.02)
-        return busy(role)
+    def stop(role):
+        pids = [h.info["pid"] for h in disagg.workers.values() if h.role == role]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    async def move(pids, role, prefill, decode):
+        """Once every worker of `role` holds a request, resize; let the stopped workers go
+        on once one of them drains."""
+        try:
+            while busy(role) == 0:
+                await asyncio.sleep(0.02)
+            moving = asyncio.ensure_future(disagg.scale(num_prefill=prefill, num_decode=decode))
+            draining = len(held)
+            while len(held) == draining and not moving.done():
+                await asyncio.sleep(0.01)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        await moving
 
     before = processes()
     seen = [(ready("prefill"), ready("decode"))]
+    held: list[int] = []  # requests each moved worker held when its drain began
 
     class Traced(WorkerHandle):
-        """Records the ready workers of each pool after every change of a state or role:
-        the whole sequence, however briefly one lasted."""
+        """Records the ready workers of each pool after every change of a state or role
+        (the whole sequence, however briefly one lasted), and what a worker holds when it
+        starts to drain."""
 
         def __setattr__(self, name, value):
+            if name == "state" and value == "draining":
+                held.append(len(self.in_flight))
             super().__setattr__(name, value)
             if name in ("state", "role"):
                 seen.append((ready("prefill"), ready("decode")))
@@ -167,23 +194,23 @@ def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, referenc
     async def go():
         for h in disagg.workers.values():
             h.__class__ = Traced
+        stopped = stop("prefill")
         jobs = [asyncio.ensure_future(collect(disagg, f"rb{i}", p, params))
                 for i, p in enumerate(first)]
-        held = [await until_busy("prefill")]
-        await disagg.scale(num_prefill=0, num_decode=2)
+        await move(stopped, "prefill", 0, 2)
         both_decode = processes()
+        stopped = stop("decode")
         jobs += [asyncio.ensure_future(collect(disagg, f"rc{i}", p, params))
                  for i, p in enumerate(second)]
-        held.append(await until_busy("decode"))
-        await disagg.scale(num_prefill=1, num_decode=1)
+        await move(stopped, "decode", 1, 1)
         for h in disagg.workers.values():
             h.__class__ = WorkerHandle
         got = await asyncio.gather(*jobs)
         swapped = await asyncio.gather(*(collect(disagg, f"ra{i}", p, params)
                                          for i, p in enumerate(after)))
-        return held, got, both_decode, swapped
-    held, got, both_decode, swapped = loop_thread.run(go())
-    assert all(n >= 1 for n in held)  # each moved worker held requests when its move began
+        return got, both_decode, swapped
+    got, both_decode, swapped = loop_thread.run(go())
+    assert len(held) == 2 and all(n >= 1 for n in held)  # each held requests as it began
     assert {pid for pid, _ in both_decode.values()} == {pid for pid, _ in before.values()}
     assert sorted(role for _, role in both_decode.values()) == ["decode", "decode"]
     assert sorted(role for _, role in processes().values()) == ["decode", "prefill"]
