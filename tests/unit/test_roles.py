@@ -104,6 +104,22 @@ def test_failed_step_answers_its_requests_with_error_and_frees_blocks():
     assert_pool_free(engine)
 
 
+def _mixed_and_split(params: SamplingParams
+                     ) -> tuple[dict[str, list[int]], dict[str, list[int]], tuple[LLMEngine, ...]]:
+    """Two prompts' tokens on one mixed engine, and prefilled on one engine then decoded on
+    another (the first token from the prefill side); the three engines."""
+    prompts = {"a": list(range(600, 611)), "b": list(range(700, 730))}
+    mixed = _engine("mixed", 64)
+    for rid, prompt in prompts.items():
+        mixed.add_request(rid, prompt, params)
+    expected = _run_until_idle(mixed)
+    prefill, decode = _engine("prefill", 64), _engine("decode", 64)
+    first = _prefill_then_hand_over(prefill, decode, prompts, params)
+    tokens = _run_until_idle(decode)
+    split = {rid: [first[rid], *tokens[rid]] for rid in prompts}
+    return expected, split, (mixed, prefill, decode)
+
+
 def test_logits_processing_carries_over_from_prefill_to_decode():
     """Grammar, penalties and bias give the same tokens split over two roles as on one: the
     decode side's grammar matcher and penalty counts include the prefill's first token."""
@@ -113,16 +129,9 @@ def test_logits_processing_carries_over_from_prefill_to_decode():
     params = SamplingParams(temperature=0.0, max_tokens=40, json_schema=json.dumps(schema),
                             frequency_penalty=0.5, presence_penalty=0.3,
                             repetition_penalty=1.2, logit_bias={"90": 5.0})
-    prompts = {"a": list(range(600, 611)), "b": list(range(700, 730))}
-    mixed = _engine("mixed", 64)
-    for rid, prompt in prompts.items():
-        mixed.add_request(rid, prompt, params)
-    expected = _run_until_idle(mixed)
-    prefill, decode = _engine("prefill", 64), _engine("decode", 64)
-    first = _prefill_then_hand_over(prefill, decode, prompts, params)
-    tokens = _run_until_idle(decode)
-    for rid in prompts:
-        assert [first[rid], *tokens[rid]] == expected[rid]
+    expected, split, (mixed, prefill, decode) = _mixed_and_split(params)
+    for rid in expected:
+        assert split[rid] == expected[rid]
         text = mixed.tokenizer.decode(expected[rid], skip_special_tokens=True)
         jsonschema.validate(json.loads(text), schema)
     for engine in (mixed, prefill, decode):
@@ -184,15 +193,8 @@ def test_a_seeded_sample_split_over_two_roles_draws_as_on_one():
     """The decode side's generator continues past the draw the prefill side spent on the
     first token (`engine.sampler.skip_draws`): the same tokens as one mixed engine."""
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
-    prompts = {"a": list(range(600, 611)), "b": list(range(700, 730))}
-    mixed = _engine("mixed", 64)
-    for rid, prompt in prompts.items():
-        mixed.add_request(rid, prompt, params)
-    expected = _run_until_idle(mixed)
-    prefill, decode = _engine("prefill", 64), _engine("decode", 64)
-    first = _prefill_then_hand_over(prefill, decode, prompts, params)
-    tokens = _run_until_idle(decode)
-    assert {rid: [first[rid], *tokens[rid]] for rid in prompts} == expected
+    expected, split, _ = _mixed_and_split(params)
+    assert split == expected
 
 
 def test_a_migrated_seeded_sample_continues_its_draws():
