@@ -107,29 +107,38 @@ class RecordingBackend(Backend):
 
 
 class AutoscalerMetrics:
-    """`pdcluster:autoscaler_*`: targets, the estimated load, decisions by action."""
+    """`pdcluster:autoscaler_*`: targets, the estimated load, decisions by action; every
+    series carries `model_name`.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    Args:
+        registry: where they are exported.
+        model_name: the served model's name.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        model = ["model_name"]
         self.target = Gauge("pdcluster:autoscaler_target_workers",
-                            "Workers the autoscaler last asked for, by role.", ["role"],
+                            "Workers the autoscaler last asked for, by role.", [*model, "role"],
                             registry=registry)
         self.rate = Gauge("pdcluster:autoscaler_estimated_rate_rps",
-                          "Arrival rate estimated from the router's recent window.",
-                          registry=registry)
+                          "Arrival rate estimated from the router's recent window.", model,
+                          registry=registry).labels(model_name)
         self.attainment = Gauge("pdcluster:autoscaler_predicted_attainment",
-                                "Predicted SLO attainment of the target split.",
-                                registry=registry)
+                                "Predicted SLO attainment of the target split.", model,
+                                registry=registry).labels(model_name)
         self.decisions = Counter("pdcluster:autoscaler_decisions",
-                                 "Autoscaler decisions, by action.", ["action"],
+                                 "Autoscaler decisions, by action.", [*model, "action"],
                                  registry=registry)
+        self.model_name = model_name
 
     def record(self, decision: Decision) -> None:
-        self.target.labels("prefill").set(decision.prefill)
-        self.target.labels("decode").set(decision.decode)
+        model = self.model_name
+        self.target.labels(model, "prefill").set(decision.prefill)
+        self.target.labels(model, "decode").set(decision.decode)
         self.rate.set(decision.rate_rps)
         if decision.predicted_attainment is not None:
             self.attainment.set(decision.predicted_attainment)
-        self.decisions.labels(decision.action).inc()
+        self.decisions.labels(model, decision.action).inc()
 
 
 class AutoscalerLoop:

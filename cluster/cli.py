@@ -23,6 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cluster.config import TRANSPORTS, ClusterConfig
     from cluster.serve import ServeOptions, run
+    from protocol.tracing import TracingConfig
     from router.auth import SecurityConfig
     from router.frontend import RouterConfig
     from router.logs import configure_logging
@@ -40,6 +41,10 @@ def _serve(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
         worker["mooncake_protocol"] = args.mooncake_protocol
+    try:
+        tracing = TracingConfig.from_flag(args.otlp_traces_endpoint)
+    except RuntimeError as exc:  # OpenTelemetry not installed: say what to install
+        raise ValueError(str(exc)) from None
     cluster = ClusterConfig(
         model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
         transports=TRANSPORTS[args.transport],
@@ -49,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
         local_prefill_threshold=args.local_prefill_threshold, worker=worker,
         drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
         internal_auth=args.internal_auth, prefill_resource=args.prefill_resource,
-        decode_resource=args.decode_resource)
+        decode_resource=args.decode_resource, tracing=tracing)
     security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
                               tls_client_ca=args.tls_client_ca)
@@ -57,7 +62,8 @@ def _serve(args: argparse.Namespace) -> int:
                            RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
                                         served_model_name=args.served_model_name,
                                         request_timeout_s=args.request_timeout,
-                                        sse_keepalive_s=args.sse_keepalive or None),
+                                        sse_keepalive_s=args.sse_keepalive or None,
+                                        log_prompts=args.log_prompts),
                            security=security,
                            allow_unauthenticated=args.allow_unauthenticated,
                            drain_timeout_s=args.drain_timeout,
@@ -234,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "request (ids, token counts, latencies, workers; never the text)")
     serve.add_argument("--log-format", choices=["text", "json"], default="text",
                        help="json: one object per line, for log shippers")
+    serve.add_argument("--log-prompts", action="store_true",
+                       help="the per-request log line also carries the prompt and output "
+                            "text (off: never)")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export OpenTelemetry traces over OTLP/gRPC to this collector, "
+                            "e.g. http://localhost:4317 (OTEL_EXPORTER_OTLP_* variables "
+                            "apply; needs pdcluster[tracing]); default: no tracing")
     serve.add_argument("--sse-keepalive", type=float, default=15.0, metavar="SECONDS",
                        help="an HTTP stream silent this long (a long prefill or queue) sends "
                             "an SSE comment so proxies keep it open; 0 turns it off")

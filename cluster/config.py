@@ -8,6 +8,7 @@ from typing import Any
 import ray
 
 from protocol.defaults import DRAIN_TIMEOUT_S, LOCAL_PREFILL_THRESHOLD, RESERVE_TIMEOUT_S
+from protocol.tracing import TracingConfig
 from router.auth import is_loopback
 
 INTERNAL_AUTH = ("auto", "curve", "off")
@@ -47,6 +48,8 @@ class ClusterConfig:
             `off` is plain TCP, `auto` is `curve` unless the internal host is loopback on a
             single-node Ray cluster.
         worker: engine settings shared by all workers (`WorkerSpec` fields).
+        tracing: where the router and the workers export their spans
+            (`--otlp-traces-endpoint`); None: no tracing.
 
     Raises:
         ValueError: a field out of range, naming it.
@@ -69,6 +72,7 @@ class ClusterConfig:
     prefill_resource: str | None = None
     decode_resource: str | None = None
     worker: dict[str, Any] = field(default_factory=dict)
+    tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -38,6 +38,7 @@ from protocol import (
     TokenRecord,
 )
 from protocol.defaults import RESERVE_RETRY_S
+from protocol.tracing import Tracer
 from router.backend import GenerateRequest, TokenDelta
 from router.placement import Placement, PrefixIndex, place_request, spread_onto
 
@@ -127,12 +128,16 @@ class Dispatcher:
         pool: the workers and how to reach them.
         config: the dispatch policy.
         metrics: where migrations, transfer retries, spread moves and KV transfers count.
+        tracer: a `placement` span per attempt, and the `traceparent` the workers get;
+            None: no tracing.
     """
 
-    def __init__(self, pool: Pool, config: DispatchConfig, metrics: ClusterMetrics) -> None:
+    def __init__(self, pool: Pool, config: DispatchConfig, metrics: ClusterMetrics,
+                 tracer: Tracer | None = None) -> None:
         self.pool = pool
         self.config = config
         self.metrics = metrics
+        self.tracer = tracer or Tracer(None, "router")
         self.requests: dict[str, RequestState] = {}  # by the client's request id
         self._attempts: dict[str, RequestState] = {}  # by the attempt id the workers know
         self._prefix = PrefixIndex(config.block_size)
@@ -179,6 +184,21 @@ class Dispatcher:
     # ---- placement ----
 
     async def _place(self, state: RequestState, exclude: frozenset[str] = frozenset()) -> None:
+        """`_place_attempt` inside a `placement` span (until the decode worker has the
+        request, and for a remote prefill its blocks reserved and the prefill sent)."""
+        span = self.tracer.start("placement", state.request.traceparent,
+                                 **{"pdcluster.attempt": state.attempt + 1})
+        try:
+            await self._place_attempt(state, exclude)
+        except BaseException as e:
+            span.end(f"{type(e).__name__}: {e}")
+            raise
+        span.end(**{"pdcluster.decode_worker": state.decode,
+                    "pdcluster.prefill_worker": state.prefill,
+                    "pdcluster.remote_prefill": state.prefill is not None})
+
+    async def _place_attempt(self, state: RequestState,
+                             exclude: frozenset[str] = frozenset()) -> None:
         """Place the request's next attempt on a live decode worker.
 
         A first attempt may prefill remotely; a migrated one (tokens already streamed) is
@@ -208,7 +228,7 @@ class Dispatcher:
             decode.add(request.request_id)
             command = Generate(request_id=state.attempt_id, prompt_token_ids=prompt,
                                params=params, remote_prefill=placement.prefill_worker is not None,
-                               output_token_ids=generated)
+                               output_token_ids=generated, traceparent=request.traceparent)
             if not command.remote_prefill:
                 await self.pool.send(decode, command)
                 return
@@ -251,7 +271,8 @@ class Dispatcher:
         self._send_nowait(prefill, Prefill(
             request_id=state.attempt_id, prompt_token_ids=state.request.prompt_token_ids,
             params=params, peer_info=decode.info["peer_info"],
-            dst_block_ids=reply.dst_block_ids, num_cached_tokens=reply.num_cached_tokens))
+            dst_block_ids=reply.dst_block_ids, num_cached_tokens=reply.num_cached_tokens,
+            traceparent=state.request.traceparent))
 
     def forget(self, worker_id: str) -> None:
         """The worker left its pool (stopped, or changing its role): forget its prefixes."""

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.metrics import ModelBoundMetric
+
 _TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 _GAUGES = {
@@ -67,7 +69,10 @@ _VLLM_ROUTER_NAMES = {
 
 class ClusterMetrics:
     """The cluster's own series, in a registry of their own that `WorkerCollector`
-    re-exports: KV transfers, and requests placed again.
+    re-exports: KV transfers, and requests placed again. Every series carries `model_name`.
+
+    Args:
+        model_name: the served model's name.
 
     Attributes:
         registry: where they live.
@@ -78,26 +83,29 @@ class ClusterMetrics:
         spread_moves: running requests moved onto a worker that joined the decode pool.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
+        model = ["model_name"]
         self.transfer_seconds = Histogram(
             "pdcluster:kv_transfer_seconds", "End of prefill to KV landed on the decode worker.",
-            buckets=_TRANSFER_BUCKETS, registry=self.registry)
-        self.transfer_bytes = Counter("pdcluster:kv_transfer_bytes",
-                                      "KV bytes shipped from prefill to decode workers, by "
-                                      "transport.", ["transport"], registry=self.registry)
+            model, buckets=_TRANSFER_BUCKETS, registry=self.registry).labels(model_name)
+        self.transfer_bytes = ModelBoundMetric(Counter(
+            "pdcluster:kv_transfer_bytes",
+            "KV bytes shipped from prefill to decode workers, by transport.",
+            [*model, "transport"], registry=self.registry), model_name)
         self.migrations = Counter(
             "pdcluster:migrations",
             "Requests placed again because their worker died or was drained.",
-            registry=self.registry)
+            model, registry=self.registry).labels(model_name)
         self.transfer_retries = Counter(
             "pdcluster:transfer_retries",
             "Failed KV transfers retried on another prefill worker or locally.",
-            registry=self.registry)
+            model, registry=self.registry).labels(model_name)
         self.spread_moves = Counter(
             "pdcluster:spread_moves",
             "Running requests moved onto a worker that joined the decode pool, to even the "
-            "pool's load.", registry=self.registry)
+            "pool's load.", model, registry=self.registry).labels(model_name)
 
     def value(self, name: str) -> float:
         """A counter's total over its labels (`migrations`, `kv_transfer_bytes`, ...)."""

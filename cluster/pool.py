@@ -161,7 +161,8 @@ class WorkerPool:
         spec = WorkerSpec(worker_id=worker_id, role=role, model=self.config.model,
                           router_endpoint=self.endpoint, host=self.config.host,
                           cluster_key=self.cluster_key, transports=self.config.transports,
-                          torch_threads=self.config.torch_threads, **self.config.worker)
+                          torch_threads=self.config.torch_threads,
+                          tracing=self.config.tracing, **self.config.worker)
         bundle = {"CPU": self.config.num_cpus_per_worker}
         if self.config.num_gpus_per_worker:
             bundle["GPU"] = self.config.num_gpus_per_worker

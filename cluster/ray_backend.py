@@ -25,6 +25,7 @@ from cluster.pool import WorkerPool
 from cluster.scaling import Scaler
 from engine import defaults
 from protocol import Role
+from protocol.tracing import Tracer
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -35,18 +36,24 @@ class ClusterBackend(Backend):
 
     Args:
         config: pool layout and engine settings.
+        model_name: the model's name in the API (the metrics' `model_name` label); None:
+            `config.model`.
+
+    Attributes:
+        tracer: the router process's spans (`config.tracing`), shared with the front door.
     """
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, model_name: str | None = None) -> None:
         self.config = config
-        self.metrics = ClusterMetrics()
+        self.metrics = ClusterMetrics(model_name or config.model)
+        self.tracer = Tracer(config.tracing, "router")
         self.pool = WorkerPool(config, on_ready=self._on_ready, on_leave=self._on_leave,
                                on_death=self._on_death, on_message=self._on_message)
         self.dispatcher = Dispatcher(
             self.pool, DispatchConfig(config.local_prefill_threshold, config.reserve_timeout_s,
                                       config.migrate,
                                       config.worker.get("block_size", defaults.BLOCK_SIZE)),
-            self.metrics)
+            self.metrics, self.tracer)
         self.scaler = Scaler(self.pool, self.dispatcher, config.mode, config.drain_timeout_s)
         self._replacing: set[asyncio.Task] = set()
 
@@ -73,6 +80,7 @@ class ClusterBackend(Backend):
         self.scaler.close()
         self.dispatcher.close()
         await self.pool.close()
+        self.tracer.shutdown()
 
     # ---- pool events ----
 

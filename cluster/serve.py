@@ -87,18 +87,19 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
         init_ray(options.address, cfg.num_workers)
         # After ray.init, whose native signal handlers would otherwise replace ours.
         stop = stop or _signal_event()
-        backend = ClusterBackend(cfg)
+        backend = ClusterBackend(cfg, options.router.served_model_name)
         await backend.start()
     front: Backend = backend if options.autoscaler is None else RecordingBackend(backend)
     servers = await start_servers(front, options.host, options.grpc_port, options.http_port,
-                                  options.router, options.security)
+                                  options.router, options.security, backend.tracer)
     metrics = servers.router.metrics
     metrics.registry.register(WorkerCollector(backend, metrics.model_name))
     if options.metrics_compat == "vllm":
         metrics.registry.register(VllmCompatCollector(backend, metrics))
     autoscaling = None
     if options.autoscaler is not None:
-        loop = AutoscalerLoop(options.autoscaler, front, AutoscalerMetrics(metrics.registry))
+        loop = AutoscalerLoop(options.autoscaler, front, AutoscalerMetrics(metrics.registry,
+                                                                         metrics.model_name))
         autoscaling = asyncio.create_task(loop.run())
     console.print(f"Internal sockets: {backend.internal_security}")
     _announce(options, servers)

@@ -38,6 +38,7 @@ from protocol import (
 )
 from protocol.defaults import STATS_INTERVAL_S
 from protocol.secure import ClusterKey, SocketGuard
+from protocol.tracing import Tracer, TracingConfig
 from protocol.worker_role import WorkerRole
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class WorkerSpec:
             holders of it; None: plain TCP.
         mooncake_protocol: the mooncake transport's `tcp`, `rdma` or `auto` (rdma where
             the node has an RDMA device).
+        tracing: where the worker exports its spans (`prefill`, `kv_transfer`, `decode`);
+            None: no tracing.
     """
 
     worker_id: str
@@ -93,6 +96,7 @@ class WorkerSpec:
     max_model_len: int | None = None
     cluster_key: ClusterKey | None = None
     mooncake_protocol: str = "auto"
+    tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
@@ -123,6 +127,7 @@ class Worker:
         self.peaks = measure_peaks(self.engine.device, self.engine.dtype, size=512, read_mb=64)
         self.utilization: Utilization | None = None
         self._last_sample: tuple[float, ...] | None = None
+        self.tracer = Tracer(spec.tracing, str(spec.role), spec.worker_id)
         self.role = self._build_role()
         self.loop = EngineLoop(self.engine, self._on_outputs, self.role.layer_hook)
         self._stop = threading.Event()
@@ -157,10 +162,11 @@ class Worker:
                                 mooncake_protocol=spec.mooncake_protocol)
         if spec.role == Role.PREFILL:
             return PrefillRole(spec.worker_id, self.engine,
-                               KVSender(self.engine.kv_cache, compat, config))
+                               KVSender(self.engine.kv_cache, compat, config), self.tracer)
         receiver = KVReceiver(self.engine.kv_cache, compat, config, self.shm_pool) \
             if spec.role == Role.DECODE else None
-        return DecodeRole(spec.worker_id, self.engine, receiver, spec.kv_wait_timeout_s)
+        return DecodeRole(spec.worker_id, self.engine, receiver, spec.kv_wait_timeout_s,
+                          self.tracer)
 
     # ---- outbound ----
 
@@ -248,17 +254,20 @@ class Worker:
                 engine.set_role(str(role))
             except ValueError:
                 return False  # it still holds requests
-            old_spec, old = self.spec, self.role
+            old_spec, old, old_tracer = self.spec, self.role, self.tracer
             self.spec = replace(old_spec, role=role)
+            self.tracer = Tracer(old_spec.tracing, str(role), old_spec.worker_id)
             try:
                 self.role = self._build_role()
             except Exception:
-                self.spec = old_spec
+                self.tracer.shutdown()
+                self.spec, self.tracer = old_spec, old_tracer
                 engine.set_role(str(old_spec.role))
                 raise
             self.loop.layer_hook = self.role.layer_hook
             if old.endpoint is not None:
                 old.endpoint.close()
+            old_tracer.shutdown()
             return True
         if role == self.spec.role:
             return
@@ -322,7 +331,9 @@ class Worker:
             "block_size": self.spec.block_size, "num_blocks": self.engine.block_pool.num_blocks,
             "block_bytes": self.engine.kv_cache.block_bytes * cfg.num_layers,
             "peer_info": receiver.peer_info() if receiver is not None else None,
-            "spec": {k: v for k, v in asdict(self.spec).items() if k != "cluster_key"},
+            # Neither the cluster's key nor the OTLP settings (headers may hold a token).
+            "spec": {k: v for k, v in asdict(self.spec).items()
+                     if k not in ("cluster_key", "tracing")},
             "torch_threads": torch.get_num_threads(),
             "pid": os.getpid(), "host": self.spec.host,
         }
@@ -338,5 +349,6 @@ class Worker:
         self.loop.stop()
         if self.role.endpoint is not None:
             self.role.endpoint.close()
+        self.tracer.shutdown()
         self._sockets.close()
         self._ctx.destroy(linger=0)

@@ -3,6 +3,9 @@
 Commands in: `Generate` (local or remote prefill) and aborts. Replies out: `Reserved` /
 `Rejected` (remote prefill) and `Step` (one per engine step with every request's new
 tokens; per-request errors ride inside it). All engine calls happen on the engine thread.
+With tracing on, each request gets a `decode` span, a child of the router's request span:
+from the moment it joins the batch (its remote KV landed, or it was added to prefill
+here) to its finish.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 from engine import EngineOutput, KVCacheFullError, LLMEngine, SamplingParams
 from kv_transfer import KVReceiver, TransferDone, TransferEvent
 from protocol import Command, Generate, Rejected, Reply, Reserved, Role, Step, TokenRecord
+from protocol.tracing import Span, Tracer
 from protocol.worker_role import WorkerRole
 
 
@@ -37,11 +41,16 @@ class DecodeRole(WorkerRole):
         receiver: the KV receiver over this engine's pool; None when colocated.
         kv_wait_timeout_s: how long a reservation waits for its KV, from the reservation:
             it covers the prompt's wait in the prefill worker's queue, not just the bytes.
+        tracer: the worker's spans; None: no tracing.
     """
 
     def __init__(self, worker_id: str, engine: LLMEngine, receiver: KVReceiver | None,
-                 kv_wait_timeout_s: float = 600.0) -> None:
+                 kv_wait_timeout_s: float = 600.0, tracer: Tracer | None = None) -> None:
         super().__init__(worker_id)
+        self.tracer = tracer or Tracer(None, "decode")
+        # a reservation's traceparent and prompt length, until its KV lands
+        self._traces: dict[str, tuple[str | None, int]] = {}
+        self._spans: dict[str, Span] = {}  # decode spans, until the request finishes
         self.role = Role.DECODE if receiver is not None else Role.MIXED
         self.endpoint = receiver
         self.receiver = receiver
@@ -63,6 +72,8 @@ class DecodeRole(WorkerRole):
         params = SamplingParams(**command.params)
         if not command.remote_prefill or self.receiver is None:
             engine.add_request(rid, command.prompt_token_ids, params, command.output_token_ids)
+            self._start_span(rid, command.traceparent, local_prefill=True,
+                             prompt_tokens=len(command.prompt_token_ids))
             return []
         try:
             request = engine.reserve_remote(rid, command.prompt_token_ids, params)
@@ -72,6 +83,8 @@ class DecodeRole(WorkerRole):
         dst = request.block_ids[skip:]
         self.receiver.expect(rid, dst, timeout_s=self.kv_wait_timeout_s)
         self._expecting[rid] = time.monotonic()
+        if self.tracer.enabled:
+            self._traces[rid] = (command.traceparent, len(command.prompt_token_ids))
         return [Reserved(worker_id=self.worker_id, request_id=rid, dst_block_ids=dst,
                          num_cached_tokens=request.num_computed_tokens)]
 
@@ -106,6 +119,10 @@ class DecodeRole(WorkerRole):
         """
         payload: dict[str, Any] = event.payload
         out = engine.complete_remote(rid, payload["first_token"])
+        if self.tracer.enabled:
+            traceparent, prompt_tokens = self._traces.pop(rid, (None, None))
+            self._start_span(rid, traceparent, local_prefill=False,
+                             prompt_tokens=prompt_tokens, transport=event.transport)
         if payload.get("logprobs"):
             out.new_logprobs = [payload["logprobs"]]
         prefill_s = float(payload.get("prefill_s", 0.0))
@@ -124,4 +141,26 @@ class DecodeRole(WorkerRole):
         return [self._step([token_record(out)])] if out else []
 
     def _step(self, records: list[TokenRecord]) -> Step:
+        if self.tracer.enabled:
+            for record in records:
+                if record.finish_reason is not None:
+                    self._end_span(record)
         return Step(worker_id=self.worker_id, outputs=records)
+
+    def _start_span(self, rid: str, traceparent: str | None, local_prefill: bool,
+                    prompt_tokens: int | None, transport: str | None = None) -> None:
+        if not self.tracer.enabled:
+            return
+        self._spans[rid] = self.tracer.start(
+            "decode", traceparent,
+            **{"pdcluster.request_id": rid, "pdcluster.worker_id": self.worker_id,
+               "pdcluster.local_prefill": local_prefill,
+               "gen_ai.usage.prompt_tokens": prompt_tokens, "pdcluster.kv.transport": transport})
+
+    def _end_span(self, record: TokenRecord) -> None:
+        """Every ending of a request passes here: finished, aborted, failed."""
+        self._traces.pop(record.request_id, None)
+        span = self._spans.pop(record.request_id, None)
+        if span is not None:
+            span.end(record.error if record.finish_reason == "error" else None,
+                     **{"gen_ai.response.finish_reasons": (record.finish_reason,)})

@@ -71,6 +71,7 @@ class KVSender(Endpoint):
         self._peers: dict[str, _Peer] = {}
         self._by_sock: dict[zmq.Socket, _Peer] = {}
         self._peer_blocks: dict[str, int] = {}  # caller-side: pool size of every peer seen
+        self.peer_transports: dict[str, str] = {}  # caller-side: transport of every peer seen
         self._requests: dict[str, _Outgoing] = {}
         self._thread.start()
 
@@ -116,6 +117,7 @@ class KVSender(Endpoint):
                                   f"failed: {type(exc).__name__}: {exc}") from exc
         self._call(self._attach, peer_id, channel).result(timeout=self.config.connect_timeout_s)
         self._peer_blocks[peer_id] = peer_info["num_blocks"]
+        self.peer_transports[peer_id] = transport
         return peer_id
 
     def is_connected(self, peer_id: str) -> bool:

@@ -2,7 +2,10 @@
 
 Commands in: `Prefill` and aborts. Replies out: `Failed` only; the first token and the
 prefill's timing travel with the KV to the decode worker, which reports them with the
-token. All engine calls happen on the engine loop thread.
+token. All engine calls happen on the engine loop thread. With tracing on, each request
+gets a `prefill` span (command to first token) and a `kv_transfer` span (first layer sent
+to the decode side's acknowledgement: transport, blocks, bytes), children of the router's
+request span.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from engine import EngineOutput, LLMEngine, SamplingParams
 from engine.scheduler import SchedulerOutput
 from kv_transfer import KVSender, TransferDone, TransferEvent
 from protocol import Command, Failed, Prefill, Reply, Role
+from protocol.tracing import NO_SPAN, Span, Tracer
 from protocol.worker_role import WorkerRole
 
 
@@ -23,9 +27,12 @@ class _Job:
     peer_id: str
     dst_block_ids: list[int]
     skip_blocks: int  # the decode side's prefix-cache hits: never sent
+    traceparent: str | None = None
     started: float = field(default_factory=time.monotonic)
     begun: bool = False
     aborted: bool = False
+    span: Span = NO_SPAN  # prefill: the command to the first token
+    transfer_span: Span = NO_SPAN  # the first layer sent to the transfer's end
 
 
 class PrefillRole(WorkerRole):
@@ -35,14 +42,19 @@ class PrefillRole(WorkerRole):
         worker_id: the worker's name.
         engine: an engine with scheduler role `prefill`.
         sender: the KV sender over this engine's pool.
+        tracer: the worker's spans; None: no tracing.
     """
 
     role = Role.PREFILL
 
-    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender) -> None:
+    def __init__(self, worker_id: str, engine: LLMEngine, sender: KVSender,
+                 tracer: Tracer | None = None) -> None:
         super().__init__(worker_id)
         self.endpoint = self.sender = sender
         self.block_size = engine.cache_config.block_size
+        self.tracer = tracer or Tracer(None, str(self.role))
+        # one block's KV over all layers, as a transfer moves it
+        self.block_bytes = engine.kv_cache.block_bytes * engine.model_config.num_layers
         self._jobs: dict[str, _Job] = {}
         self._peers: dict[str, str] = {}  # receiver id -> sender peer id
 
@@ -61,9 +73,15 @@ class PrefillRole(WorkerRole):
             raise ValueError(f"a prefill worker cannot handle {type(command).__name__}")
         rid = command.request_id
         engine.add_request(rid, command.prompt_token_ids, SamplingParams(**command.params))
-        self._jobs[rid] = _Job(self._peers[command.peer_info["receiver_id"]],
-                               command.dst_block_ids,
-                               command.num_cached_tokens // self.block_size)
+        job = self._jobs[rid] = _Job(self._peers[command.peer_info["receiver_id"]],
+                                     command.dst_block_ids,
+                                     command.num_cached_tokens // self.block_size,
+                                     command.traceparent)
+        job.span = self.tracer.start(
+            "prefill", command.traceparent,
+            **{"pdcluster.request_id": rid, "pdcluster.worker_id": self.worker_id,
+               "gen_ai.usage.prompt_tokens": len(command.prompt_token_ids),
+               "pdcluster.cached_tokens": command.num_cached_tokens})
         return []
 
     def layer_hook(self, layer: int, schedule: SchedulerOutput) -> None:
@@ -80,6 +98,13 @@ class PrefillRole(WorkerRole):
                 src = item.request.block_ids[job.skip_blocks:]
                 self.sender.begin(item.request.request_id, job.peer_id, src, job.dst_block_ids)
                 job.begun = True
+                job.transfer_span = self.tracer.start(
+                    "kv_transfer", job.traceparent,
+                    **{"pdcluster.request_id": item.request.request_id,
+                       "pdcluster.worker_id": self.worker_id,
+                       "pdcluster.kv.transport": self.sender.peer_transports.get(job.peer_id),
+                       "pdcluster.kv.blocks": len(src),
+                       "pdcluster.kv.bytes": len(src) * self.block_bytes})
             self.sender.send_layer(item.request.request_id, layer)
 
     def on_outputs(self, outputs: list[EngineOutput]) -> list[Reply]:
@@ -97,9 +122,12 @@ class PrefillRole(WorkerRole):
                 self._jobs.pop(out.request_id)
                 if job.begun:
                     self.sender.abort(out.request_id)
-                replies.append(self._failed(out.request_id,
-                                            f"prefill ended with {out.finish_reason}"))
+                error = f"prefill ended with {out.finish_reason}"
+                job.span.end(error)
+                job.transfer_span.end(error)
+                replies.append(self._failed(out.request_id, error))
                 continue
+            job.span.end()
             logprobs = out.new_logprobs[0] if out.new_logprobs else None
             self.sender.finish(out.request_id, {
                 "first_token": out.new_token_ids[0], "logprobs": logprobs,
@@ -112,9 +140,14 @@ class PrefillRole(WorkerRole):
         for event in events:
             job = self._jobs.pop(event.request_id, None)
             engine.release(event.request_id)
-            if job is not None and not job.aborted and not isinstance(event, TransferDone):
+            if job is None:
+                continue
+            failed = None if isinstance(event, TransferDone) else event.reason
+            job.span.end(failed)  # still open when the transfer failed before the token
+            job.transfer_span.end(failed)
+            if failed is not None and not job.aborted:
                 replies.append(self._failed(event.request_id,
-                                            f"KV transfer failed: {event.reason}", True))
+                                            f"KV transfer failed: {failed}", True))
         return replies
 
     def abort(self, engine: LLMEngine, request_id: str) -> list[Reply]:
@@ -124,7 +157,9 @@ class PrefillRole(WorkerRole):
             job.aborted = True
             self.sender.abort(request_id)
             return []
-        self._jobs.pop(request_id, None)
+        job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.span.end("aborted")
         engine.abort_request(request_id)
         return []
 

@@ -56,6 +56,8 @@ class Generate(_Message, tag="generate"):
             worker recomputes them with the prompt and counts them as output (`max_tokens`,
             penalties, grammar), so the stream continues where it stopped. Always prefilled
             locally.
+        traceparent: the W3C `traceparent` of the router's request span when tracing is
+            on: the worker's spans for the request are its children.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class Generate(_Message, tag="generate"):
     params: dict[str, Any]
     remote_prefill: bool = False
     output_token_ids: list[int] = []
+    traceparent: str | None = None
 
 
 class Prefill(_Message, tag="prefill"):
@@ -75,6 +78,7 @@ class Prefill(_Message, tag="prefill"):
         peer_info: the decode worker's KV receiver (`KVReceiver.peer_info`).
         dst_block_ids: the reserved blocks, prefix-cache hits left out.
         num_cached_tokens: prompt tokens the decode side already holds.
+        traceparent: as in `Generate`.
     """
 
     request_id: str
@@ -83,6 +87,7 @@ class Prefill(_Message, tag="prefill"):
     peer_info: dict[str, Any]
     dst_block_ids: list[int]
     num_cached_tokens: int = 0
+    traceparent: str | None = None
 
 
 class Abort(_Message, tag="abort"):

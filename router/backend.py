@@ -27,12 +27,19 @@ class ModelInfo:
 
 @dataclass
 class GenerateRequest:
-    """A validated, tokenized request on its way to the workers."""
+    """A validated, tokenized request on its way to the workers.
+
+    Args:
+        traceparent: with tracing on, the W3C `traceparent` of the span the backend's work
+            is a child of: the client's as prepared, the router's request span once
+            `Router.generate` opened it; None otherwise.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    traceparent: str | None = None
 
 
 @dataclass

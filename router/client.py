@@ -50,6 +50,7 @@ class PdClusterClient:
     def generate(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
                  prompt_token_ids: list[int] | None = None, *, request_id: str | None = None,
                  model: str = "", timeout: float | None = None,
+                 traceparent: str | None = None,
                  **sampling: Any) -> Iterator[GenerateOutput]:
         """Stream a request's outputs; the last has finish_reason, usage and timings.
 
@@ -60,6 +61,8 @@ class PdClusterClient:
             request_id: the id to use (for `abort`); None lets the server pick.
             model: the model asked for; empty for the served one.
             timeout: deadline for the whole stream; defaults to the client's.
+            traceparent: a W3C `traceparent` sent as metadata: the server's spans for the
+                request join that trace.
             **sampling: SamplingParams fields (max_tokens, temperature, stop, ...).
 
         Returns:
@@ -71,8 +74,9 @@ class PdClusterClient:
         """
         request = _generate_request(prompt, messages, prompt_token_ids, request_id, model,
                                     sampling)
+        metadata = (*(self._auth or ()), *([("traceparent", traceparent)] if traceparent else []))
         call = self._stub.Generate(request, timeout=timeout or self.timeout,
-                                   metadata=self._auth)
+                                   metadata=metadata or None)
         try:
             for msg in call:
                 yield output_from_proto(msg)

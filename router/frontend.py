@@ -18,6 +18,7 @@ from engine import (
     fit_context,
     load_tokenizer,
 )
+from protocol.tracing import NO_SPAN, Span, Tracer
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
 from router.chat import ChatTemplate
@@ -52,6 +53,8 @@ class RouterConfig:
         sse_keepalive_s: an HTTP stream that has sent nothing for this long sends an SSE
             comment (`: keep-alive`), e.g. while a long prompt waits for its first token;
             None sends none.
+        log_prompts: the request log line also carries the prompt and the output text
+            (`--log-prompts`); off, it never does.
     """
 
     max_running: int = 256
@@ -60,6 +63,7 @@ class RouterConfig:
     served_model_name: str | None = None
     request_timeout_s: float | None = None
     sse_keepalive_s: float | None = 15.0
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -78,11 +82,14 @@ class Router:
     Args:
         backend: what serves the requests (the cluster, or one in-process engine).
         config: admission limits.
+        tracer: spans for each request (`request`, `admission`, `response`); None: none.
     """
 
-    def __init__(self, backend: Backend, config: RouterConfig | None = None) -> None:
+    def __init__(self, backend: Backend, config: RouterConfig | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.backend = backend
         self.config = config or RouterConfig()
+        self.tracer = tracer or Tracer(None, "router")
         self.model_info = backend.model_info()
         if self.config.served_model_name:
             self.model_info = replace(self.model_info, name=self.config.served_model_name)
@@ -101,7 +108,8 @@ class Router:
                 messages: list[dict[str, Any]] | None = None,
                 params: dict[str, Any] | None = None, model: str | None = None,
                 request_id: str | None = None,
-                tools: list[dict[str, Any]] | None = None) -> GenerateRequest:
+                tools: list[dict[str, Any]] | None = None,
+                traceparent: str | None = None) -> GenerateRequest:
         """Validate and tokenize a request; exactly one of prompt, prompt_token_ids, messages.
 
         Args:
@@ -112,6 +120,8 @@ class Router:
             model: the model asked for; None or empty for the served one.
             request_id: the client's id; None to have one made.
             tools: OpenAI tool definitions, rendered into a chat's prompt.
+            traceparent: the client's W3C `traceparent` (HTTP header or gRPC metadata):
+                with tracing on, the request's span is its child.
 
         Returns:
             The request, ready for `generate`.
@@ -131,7 +141,8 @@ class Router:
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
             raise
-        return GenerateRequest(rid, token_ids, sampling, arrival)
+        return GenerateRequest(rid, token_ids, sampling, arrival,
+                               traceparent if self.tracer.enabled else None)
 
     def check_model(self, model: str | None) -> None:
         """Raises ModelNotFoundError unless `model` is None, empty or the served model."""
@@ -221,7 +232,7 @@ class Router:
         deadline = min(limits) + time.monotonic() if limits else None
         stream = self._register(request)
         try:
-            if not await self._admit(request, _remaining(deadline)):
+            if not await self._admit_traced(stream, _remaining(deadline)):
                 yield stream.finish("abort")
                 return
             try:
@@ -233,7 +244,11 @@ class Router:
                 if stream.finish_reason is None:  # the consumer left early: client disconnect
                     self.metrics.aborted.labels("disconnect").inc()
                     stream.finish("abort")
+        except BaseException as e:
+            stream.end_trace(f"{type(e).__name__}: {e}")
+            raise
         finally:
+            stream.end_trace()
             del self._active[request.request_id]
             if not self._active:
                 self._idle.set()
@@ -250,6 +265,28 @@ class Router:
         self._active[request.request_id] = stream
         self._idle.clear()
         return stream
+
+    async def _admit_traced(self, stream: _Stream, timeout: float | None) -> bool:
+        """Open the request's span (its `traceparent` goes on to the workers) and admit
+        the request inside an `admission` span."""
+        request = stream.request
+        stream.span = self.tracer.start(
+            "request", request.traceparent, server=True,
+            **{"gen_ai.request.id": request.request_id,
+               "gen_ai.request.model": self.model_info.name,
+               "gen_ai.request.max_tokens": request.params.max_tokens,
+               "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids)})
+        if not self.tracer.enabled:
+            return await self._admit(request, timeout)
+        request.traceparent = stream.span.traceparent
+        span = self.tracer.start("admission", request.traceparent)
+        try:
+            admitted = await self._admit(request, timeout)
+        except RouterError as e:
+            span.end(error=e.code)
+            raise
+        span.end(**{"pdcluster.admitted": admitted})
+        return admitted
 
     async def _admit(self, request: GenerateRequest, timeout: float | None) -> bool:
         limits = [t for t in (timeout, self.config.queue_timeout_s) if t is not None]
@@ -372,6 +409,9 @@ class _Stream:
         self.abort_requested = False
         self.stop_matched = False
         self.finish_reason: str | None = None
+        self.span: Span = NO_SPAN  # the request's, opened at admission
+        self.response_span: Span = NO_SPAN  # first token to the last output
+        self.output_text: list[str] | None = [] if router.config.log_prompts else None
 
     def take(self, delta: TokenDelta) -> GenerateOutput | None:
         """Fold in one backend delta; the output to send, if any."""
@@ -380,6 +420,8 @@ class _Stream:
         self.backend_timings.update(delta.timings)
         self.workers += [w for w in delta.workers if w not in self.workers]
         text = self.detok.add(delta.token_ids)
+        if self.output_text is not None:
+            self.output_text.append(text)
         reason = delta.finish_reason
         if reason is None and self.detok.stopped:
             reason, self.stop_matched = "stop", True
@@ -399,6 +441,7 @@ class _Stream:
         if self.first_token is None:
             self.first_token = now
             metrics.ttft.observe(now - self.request.arrival_time)
+            self.response_span = self.router.tracer.start("response", self.request.traceparent)
         else:
             metrics.itl.observe((now - self.last_token) / num_new)
         self.last_token = now
@@ -435,15 +478,34 @@ class _Stream:
                           ttft=0.0 if self.first_token is None else self.first_token - arrival,
                           e2e=now - arrival)
         usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.num_cached_tokens)
-        log_request({"request_id": self.request.request_id, "model": self.router.model_info.name,
-                     "status": reason, "prompt_tokens": usage.prompt_tokens,
-                     "output_tokens": usage.completion_tokens,
-                     "cached_tokens": usage.cached_tokens, "queue_s": timings.queue,
-                     "ttft_s": None if self.first_token is None else timings.ttft,
-                     "tpot_s": tpot, "e2e_s": timings.e2e, "workers": list(self.workers)})
-        return GenerateOutput(out.request_id, out.text + self.detok.flush(), out.token_ids,
-                              out.logprobs, reason, usage, timings,
-                              error if reason == "error" else None)
+        flushed = self.detok.flush()
+        text = out.text + flushed
+        fields = {"request_id": self.request.request_id, "model": self.router.model_info.name,
+                  "status": reason, "prompt_tokens": usage.prompt_tokens,
+                  "output_tokens": usage.completion_tokens,
+                  "cached_tokens": usage.cached_tokens, "queue_s": timings.queue,
+                  "ttft_s": None if self.first_token is None else timings.ttft,
+                  "tpot_s": tpot, "e2e_s": timings.e2e, "workers": list(self.workers)}
+        if self.output_text is not None:
+            fields["prompt"] = self.router.tokenizer.decode(self.request.prompt_token_ids)
+            fields["output"] = "".join(self.output_text) + flushed
+        log_request(fields)
+        error = error if reason == "error" else None
+        attributes = {"gen_ai.response.finish_reasons": (reason,),
+                      "gen_ai.usage.completion_tokens": usage.completion_tokens,
+                      "gen_ai.usage.cached_tokens": usage.cached_tokens,
+                      "pdcluster.workers": tuple(self.workers),
+                      "pdcluster.ttft_s": fields["ttft_s"]}
+        self.end_trace(error, **attributes)
+        return GenerateOutput(out.request_id, text, out.token_ids, out.logprobs, reason, usage,
+                              timings, error)
+
+    def end_trace(self, error: str | None = None, **attributes: Any) -> None:
+        """End the response and request spans (once; later calls do nothing)."""
+        span, response = self.span, self.response_span
+        self.span = self.response_span = NO_SPAN
+        response.end(error)
+        span.end(error, **attributes)
 
 
 def _remaining(deadline: float | None) -> float | None:

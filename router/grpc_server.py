@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protocol.tracing import TRACEPARENT
 from router.auth import Access, SecurityConfig, bearer_token
 from router.errors import RouterError
 from router.frontend import Router
@@ -38,7 +39,8 @@ class PdClusterServicer(pb_grpc.PdClusterServicer):
             prepared = self.router.prepare(
                 **_inputs(request), params=params_from_proto(request.sampling_params),
                 model=request.model or None,
-                request_id=request.request_id if request.HasField("request_id") else None)
+                request_id=request.request_id if request.HasField("request_id") else None,
+                traceparent=dict(context.invocation_metadata() or ()).get(TRACEPARENT))
             outs = self.router.generate(prepared, context.time_remaining())
             async with aclosing(outs):
                 async for out in outs:

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from protocol.tracing import TRACEPARENT
 from router.auth import Access, SecurityConfig, bearer_token
 from router.backend import GenerateRequest
 from router.errors import (
@@ -97,7 +98,8 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
             raise InvalidRequestError(f"{_REQUEST_ID}: one id cannot name {len(prompts)} "
                                       "prompts; send one prompt per request", "prompt")
         prompts = [router.prepare(**prompt, params=params, model=body.model,
-                                  request_id=raw.headers.get(_REQUEST_ID))
+                                  request_id=raw.headers.get(_REQUEST_ID),
+                                  traceparent=raw.headers.get(TRACEPARENT))
                    for prompt in prompts]
         echo = None
         if body.echo:
@@ -115,7 +117,8 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
             request = router.prepare(messages=messages,
                                      params=body.params(info.max_model_len, calling),
                                      model=body.model, request_id=raw.headers.get(_REQUEST_ID),
-                                     tools=body.tool_dicts())
+                                     tools=body.tool_dicts(),
+                                     traceparent=raw.headers.get(TRACEPARENT))
         except InvalidRequestError as e:
             if calling is None or e.param != "json_schema":
                 raise

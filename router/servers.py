@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from protocol.tracing import Tracer
 from router.auth import SecurityConfig
 from router.backend import Backend
 from router.frontend import Router, RouterConfig
@@ -46,7 +47,8 @@ class Servers:
 
 async def start_servers(backend: Backend, host: str = "127.0.0.1", grpc_port: int = 0,
                         http_port: int = 0, config: RouterConfig | None = None,
-                        security: SecurityConfig | None = None) -> Servers:
+                        security: SecurityConfig | None = None,
+                        tracer: Tracer | None = None) -> Servers:
     """Serve `backend` over gRPC and OpenAI HTTP, sharing one `Router`.
 
     Args:
@@ -56,11 +58,12 @@ async def start_servers(backend: Backend, host: str = "127.0.0.1", grpc_port: in
         http_port: 0 picks a free port (see `Servers.http_port`).
         config: admission limits.
         security: keys and TLS for both servers (see `router.auth`); None for neither.
+        tracer: the router's spans (`protocol.tracing`); None: no tracing.
 
     Returns:
         The running servers, with their bound ports.
     """
-    router = Router(backend, config)
+    router = Router(backend, config, tracer)
     grpc_server = GrpcServer(router, host, grpc_port, security=security)
     http_server = HttpServer(router, host, http_port, security)
     await grpc_server.start()

@@ -29,6 +29,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.autoscaler import AutoscalerMetrics
 from cluster.metrics import ClusterMetrics, VllmCompatCollector, WorkerCollector
 from protocol import Utilization, WorkerStats
 from router.admission import AdmissionQueue
@@ -259,7 +260,7 @@ def stand_in_backend() -> SimpleNamespace:
     and the cluster's own metrics, built as the backend builds them."""
     workers = {worker_id: SimpleNamespace(worker_id=worker_id, role=role, stats=WORKER_STATS)
                for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
-    metrics = ClusterMetrics()
+    metrics = ClusterMetrics("smollm2")
     metrics.transfer_bytes.labels("zmq")  # a labelled counter has no series before its child
     return SimpleNamespace(workers=workers, metrics=metrics)
 
@@ -277,6 +278,9 @@ def exported_metrics() -> dict[str, tuple[str, frozenset[str]]]:
         if isinstance(wrapper, ModelBoundMetric):
             wrapper.labels(*wrapper.label_names)
     router.registry.register(WorkerCollector(stand_in_backend(), "smollm2"))
+    autoscaler = AutoscalerMetrics(router.registry, "smollm2")  # as `serve --autoscale` does
+    autoscaler.target.labels("smollm2", "prefill")
+    autoscaler.decisions.labels("smollm2", "hold")
     families = list(text_string_to_metric_families(generate_latest(router.registry).decode()))
     # prometheus_client adds a `<name>_created` timestamp to counters and histograms.
     created = {f"{f.name}_created" for f in families if f.type in ("counter", "histogram")}
@@ -728,6 +732,12 @@ def test_dashboard_uses_only_exported_metrics():
     assert not unshown, f"exported but on no panel: {sorted(unshown)}"
     stale = NOT_ON_DASHBOARD.keys() - (exported_metrics().keys() - shown)
     assert not stale, f"NOT_ON_DASHBOARD lists metrics shown or not exported: {sorted(stale)}"
+
+
+def test_every_series_carries_model_name():
+    missing = [name for name, (_, labels) in exported_metrics().items()
+               if name.startswith("pdcluster:") and "model_name" not in labels]
+    assert not missing, f"series without model_name: {missing}"
 
 
 def test_guide_metrics_table_is_what_is_exported():

@@ -353,7 +353,7 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
     cluster = FakeCluster(output=3)
     front = RecordingBackend(cluster)
     registry = CollectorRegistry()
-    loop = AutoscalerLoop(autoscaler(), front, AutoscalerMetrics(registry))
+    loop = AutoscalerLoop(autoscaler(), front, AutoscalerMetrics(registry, "m"))
 
     async def scenario() -> Any:
         for i in range(60):  # 60 requests in the last few ms: far above capacity
@@ -377,12 +377,13 @@ def test_the_loop_records_the_window_scales_and_exports_metrics() -> None:
     assert (next_one.prefill, next_one.decode) == (decision.prefill, decision.decode)
     assert cluster.scaled == [(decision.prefill, decision.decode)]
     assert registry.get_sample_value("pdcluster:autoscaler_decisions_total",
-                                     {"action": "scale_up"}) == 1
+                                     {"model_name": "m", "action": "scale_up"}) == 1
     assert registry.get_sample_value("pdcluster:autoscaler_decisions_total",
-                                     {"action": "hold"}) == 1
+                                     {"model_name": "m", "action": "hold"}) == 1
     assert registry.get_sample_value("pdcluster:autoscaler_target_workers",
-                                     {"role": "prefill"}) == decision.prefill
-    assert registry.get_sample_value("pdcluster:autoscaler_estimated_rate_rps") == \
+                                     {"model_name": "m", "role": "prefill"}) == decision.prefill
+    assert registry.get_sample_value("pdcluster:autoscaler_estimated_rate_rps",
+                                     {"model_name": "m"}) == \
         pytest.approx(1.0)
 
 
@@ -421,7 +422,7 @@ def test_the_policy_runs_in_a_low_priority_process_that_is_replaced_if_it_dies()
     a busy nice-15 worker's core); Ctrl-C leaves the policy process to the router's
     shutdown; a killed policy process fails one step, and the next step has a new one."""
     loop = AutoscalerLoop(autoscaler(), RecordingBackend(FakeCluster(output=1)),
-                          AutoscalerMetrics(CollectorRegistry()))
+                          AutoscalerMetrics(CollectorRegistry(), "m"))
 
     async def scenario() -> Any:
         first = await loop.step(0.0)
@@ -485,6 +486,6 @@ def test_a_slow_worker_still_counts_in_the_current_split() -> None:
     cluster.pools = {"prefill": workers("prefill", "slow", "draining"),
                      "decode": workers("decode", "ready", "dead")}
     loop = AutoscalerLoop(autoscaler(), RecordingBackend(cluster),
-                          AutoscalerMetrics(CollectorRegistry()))
+                          AutoscalerMetrics(CollectorRegistry(), "m"))
 
     assert asyncio.run(loop.current()) == (1, 1)

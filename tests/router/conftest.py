@@ -13,6 +13,7 @@ import pytest
 
 from cluster.engine_backend import EngineBackend
 from engine import LLM, CacheConfig, LLMEngine
+from protocol.tracing import Tracer
 from router.auth import SecurityConfig
 from router.client import PdClusterClient
 from router.frontend import RouterConfig
@@ -98,13 +99,15 @@ def shared_servers(loop_thread: LoopThread, backend: EngineBackend) -> Iterator[
 @pytest.fixture
 def make_servers(loop_thread: LoopThread, backend: EngineBackend
                  ) -> Iterator[Callable[..., Servers]]:
-    """Start servers with the given RouterConfig fields (and `security`, keys and TLS);
-    stopped after the test, and the engine's pool must then be fully free."""
+    """Start servers with the given RouterConfig fields (and `security`, keys and TLS;
+    `tracer`, the router's spans); stopped after the test, and the engine's pool must then
+    be fully free."""
     started: list[Servers] = []
 
-    def make(security: SecurityConfig | None = None, **config: Any) -> Servers:
+    def make(security: SecurityConfig | None = None, tracer: Tracer | None = None,
+             **config: Any) -> Servers:
         servers = loop_thread.run(start_servers(backend, config=RouterConfig(**config),
-                                                security=security))
+                                                security=security, tracer=tracer))
         started.append(servers)
         return servers
 

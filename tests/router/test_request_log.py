@@ -1,4 +1,5 @@
-"""One log line per finished request (no prompt or output text), and the text/JSON formats."""
+"""One log line per finished request (no prompt or output text unless `--log-prompts`), and
+the text/JSON formats."""
 
 from __future__ import annotations
 
@@ -34,6 +35,20 @@ def test_one_line_per_finished_request(servers, offline, caplog):
     assert json.loads(line)["request_id"] == "log-me" and json.loads(line)["output_tokens"] == 5
     for written in (record.getMessage(), line):
         assert PROMPT not in written and (not text.strip() or text not in written)
+
+
+def test_log_prompts_adds_the_prompt_and_the_output(make_servers, offline, caplog):
+    caplog.set_level(logging.INFO, logger=REQUEST_LOGGER)
+    servers = make_servers(log_prompts=True)
+    resp = httpx.post(f"http://127.0.0.1:{servers.http_port}/v1/completions", json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True},
+        headers={"X-Request-Id": "log-prompt"}, timeout=30)
+    assert resp.status_code == 200
+    (record,) = [r for r in caplog.records if r.name == REQUEST_LOGGER
+                 and r.request["request_id"] == "log-prompt"]
+    assert record.request["prompt"] == PROMPT
+    assert record.request["output"] == resp.json()["choices"][0]["text"] != ""
+    assert f"prompt={PROMPT} " in record.getMessage()
 
 
 @pytest.fixture

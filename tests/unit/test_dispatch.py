@@ -69,7 +69,7 @@ class Harness:
     def __init__(self, migrate: bool = True, reserve_timeout_s: float = 5.0,
                  local_prefill_threshold: int = 8) -> None:
         self.pool = FakePool()
-        self.metrics = ClusterMetrics()
+        self.metrics = ClusterMetrics("tiny")
         self.dispatcher = Dispatcher(
             self.pool, DispatchConfig(local_prefill_threshold=local_prefill_threshold,
                                       reserve_timeout_s=reserve_timeout_s, migrate=migrate,
@@ -173,9 +173,11 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     last = h.finish("r")
     assert last.finish_reason == "length" and last.timings == {"prefill": 0.2, "transfer": 0.01}
     assert last.workers == ("decode-0", "prefill-0")  # for the request's log line
-    assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_bytes_total",
-                                               {"transport": "zmq"}) == 3 * BLOCK_BYTES
-    assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_seconds_count") == 1
+    assert h.metrics.registry.get_sample_value(
+        "pdcluster:kv_transfer_bytes_total",
+        {"model_name": "tiny", "transport": "zmq"}) == 3 * BLOCK_BYTES
+    assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_seconds_count",
+                                               {"model_name": "tiny"}) == 1
     assert idle(h) and not h.dispatcher.requests
     # A finished request is not aborted.
     assert not [c for _, c in h.pool.sent if isinstance(c, Abort)]
