@@ -42,11 +42,12 @@ def _read(proc: subprocess.Popen, lines: list[str], ready: queue.Queue) -> None:
 
 
 @contextlib.contextmanager
-def serve(*flags: str, timeout_s: float = 240.0) -> Iterator[Served]:
+def serve(*flags: str, timeout_s: float = 240.0,
+          env: dict[str, str] | None = None) -> Iterator[Served]:
     """`pdcluster serve --grpc-port 0 --http-port 0 *flags`, ready within `timeout_s` (its
     output tail in the failure otherwise, even when it printed nothing); interrupted (then
-    killed) on exit."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    killed) on exit. `env` adds variables to this process's environment."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--grpc-port", "0", "--http-port", "0",
          "--kv-cache-gb", "0.25", *flags],

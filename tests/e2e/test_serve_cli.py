@@ -1,5 +1,6 @@
-"""The real CLI: `pdcluster serve` on SmolLM2 (1 prefill + 1 decode worker, CURVE inside),
-real gRPC and OpenAI clients, exact tokens against `transformers` and the offline engine.
+"""The real CLI: `pdcluster serve` on SmolLM2 (1 prefill + 1 decode worker, CURVE inside,
+traces to an OTLP receiver in this process), real gRPC and OpenAI clients, exact tokens
+against `transformers` and the offline engine.
 
 Colocated serving is covered by the integration tests (a mixed Ray worker streams the
 engine's exact tokens), `--mode colocated` reaching the cluster by `test_cli_flags` below,
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
+import secrets
 import time
 
 import httpx
@@ -20,16 +23,26 @@ from engine import SamplingParams, apply_chat_template
 from router.client import PdClusterClient
 from tests.conftest import SMOL_CHATS, hf_greedy
 from tests.e2e.serving import serve
+from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
-def disaggregated():
-    # CURVE on the internal sockets (on loopback `auto` would leave them plain).
+def otlp():
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def disaggregated(otlp):
+    # CURVE on the internal sockets (on loopback `auto` would leave them plain); spans
+    # exported every 0.2 s instead of 5 s, so the trace test waits less.
     with serve("--model", "smollm2", "--prefill", "1", "--decode", "1",
                "--local-prefill-threshold", "0", "--metrics-compat", "vllm",
-               "--internal-auth", "curve") as served:
+               "--internal-auth", "curve", "--otlp-traces-endpoint", otlp.endpoint,
+               env={"OTEL_BSP_SCHEDULE_DELAY": "200"}) as served:
         yield served
 
 
@@ -173,6 +186,57 @@ def test_metrics_carry_model_name_and_vllm_names(disaggregated):
                for s in families["vllm:num_requests_waiting"].samples)
     ttft = families["pdcluster:time_to_first_token_seconds"].samples
     assert ttft and all(s.labels["model_name"] == "smollm2" for s in ttft)
+    # The cluster's own series too, once a request's KV went from prefill to decode.
+    _chat_tokens(disaggregated.grpc, SMOL_CHATS[1], n=2)
+    text = httpx.get(disaggregated.http + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    transfer = families["pdcluster:kv_transfer_bytes"].samples
+    assert transfer and all(s.labels["model_name"] == "smollm2" for s in transfer)
+
+
+def test_traces_follow_a_request_through_prefill_and_decode(disaggregated, otlp, smollm2):
+    """One OpenAI request with the client's `traceparent`: every span of it, from the
+    router, the prefill worker and the decode worker processes, is in the client's trace,
+    a child of the router's request span, which is a child of the client's span."""
+    import openai
+
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    http = openai.OpenAI(base_url=disaggregated.http + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+    reply = http.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Name three kinds of tree."}],
+        max_tokens=8, temperature=0.0,
+        extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    names = {"request", "admission", "placement", "prefill", "kv_transfer", "decode",
+             "response"}
+    spans = otlp.trace(trace_id, names)
+    assert sorted(s.name for s in spans) == sorted(names)  # each once
+    span = {s.name: s for s in spans}
+    request = span["request"]
+    assert request.parent_span_id == client_span and not request.error
+    assert all(span[name].parent_span_id == request.span_id for name in names - {"request"})
+    assert request.attributes["gen_ai.usage.completion_tokens"] == \
+        reply.usage.completion_tokens == 8
+    with PdClusterClient(disaggregated.grpc, timeout=10) as client:
+        pids = {pool: ws[0]["pid"] for pool, ws in client.status()["pools"].items()}
+    where = {name: (s.resource["service.name"], s.resource["process.pid"])
+             for name, s in span.items()}
+    router = ("pdcluster-router", disaggregated.proc.pid)
+    assert where == {"request": router, "admission": router, "placement": router,
+                     "response": router, "prefill": ("pdcluster-prefill", pids["prefill"]),
+                     "kv_transfer": ("pdcluster-prefill", pids["prefill"]),
+                     "decode": ("pdcluster-decode", pids["decode"])}
+    # The blocks the decode worker lacked: the chat template's system prompt may be cached.
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    blocks = math.ceil(reply.usage.prompt_tokens / 16) - cached // 16
+    assert span["prefill"].attributes["pdcluster.cached_tokens"] == cached
+    engine = smollm2.engine
+    transfer = span["kv_transfer"].attributes
+    assert (transfer["pdcluster.kv.transport"], transfer["pdcluster.kv.blocks"],
+            transfer["pdcluster.kv.bytes"]) == (
+        "shm", blocks, blocks * engine.kv_cache.block_bytes * engine.model_config.num_layers)
+    assert span["decode"].attributes["pdcluster.local_prefill"] is False
+    assert span["placement"].attributes["pdcluster.remote_prefill"] is True
 
 
 def test_generate_cli_answers_paris(disaggregated, capsys):
