@@ -76,3 +76,19 @@ def test_refusals_start_nothing(captured: list[Any], capsys: pytest.CaptureFixtu
     assert main(["serve", "--model", "tiny", *flags]) == 2
     assert message in capsys.readouterr().err
     assert captured == []
+
+
+def test_tracing_and_log_prompts_flags(captured: list[Any], monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "tiny"]) == 0
+    assert captured[0].cluster.tracing is None and captured[0].router.log_prompts is False
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-token=abc")
+    assert main(["serve", "--model", "tiny", "--otlp-traces-endpoint", "http://otel:4317",
+                 "--log-prompts"]) == 0
+    tracing = captured[1].cluster.tracing
+    assert tracing.endpoint == "http://otel:4317" and captured[1].router.log_prompts is True
+    assert tracing.env["OTEL_EXPORTER_OTLP_HEADERS"] == "x-token=abc"  # the workers get it
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert main(["serve", "--model", "tiny", "--otlp-traces-endpoint", "http://otel:4318"]) == 2
+    assert "exports traces over grpc only" in capsys.readouterr().err
+    assert len(captured) == 2
