@@ -9,6 +9,7 @@ The spans of the prefill and decode workers are checked end to end on a real clu
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import httpx
@@ -101,3 +102,15 @@ def test_the_flag_errors(monkeypatch):
                         None)
     with pytest.raises(RuntimeError, match=r"pip install 'pdcluster\[tracing\]'"):
         TracingConfig.from_flag("http://127.0.0.1:4317")
+
+
+@pytest.mark.subprocess
+def test_tracing_off_imports_no_opentelemetry():
+    code = ("import sys\n"
+            "import cluster.dispatch, decode_worker.role, prefill_worker.role, router.frontend\n"
+            "from protocol.tracing import Tracer\n"
+            "Tracer(None, 'router').start('request', None).end()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
