@@ -1,26 +1,36 @@
-"""The decode role on a real engine and KV receiver: reservations that never get their KV."""
+"""The decode role on a real engine and KV receiver: reservations that never get their KV;
+its `decode` spans, received by a real OTLP receiver, end on every ending of a request."""
 
 import time
+
+import pytest
 
 from decode_worker import DecodeRole
 from engine import CacheConfig, LLMEngine, SchedulerConfig
 from kv_transfer import CompatRecord, KVReceiver, TransferConfig
 from protocol import Generate, Reserved, Step
+from protocol.tracing import Tracer, TracingConfig
 from tests.conftest import assert_pool_free
+from tests.otlp_receiver import OtlpReceiver
+
+TRACE_ID, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 
-def _role(kv_wait_timeout_s: float) -> tuple[LLMEngine, DecodeRole, KVReceiver]:
+def _role(kv_wait_timeout_s: float, tracer: Tracer | None = None
+          ) -> tuple[LLMEngine, DecodeRole, KVReceiver]:
     engine = LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=32),
                        scheduler=SchedulerConfig(role="decode"))
     receiver = KVReceiver(engine.kv_cache, CompatRecord.from_kv_cache(engine.kv_cache, "tiny"),
                           TransferConfig(transports=("zmq",)))
-    return engine, DecodeRole("decode-0", engine, receiver, kv_wait_timeout_s), receiver
+    return engine, DecodeRole("decode-0", engine, receiver, kv_wait_timeout_s,
+                              tracer), receiver
 
 
-def _message(rid: str) -> Generate:
-    params = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
+def _message(rid: str, remote_prefill: bool = True, max_tokens: int = 4) -> Generate:
+    params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
     return Generate(request_id=rid, prompt_token_ids=list(range(100, 130)), params=params,
-                    remote_prefill=True)
+                    remote_prefill=remote_prefill,
+                    traceparent=f"00-{TRACE_ID}-{PARENT}-01")
 
 
 def _records(replies: list) -> list:
@@ -62,3 +72,42 @@ def test_abort_while_waiting_for_kv_frees_blocks_once_the_receiver_lets_go():
         assert_pool_free(engine)
     finally:
         receiver.close()
+
+
+@pytest.fixture
+def traced():
+    receiver = OtlpReceiver()
+    tracer = Tracer(TracingConfig(receiver.endpoint), "decode", "decode-0")
+    yield receiver, tracer
+    tracer.shutdown()
+    receiver.close()
+
+
+def test_decode_spans_end_when_requests_finish_are_aborted_or_lose_their_kv(traced):
+    otlp, tracer = traced
+    engine, role, receiver = _role(kv_wait_timeout_s=0.5, tracer=tracer)
+    try:
+        role.handle(engine, _message("done", remote_prefill=False))
+        role.handle(engine, _message("aborted", remote_prefill=False, max_tokens=1000))
+        role.handle(engine, _message("lost"))  # reserved; its KV never comes
+        finished = []
+        while "done" not in finished:
+            finished += [r.request_id for r in _records(role.on_outputs(engine.step()))
+                         if r.finish_reason]
+        role.abort(engine, "aborted")
+        lost = _records(role.on_events(engine, _events_until(receiver, 10)))
+        assert [r.finish_reason for r in lost] == ["error"]
+        assert_pool_free(engine)
+    finally:
+        receiver.close()
+    tracer.shutdown()
+    spans = {s.attributes["pdcluster.request_id"]: s for s in otlp.spans}
+    # "lost" never joined the batch: no decode span, and nothing of it is kept.
+    assert set(spans) == {"done", "aborted"} and not role._traces and not role._spans
+    for rid, reason in (("done", "length"), ("aborted", "abort")):
+        span = spans[rid]
+        assert (span.name, span.trace_id, span.parent_span_id) == ("decode", TRACE_ID, PARENT)
+        assert span.attributes["gen_ai.response.finish_reasons"] == (reason,)
+        assert span.attributes["pdcluster.local_prefill"] is True and not span.error
+        assert span.resource["service.name"] == "pdcluster-decode"
+        assert span.resource["pdcluster.worker_id"] == "decode-0"
