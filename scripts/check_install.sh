@@ -45,6 +45,11 @@ if pdcluster serve --transport mooncake 2>"$work/mooncake.err"; then
     echo "pdcluster serve --transport mooncake ran without its extra" >&2; exit 1
 fi
 grep -q "pip install 'pdcluster\[mooncake\]'" "$work/mooncake.err" || { cat "$work/mooncake.err"; exit 1; }
+# And traces: Ray brings the OpenTelemetry SDK, not its OTLP exporter.
+if pdcluster serve --otlp-traces-endpoint http://127.0.0.1:4317 2>"$work/otlp.err"; then
+    echo "pdcluster serve --otlp-traces-endpoint ran without its extra" >&2; exit 1
+fi
+grep -q "pip install 'pdcluster\[tracing\]'" "$work/otlp.err" || { cat "$work/otlp.err"; exit 1; }
 
 # The image's command line: its entrypoint script with the environment the Dockerfile sets.
 # On every interface without a key it must refuse to start, and say how to fix it.
