@@ -88,14 +88,13 @@ NO_SPAN = Span()
 
 class _OtelSpan(Span):
     def __init__(self, span: Any) -> None:
-        from opentelemetry.trace import set_span_in_context
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
         self._span = span
         self._ended = False
-        carrier: dict[str, str] = {}
-        TraceContextTextMapPropagator().inject(carrier, set_span_in_context(span))
-        self.traceparent = carrier.get(TRACEPARENT)
+
+    @property  # type: ignore[override]
+    def traceparent(self) -> str | None:
+        context = self._span.get_span_context()
+        return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
     def set(self, **attributes: Any) -> None:
         self._span.set_attributes(_attributes(attributes))
