@@ -46,8 +46,10 @@ short prompts; their TPOT is what the mix tests.
 32–128 own tokens, 64–128 output; a quarter long prompts; a quarter long answers), one
 server per step, each step adding one technique: static batching -> continuous batching ->
 + a bounded admission queue (`--max-running`, `--max-queue`) -> + prefix caching -> +
-disaggregation (1 prefill + 1 decode instead of 2 colocated), using `serve --policy
-static|continuous` and `--no-prefix-caching`. The SLO comes from the first step's server
+disaggregation (1 prefill + 1 decode instead of 2 colocated) -> + an INT8 KV cache ->
++ speculative decoding (n-gram prompt lookup, 4 tokens), using `serve --policy
+static|continuous`, `--no-prefix-caching`, `--kv-cache-dtype int8` and
+`--speculative-config`. The SLO comes from the first step's server
 unloaded, as above; each step reports throughput, goodput, TTFT/TPOT p90 and where its
 workers' time went. Requests the bounded queue refuses (429 / RESOURCE_EXHAUSTED) count as
 failed: they lower SLO attainment, and what they buy shows as the admitted requests'
@@ -90,11 +92,17 @@ from protocol.status import UTILIZATION_KEYS
 
 DEFAULT_OUT = RESULTS / "serving"
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-COLOCATED = ("--mode", "colocated", "--decode", "2", "--torch-threads", "1")
+# Every rung runs float32 weights, whatever `--dtype auto` would pick on the machine.
+COLOCATED = ("--mode", "colocated", "--decode", "2", "--torch-threads", "1",
+             "--dtype", "float32")
 DISAGGREGATED = ("--mode", "disaggregated", "--prefill", "1", "--decode", "1",
-                 "--torch-threads", "1")
+                 "--torch-threads", "1", "--dtype", "float32")
 # `serve`'s own admission defaults: far above what these workloads ever hold.
 UNBOUNDED_ADMISSION = ("--max-running", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE))
+# The ladder's last rungs: the KV cache in int8, then n-gram drafting of 4 tokens a step.
+INT8_KV = ("--kv-cache-dtype", "int8")
+NGRAM = ("--speculative-config",
+         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
 # Seed purposes, so warm-up, probe and measured runs never share prompts (or cached prefixes).
 _WARMUP, _PROBE, _RUN = 0, 1, 2
 T = TypeVar("T")
@@ -504,14 +512,15 @@ class LadderStep:
 
 
 def ladder_steps(max_running: int, max_queue: int) -> list[LadderStep]:
-    """Static -> continuous -> + bounded admission -> + prefix caching -> + disaggregation.
+    """Static -> continuous -> + bounded admission -> + prefix caching -> + disaggregation
+    -> + INT8 KV cache -> + speculative decoding.
 
     Args:
         max_running: the bounded steps' `--max-running`.
         max_queue: the bounded steps' `--max-queue`.
 
     Returns:
-        The five steps, in order.
+        The seven steps, in order.
     """
     static, continuous = ("--policy", "static"), ("--policy", "continuous")
     no_cache = ("--no-prefix-caching",)
@@ -526,6 +535,10 @@ def ladder_steps(max_running: int, max_queue: int) -> list[LadderStep]:
         LadderStep("prefix-caching", "+ prefix caching", (*COLOCATED, *continuous, *bounded)),
         LadderStep("disaggregation", "+ disaggregation (1P + 1D)",
                    (*DISAGGREGATED, *continuous, *bounded)),
+        LadderStep("int8-kv", "+ INT8 KV cache",
+                   (*DISAGGREGATED, *continuous, *bounded, *INT8_KV)),
+        LadderStep("speculative", "+ speculative decoding (n-gram, 4 tokens)",
+                   (*DISAGGREGATED, *continuous, *bounded, *INT8_KV, *NGRAM)),
     ]
 
 

@@ -174,19 +174,22 @@ def test_ladder_markdown_ratios_to_the_previous_step() -> None:
 def test_ladder_steps_add_one_technique_each() -> None:
     steps = ex.ladder_steps(max_running=6, max_queue=3)
     assert [s.name for s in steps] == ["static", "continuous", "admission", "prefix-caching",
-                                       "disaggregation"]
+                                       "disaggregation", "int8-kv", "speculative"]
 
     def flag(step: ex.LadderStep, name: str) -> str | None:
         flags = list(step.flags)
         return flags[flags.index(name) + 1] if name in flags else None
 
-    assert [flag(s, "--policy") for s in steps] == ["static"] + ["continuous"] * 4
-    assert ["--no-prefix-caching" in s.flags for s in steps] == [True, True, True, False, False]
+    assert [flag(s, "--policy") for s in steps] == ["static"] + ["continuous"] * 6
+    assert ["--no-prefix-caching" in s.flags for s in steps] == [True] * 3 + [False] * 4
     # The unbounded steps run with serve's own admission defaults.
-    assert [flag(s, "--max-running") for s in steps] == [str(MAX_RUNNING)] * 2 + ["6"] * 3
-    assert [flag(s, "--max-queue") for s in steps] == [str(MAX_QUEUE)] * 2 + ["3"] * 3
-    assert [flag(s, "--mode") for s in steps] == ["colocated"] * 4 + ["disaggregated"]
+    assert [flag(s, "--max-running") for s in steps] == [str(MAX_RUNNING)] * 2 + ["6"] * 5
+    assert [flag(s, "--max-queue") for s in steps] == [str(MAX_QUEUE)] * 2 + ["3"] * 5
+    assert [flag(s, "--mode") for s in steps] == ["colocated"] * 4 + ["disaggregated"] * 3
+    assert [flag(s, "--kv-cache-dtype") for s in steps] == [None] * 5 + ["int8"] * 2
+    assert ["--speculative-config" in s.flags for s in steps] == [False] * 6 + [True]
     assert all(flag(s, "--torch-threads") == "1" for s in steps)
+    assert all(flag(s, "--dtype") == "float32" for s in steps)
 
 
 def test_vs_vllm_without_its_venv_fails_before_starting_anything(
