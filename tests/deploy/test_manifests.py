@@ -643,13 +643,13 @@ def test_dockerfile_runs_as_non_root_with_pdcluster_entrypoint():
 def test_image_serves_on_every_interface_whatever_the_serve_arguments(monkeypatch):
     """`docker run IMAGE serve --prefill 1 --decode 1` replaces the CMD: the image's
     environment, not its CMD, must make serve bind 0.0.0.0."""
-    from cluster.cli import HOST_ENV
+    from cluster.cli import HOST_ENV, parse_args
 
     env = dict(rest.split("=", 1) for instruction, rest in dockerfile_instructions()
                if instruction == "ENV" for rest in shlex.split(rest))
     assert env[HOST_ENV] == "0.0.0.0"
     monkeypatch.setenv(HOST_ENV, env[HOST_ENV])
-    args = cli_subcommands()["serve"].parse_args(["--prefill", "1", "--decode", "1"])
+    args = parse_args(["serve", "--prefill", "1", "--decode", "1"])
     assert args.host == "0.0.0.0"
 
 
