@@ -12,6 +12,7 @@ from typing import Any
 
 from engine import defaults as engine_defaults
 from protocol import defaults
+from protocol.serving import SLO_HELP
 from router.logs import LOG_LEVELS
 
 # `docker run IMAGE serve ...` must listen on every interface; the image sets this.
@@ -187,11 +188,22 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default, unless the text already says what the
+    default is (often what None means); descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
-    """Every (sub)command shows each flag's default in its help."""
+    """Every (sub)command formats its help with `_HelpFormatter`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
 
@@ -203,15 +215,16 @@ WORKER_GROUP = "per-worker settings (a config file's prefill: and decode: sectio
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cluster.cli_planner import slo_arg
+
     parser = _Parser(prog="pdcluster", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="start the cluster and its gRPC + OpenAI endpoints",
-                           epilog="Every flag also reads $PDCLUSTER_<FLAG> (--max-num-seqs: "
-                                  "$PDCLUSTER_MAX_NUM_SEQS) and the --config file; the "
-                                  "command line wins over the environment, which wins over "
-                                  "the file.")
+                           epilog="Every flag also reads $PDCLUSTER_<FLAG> (--max-num-seqs:\n"
+                                  "$PDCLUSTER_MAX_NUM_SEQS) and the --config file; the command\n"
+                                  "line wins over the environment, which wins over the file.")
     serve.add_argument("--config", type=Path, default=None, metavar="FILE.yaml",
                        help="YAML file of serve's flags (long names without the dashes: "
                             "'port: 8000') and per-pool sections 'prefill:' and 'decode:' "
@@ -274,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "native bf16 (AVX512-BF16/AMX), else float32 (the exact "
                              "reference)")
     worker.add_argument("--kv-cache-gb", dest="kv_cache_memory_gb", type=float, default=None,
-                        help="KV pool per worker in GB (None: "
+                        metavar="GB", help="KV pool per worker in GB (None: "
                              f"{engine_defaults.KV_CACHE_GB:g} on CPU; on CUDA sized by "
                              "--gpu-memory-utilization)")
     worker.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
@@ -290,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--torch-threads", type=int, default=1,
                         help="intra-op threads per worker")
     worker.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false", help="do not reuse cached prompt blocks")
+                        action="store_false",
+                        help="do not reuse cached prompt blocks (by default they are)")
     worker.add_argument("--num-cpus-per-worker", type=float, default=1.0,
                         help="Ray CPUs each worker reserves")
     worker.add_argument("--num-gpus-per-worker", type=float, default=0.0,
@@ -313,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--autoscale", action="store_true",
                       help="resize the pools live to meet --slo (needs --profile)")
     auto.add_argument("--profile", type=Path, default=None, help="PROFILE.json of the workers")
-    auto.add_argument("--slo", default=None, help="e.g. ttft_p90_ms=500,tpot_p90_ms=50")
+    auto.add_argument("--slo", default=None, type=slo_arg, metavar="KEY=MS,...",
+                      help=SLO_HELP)
     auto.add_argument("--attainment", type=float, default=0.9,
                       help="share of requests that must meet --slo")
     auto.add_argument("--min-workers", type=int, default=None,
@@ -336,20 +351,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the user message")
     gen.add_argument("--local", action="store_true",
                      help="run the engine in this process instead of asking a cluster")
     gen.add_argument("--model", default="smollm2", help="with --local")
     gen.add_argument("--dtype", default=engine_defaults.DTYPE, help="with --local")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampler")
 
     status = sub.add_parser("status", help="pools, workers, load and KV usage")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true",
+                        help="print the status document (JSON) instead of the tables")
     scale = sub.add_parser("scale", help="resize the pools live")
-    scale.add_argument("--prefill", type=int, default=None)
-    scale.add_argument("--decode", type=int, default=None)
+    scale.add_argument("--prefill", type=int, default=None,
+                       help="prefill workers wanted (None: unchanged)")
+    scale.add_argument("--decode", type=int, default=None,
+                       help="decode (or colocated) workers wanted (None: unchanged)")
     # bench.cli imports only what its flags need; running a benchmark needs the bench extra.
     from bench.cli import add_parser as add_bench_parser
 
@@ -360,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command, func in ((gen, _generate), (status, _status), (scale, _scale)):
         command.add_argument("--address", default=None,
                              help="gRPC host:port (default: the running serve's endpoint)")
-        command.add_argument("--timeout", type=float, default=600.0)
+        command.add_argument("--timeout", type=float, default=600.0,
+                             help="seconds the call may take")
         _add_client_auth_flags(command)
         command.set_defaults(func=func)
     return parser
