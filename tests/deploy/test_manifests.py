@@ -537,6 +537,19 @@ def test_rayjob_pools_fit_in_their_worker_groups():
         assert int(flags.get("--torch-threads", 1)) <= float(flags["--num-cpus-per-worker"])
 
 
+
+def test_rayjob_gpu_workers_get_a_gpu_dtype_and_a_share_of_its_memory():
+    """On a GPU the KV pool is a share of the device (not an absolute CPU-sized GB), the
+    shares of the workers on one GPU fit in it, and the dtype is one FlashInfer takes."""
+    flags = parse_flags(serve_argv(rayjob()["spec"]["entrypoint"]), "serve", "rayjob")
+    gpus = float(flags["--num-gpus-per-worker"])
+    assert gpus > 0
+    assert flags.get("--dtype", "auto") in ("auto", "bfloat16", "float16")
+    assert "--kv-cache-gb" not in flags
+    share = float(flags["--gpu-memory-utilization"])
+    assert share > 0 and share * round(1 / gpus) <= 1, "workers sharing a GPU overcommit it"
+
+
 def test_kustomization_lists_existing_files():
     (kustomization,) = load_docs(KUBERAY / "kustomization.yaml")
     for resource in kustomization["resources"]:
