@@ -5,10 +5,12 @@ file > defaults), per-pool sections reaching each pool's spec, errors naming fil
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import cluster.serve
 from cluster.cli import main
@@ -173,10 +175,15 @@ def test_a_gpu_share_on_a_pool_without_gpus_is_refused(
     assert captured == []
 
 
-def test_the_example_file_is_valid(captured: list[Any]) -> None:
-    config = serve(captured, "--config", str(REPO / "deploy" / "pdcluster.yaml")).cluster
+def test_the_example_file_is_valid_and_the_guide_shows_it(captured: list[Any]) -> None:
+    example = REPO / "deploy" / "pdcluster.yaml"
+    config = serve(captured, "--config", str(example)).cluster
     assert (config.num_prefill, config.num_decode) == (1, 2)
     assert config.prefill.engine["max_num_seqs"] != config.decode.engine["max_num_seqs"]
+    guide = (REPO / "docs" / "operators.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", guide,
+                                                    flags=re.M | re.S)]
+    assert yaml.safe_load(example.read_text()) in blocks
 
 
 def test_equal_pools_compare_equal() -> None:
