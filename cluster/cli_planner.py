@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from engine import defaults as engine_defaults
 from protocol import defaults
 from protocol.serving import SLO_HELP
 
-# Progress and notes on stderr: stdout holds the plan (its tables, or with --json its JSON).
-console = Console(stderr=True)
+# `profile` reports on stdout (every column, piped or not); `plan` keeps stdout for the
+# plan (its tables, or with --json its JSON) and shows progress and notes on stderr.
+console = Console() if sys.stdout.isatty() else Console(width=1000)
+notes = Console(stderr=True)
 
 
 def slo_arg(text: str) -> str:
@@ -232,7 +235,7 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
     prefills, decodes = _profiles(args)
     calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
     if not args.no_calibrate:
-        with console.status("Calibrating the profiles to this machine's speed now"):
+        with notes.status("Calibrating the profiles to this machine's speed now"):
             prefills, decodes, calibration = calibrate_each(prefills, decodes)
     requests = load_trace(args.trace, decodes[0].model)
     if args.rate is not None:
@@ -248,12 +251,12 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
         args.max_num_seqs, thresholds[0])
     with Progress("[progress.description]{task.description}", BarColumn(),
                   "{task.completed}/{task.total}", TimeElapsedColumn(),
-                  console=console) as progress:
+                  console=notes) as progress:
         task = progress.add_task("simulating", total=None)
         doc = search(request, lambda done, most: progress.update(task, completed=done,
                                                                   total=max(done, most)))
     s = doc["search"]
-    console.print(f"{s['within_budget']} configurations within {s['max_accelerators']} "
+    notes.print(f"{s['within_budget']} configurations within {s['max_accelerators']} "
                   f"accelerators: {s['pruned_by_throughput']} pruned by throughput, "
                   f"{s['pruned_by_latency']} by unloaded latency; {s['simulated']} simulated "
                   f"over {s['cost_levels']} cost levels in {s['seconds']:.0f} s")
@@ -305,11 +308,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
         from planner.calibrate import calibrate_for_plan
 
-        with console.status("Calibrating the profiles to this machine's speed now"):
+        with notes.status("Calibrating the profiles to this machine's speed now"):
             prefill, decode, calibration = calibrate_for_plan(request.prefill_profile,
                                                               request.decode_profile)
         request = replace(request, prefill_profile=prefill, decode_profile=decode)
-    with console.status(f"Simulating {len(request.requests)} requests on every split"):
+    with notes.status(f"Simulating {len(request.requests)} requests on every split"):
         doc = {**plan(request), "calibration": calibration}
     if args.plot is not None:
         plot_plan(doc, args.plot)
@@ -335,6 +338,6 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], show: Any) -> None:
         show(doc)
     if args.output is not None:
         args.output.write_text(json.dumps(doc, indent=1))
-        console.print(f"wrote {args.output}")
+        notes.print(f"wrote {args.output}")
 
 
