@@ -68,3 +68,16 @@ def test_a_config_file_builds_each_pool_with_its_own_settings(
         assert "max_num_seqs" in rows and "4" in rows["max_num_seqs"].split("│")[2]
         assert "8" in rows["max_num_seqs"].split("│")[3]
         assert "…" not in table  # piped: no column cut to fit 80 characters
+
+        # Scaled live, prefill 1 -> 0 and decode 1 -> 2: the pools differ, so no prefill
+        # worker turns decode in place (it would keep its smaller KV pool); a new decode
+        # worker of the decode pool's spec starts.
+        assert main(["scale", "--prefill", "0", "--decode", "2", "--address",
+                     served.grpc]) == 0
+        assert "pools now" in capsys.readouterr().out
+        assert main(["status", "--json", "--address", served.grpc]) == 0
+        decodes = json.loads(capsys.readouterr().out)["pools"]["decode"]
+        assert len(decodes) == 2
+        assert decode["worker_id"] in {w["worker_id"] for w in decodes}
+        assert [w["num_blocks"] for w in decodes] == [decode["num_blocks"]] * 2
+        assert prefill["worker_id"] not in {w["worker_id"] for w in decodes}
