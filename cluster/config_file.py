@@ -57,17 +57,19 @@ def env_name(action: argparse.Action) -> str:
 
 
 def _field_type(action: argparse.Action) -> Any:
-    """The pydantic type of a flag's value: what argparse would accept."""
+    """The pydantic type of a flag's value: what argparse would accept (null only where
+    the flag's default is None)."""
     if action.nargs == 0:  # store_true / store_false: a yes/no
-        return bool | None
+        return bool
     if action.type in (int, float, Path) and action.choices is None:
-        return action.type | None
-    kind: Any = str if action.choices is None else Literal[tuple(action.choices)]
-    if action.type not in (None, str):  # a converter such as str.upper, before the check
+        kind: Any = action.type
+    else:
+        kind = str if action.choices is None else Literal[tuple(action.choices)]
+    if action.type not in (None, str, int, float, Path):  # a converter such as str.upper
         convert = action.type
         kind = Annotated[kind, pydantic.BeforeValidator(
             lambda v: convert(v) if isinstance(v, str) else v)]
-    return kind | None
+    return kind | None if action.default is None else kind
 
 
 def _model(name: str, actions: list[argparse.Action],

@@ -120,6 +120,8 @@ decode:
     ("decode:\n  replicas: -1\n", "decode.replicas: Input should be greater than or equal"),
     ("mode: split\n", "mode: Input should be 'disaggregated' or 'colocated'"),
     ("no-migration: maybe\n", "no-migration: Input should be a valid boolean"),
+    ("port: null\n", "port: Input should be a valid integer"),
+    ("decode:\n  max-num-seqs: null\n", "decode.max-num-seqs: Input should be a valid integer"),
     ("- port: 1\n", "expected a mapping of flag names to values, got list"),
     ("port: [1\n", "while parsing a flow sequence"),
 ])
@@ -130,7 +132,7 @@ def test_a_bad_file_is_refused_naming_file_and_key(
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--config", str(path)])
     assert exit_.value.code == 2
-    assert f"{path}: " in capsys.readouterr().err.split("error: ", 1)[1]
+    assert f"{path}: {message}" in capsys.readouterr().err
     assert captured == []
 
 
