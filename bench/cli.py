@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from bench.serving_metrics import VLLM_METRICS, summarize
 from bench.traces import ARRIVALS, WORKLOADS, WorkloadSpec, arrival_times, make_workload
-from protocol.serving import DEFAULT_VOCAB_RANGE, Slo, TraceRequest, read_trace, write_trace
+from protocol.serving import (
+    DEFAULT_VOCAB_RANGE,
+    SLO_HELP,
+    Slo,
+    TraceRequest,
+    read_trace,
+    write_trace,
+)
 
 if TYPE_CHECKING:
     from bench.loadgen import LoadResult
@@ -48,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """
     parser = subparsers.add_parser(
         "bench", help="load a serving endpoint and report TTFT/TPOT/ITL/E2E, goodput",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__)  # `pdcluster`'s formatter: raw description, defaults shown
     add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
@@ -109,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="send nothing after this many seconds (in-flight ones finish)")
 
     out = parser.add_argument_group("report")
-    out.add_argument("--slo", type=_slo, metavar="ttft=MS,tpot=MS",
-                     help="objectives for goodput and SLO attainment")
+    out.add_argument("--slo", type=_slo, metavar="KEY=MS,...",
+                     help=f"objectives for goodput and SLO attainment: {SLO_HELP}")
     out.add_argument("--goodput", nargs="+", metavar="KEY:MS",
                      help="vLLM's form of --slo: ttft:MS tpot:MS e2el:MS")
     out.add_argument("--percentile-metrics", default="ttft,tpot,itl", type=_metric_names,

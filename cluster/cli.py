@@ -12,6 +12,7 @@ from typing import Any
 
 from engine import defaults as engine_defaults
 from protocol import defaults
+from protocol.serving import SLO_HELP
 from router.logs import LOG_LEVELS
 
 # `docker run IMAGE serve ...` must listen on every interface; the image sets this.
@@ -28,11 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
     from router.frontend import RouterConfig
     from router.logs import configure_logging
 
-    worker: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb,
-                              "max_num_batched_tokens": args.max_num_batched_tokens,
-                              "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
-                              "policy": args.policy, "max_model_len": args.max_model_len,
-                              "enable_prefix_caching": not args.no_prefix_caching}
+    shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
     if args.transport == "mooncake":
         from kv_transfer.transports.mooncake import check_installed
 
@@ -40,7 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
             check_installed()
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
-        worker["mooncake_protocol"] = args.mooncake_protocol
+        shared["mooncake_protocol"] = args.mooncake_protocol
     try:
         tracing = TracingConfig.from_flag(args.otlp_traces_endpoint)
     except RuntimeError as exc:  # OpenTelemetry not installed: say what to install
@@ -49,12 +46,10 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
         transports=TRANSPORTS[args.transport],
         host=args.worker_host or ("auto" if args.address else "127.0.0.1"),
-        num_cpus_per_worker=args.num_cpus_per_worker,
-        num_gpus_per_worker=args.num_gpus_per_worker, torch_threads=args.torch_threads,
-        local_prefill_threshold=args.local_prefill_threshold, worker=worker,
+        local_prefill_threshold=args.local_prefill_threshold,
         drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
-        internal_auth=args.internal_auth, prefill_resource=args.prefill_resource,
-        decode_resource=args.decode_resource, tracing=tracing)
+        internal_auth=args.internal_auth, tracing=tracing,
+        prefill=_pool_spec(args, "prefill", shared), decode=_pool_spec(args, "decode", shared))
     security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
                               tls_client_ca=args.tls_client_ca)
@@ -73,6 +68,18 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
     asyncio.run(run(options))
     return 0
+
+
+def _pool_spec(args: argparse.Namespace, pool: str, shared: dict[str, Any]) -> Any:
+    """One pool's spec: the shared per-worker flags, then its config file section."""
+    from cluster.config import PoolSpec
+
+    values = {dest: getattr(args, dest) for dest in _worker_dests(args.serve_parser)}
+    values.update(getattr(args, "pool_overrides", {}).get(pool, {}))
+    return PoolSpec(num_cpus=values.pop("num_cpus_per_worker"),
+                    num_gpus=values.pop("num_gpus_per_worker"),
+                    resource=values.pop("resource", getattr(args, f"{pool}_resource")),
+                    engine={**shared, **values})
 
 
 def _autoscaler(args: argparse.Namespace) -> Any:
@@ -138,8 +145,15 @@ def _generate_local(args: argparse.Namespace, sampling: dict[str, Any]) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
+def console() -> Any:
+    """A rich console that never cuts a table when its output is not a terminal (a pipe,
+    a file): rich would assume 80 columns there."""
     from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=1000)
+
+
+def _status(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from protocol.status import workers
@@ -151,14 +165,24 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
     for column in ("worker", "role", "state", "node", "host", "pid", "dtype", "running",
-                   "waiting", "KV used", "prefix hits", "busy"):
+                   "waiting", "KV blocks", "KV used", "prefix hits", "busy"):
         table.add_column(column)
     for w in workers(status):
         busy = w.busy_seconds / max(w.uptime_s, 1e-9)
         table.add_row(w.worker_id, w.role, w.state, w.node[:12], w.host, str(w.pid), w.dtype,
-                      str(w.num_running), str(w.num_waiting), f"{w.kv_usage:.0%}",
-                      f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
-    Console().print(table)
+                      str(w.num_running), str(w.num_waiting), str(w.num_blocks),
+                      f"{w.kv_usage:.0%}", f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
+    out = console()
+    out.print(table)
+    pools = status.get("pool_settings", {})
+    if pools:
+        settings = Table(title="pool settings")
+        settings.add_column("setting")
+        for role in pools:
+            settings.add_column(role)
+        for key in sorted({k for values in pools.values() for k in values}):
+            settings.add_row(key, *(str(values.get(key, "")) for values in pools.values()))
+        out.print(settings)
     return 0
 
 
@@ -170,14 +194,53 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default, unless the text already says what the
+    default is (often what None means); descriptions keep their line breaks."""
 
-    serve = sub.add_parser("serve", help="start the cluster and its gRPC + OpenAI endpoints")
-    serve.add_argument("--model", default="smollm2")
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command formats its help with `_HelpFormatter`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+# The `serve` flags that build one worker: shared by both pools unless a pool's section of
+# the config file sets them (`cluster.config_file`). Adding one is one `add_argument` in
+# this group, its `dest` a `WorkerSpec` field.
+WORKER_GROUP = "per-worker settings (a config file's prefill: and decode: sections may set " \
+               "them per pool)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cluster.cli_planner import slo_arg
+
+    parser = _Parser(prog="pdcluster", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = sub.add_parser("serve", help="start the cluster and its gRPC + OpenAI endpoints",
+                           epilog="Every flag also reads $PDCLUSTER_<FLAG> (--max-num-seqs:\n"
+                                  "$PDCLUSTER_MAX_NUM_SEQS) and the --config file; the command\n"
+                                  "line wins over the environment, which wins over the file.")
+    serve.add_argument("--config", type=Path, default=None, metavar="FILE.yaml",
+                       help="YAML file of serve's flags (long names without the dashes: "
+                            "'port: 8000') and per-pool sections 'prefill:' and 'decode:' "
+                            "(replicas, resource and any per-worker setting); see "
+                            "docs/operators.md")
+    serve.add_argument("--model", default="smollm2",
+                       help="model name (smollm2, tiny), HF directory or .gguf file")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"],
-                       default="disaggregated")
+                       default="disaggregated",
+                       help="separate prefill and decode pools, or one pool of mixed workers")
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
     serve.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
     serve.add_argument("--transport", choices=["shm", "zmq", "torch", "mooncake"],
@@ -185,56 +248,73 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV transport (shm falls back to zmq across hosts; mooncake: "
                             "Mooncake's Transfer Engine, pip install 'pdcluster[mooncake]')")
     serve.add_argument("--mooncake-protocol", choices=["auto", "tcp", "rdma"], default="auto",
-                       help="what --transport mooncake speaks; auto (default): rdma where "
-                            "the node lists an RDMA device, else tcp (NICs are picked by "
-                            "the engine)")
+                       help="what --transport mooncake speaks; auto: rdma where the node "
+                            "lists an RDMA device, else tcp (NICs are picked by the engine)")
     serve.add_argument("--address", default=None,
                        help="existing Ray cluster ('auto', 'ray://host:10001'); "
-                            "default: embedded local Ray")
-    serve.add_argument("--host", default=os.environ.get(HOST_ENV, "127.0.0.1"),
-                       help=f"interface of the front doors (default: ${HOST_ENV} or 127.0.0.1)")
+                            "None: embedded local Ray")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help=f"interface of the front doors (${HOST_ENV} in the image)")
     serve.add_argument("--worker-host", default=None,
                        help="address workers and the router bind for ZMQ and KV; 'auto' "
                             "(each node's IP) with --address, else 127.0.0.1")
     serve.add_argument("--prefill-resource", default=None, metavar="NAME",
                        help="Ray custom resource each prefill worker asks a sliver of, so the "
                             "pool runs only on nodes started with ray start --resources "
-                            "'{\"NAME\": N}' (default: pd_prefill where a node offers it)")
+                            "'{\"NAME\": N}' (None: pd_prefill where a node offers it)")
     serve.add_argument("--decode-resource", default=None, metavar="NAME",
-                       help="the same for decode (and colocated) workers (default: pd_decode "
+                       help="the same for decode (and colocated) workers (None: pd_decode "
                             "where offered)")
     serve.add_argument("--internal-auth", choices=["auto", "curve", "off"], default="auto",
                        help="internal ZMQ sockets (router <-> workers, KV transfer): 'curve' "
                             "encrypts them and admits only holders of the cluster's key; "
-                            "'auto' (default) is 'curve' unless they are all on loopback "
-                            "of one node")
-    serve.add_argument("--grpc-port", type=int, default=50051)
+                            "'auto' is 'curve' unless they are all on loopback of one node")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free)")
     serve.add_argument("--http-port", "--port", type=int, default=8000,
-                       help="OpenAI HTTP port (--port, as in vLLM)")
+                       help="OpenAI HTTP port (--port, as in vLLM; 0: any free)")
     serve.add_argument("--served-model-name", default=None,
-                       help="the model's name in the API and the metrics (default: --model)")
+                       help="the model's name in the API and the metrics (None: --model)")
     serve.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output (default: the model's and the KV "
-                            "pool's limit)")
-    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       default=engine_defaults.DTYPE,
-                       help="auto: bfloat16 on CUDA and on CPUs with native bf16 "
-                            "(AVX512-BF16/AMX), else float32")
-    serve.add_argument("--num-cpus-per-worker", type=float, default=1.0)
-    serve.add_argument("--num-gpus-per-worker", type=float, default=0.0)
-    serve.add_argument("--torch-threads", type=int, default=1)
-    serve.add_argument("--kv-cache-gb", type=float, default=engine_defaults.KV_CACHE_GB)
-    serve.add_argument("--max-num-batched-tokens", type=int,
-                       default=engine_defaults.MAX_NUM_BATCHED_TOKENS)
-    serve.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS)
+                       help="longest prompt + output (None: the model's and the KV pool's "
+                            "limit)")
     serve.add_argument("--local-prefill-threshold", type=int,
                        default=defaults.LOCAL_PREFILL_THRESHOLD,
                        help="uncached prompts this short prefill on the decode worker")
     serve.add_argument("--policy", choices=["continuous", "static"], default="continuous",
                        help="batching policy of every worker (static: for comparison)")
-    serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING)
-    serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE)
+    serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING,
+                       help="requests the router runs at once; more wait in its queue")
+    serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE,
+                       help="requests that may wait in the router's queue; more get 429")
+    worker = serve.add_argument_group(WORKER_GROUP)
+    worker.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default="auto",
+                        help="model and KV dtype; auto: bfloat16 on CUDA and on CPUs with "
+                             "native bf16 (AVX512-BF16/AMX), else float32 (the exact "
+                             "reference)")
+    worker.add_argument("--kv-cache-gb", dest="kv_cache_memory_gb", type=float, default=None,
+                        metavar="GB", help="KV pool per worker in GB (None: "
+                             f"{engine_defaults.KV_CACHE_GB:g} on CPU; on CUDA sized by "
+                             "--gpu-memory-utilization)")
+    worker.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                        help="share of the GPU's memory a worker may hold (weights + KV); "
+                             "the KV pool gets what the weights leave (None: "
+                             f"{engine_defaults.GPU_MEMORY_UTILIZATION:g} on CUDA unless "
+                             "--kv-cache-gb is given); only for workers with a GPU")
+    worker.add_argument("--max-num-batched-tokens", type=int,
+                        default=engine_defaults.MAX_NUM_BATCHED_TOKENS,
+                        help="token budget of one engine step")
+    worker.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS,
+                        help="most requests a worker runs at once")
+    worker.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads per worker")
+    worker.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false",
+                        help="do not reuse cached prompt blocks (by default they are)")
+    worker.add_argument("--num-cpus-per-worker", type=float, default=1.0,
+                        help="Ray CPUs each worker reserves")
+    worker.add_argument("--num-gpus-per-worker", type=float, default=0.0,
+                        help="Ray GPUs each worker reserves (a fraction shares a GPU)")
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                        help="level of the server's log; INFO includes one line per finished "
                             "request (ids, token counts, latencies, workers; never the text)")
@@ -255,14 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "vllm:kv_cache_usage_perc, ...) for existing dashboards and "
                             "autoscalers")
     _add_security_flags(serve)
+    serve.set_defaults(serve_parser=serve)  # `parse_args` layers its defaults
     auto = serve.add_argument_group("autoscaling (the planner on the router's recent window)")
     auto.add_argument("--autoscale", action="store_true",
                       help="resize the pools live to meet --slo (needs --profile)")
     auto.add_argument("--profile", type=Path, default=None, help="PROFILE.json of the workers")
-    auto.add_argument("--slo", default=None, help="e.g. ttft_p90_ms=500,tpot_p90_ms=50")
-    auto.add_argument("--attainment", type=float, default=0.9)
-    auto.add_argument("--min-workers", type=int, default=None)
-    auto.add_argument("--max-workers", type=int, default=None)
+    auto.add_argument("--slo", default=None, type=slo_arg, metavar="KEY=MS,...",
+                      help=SLO_HELP)
+    auto.add_argument("--attainment", type=float, default=0.9,
+                      help="share of requests that must meet --slo")
+    auto.add_argument("--min-workers", type=int, default=None,
+                      help="fewest workers (None: 2 disaggregated, 1 colocated)")
+    auto.add_argument("--max-workers", type=int, default=None,
+                      help="most workers (None: the starting size, at least 2)")
     auto.add_argument("--min-prefill", type=int, default=1,
                       help="fewest prefill workers (disaggregated); 0 lets the autoscaler "
                            "leave prefill to the decode workers")
@@ -279,20 +364,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the user message")
     gen.add_argument("--local", action="store_true",
                      help="run the engine in this process instead of asking a cluster")
     gen.add_argument("--model", default="smollm2", help="with --local")
     gen.add_argument("--dtype", default=engine_defaults.DTYPE, help="with --local")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampler")
 
     status = sub.add_parser("status", help="pools, workers, load and KV usage")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true",
+                        help="print the status document (JSON) instead of the tables")
     scale = sub.add_parser("scale", help="resize the pools live")
-    scale.add_argument("--prefill", type=int, default=None)
-    scale.add_argument("--decode", type=int, default=None)
+    scale.add_argument("--prefill", type=int, default=None,
+                       help="prefill workers wanted (None: unchanged)")
+    scale.add_argument("--decode", type=int, default=None,
+                       help="decode (or colocated) workers wanted (None: unchanged)")
     # bench.cli imports only what its flags need; running a benchmark needs the bench extra.
     from bench.cli import add_parser as add_bench_parser
 
@@ -303,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command, func in ((gen, _generate), (status, _status), (scale, _scale)):
         command.add_argument("--address", default=None,
                              help="gRPC host:port (default: the running serve's endpoint)")
-        command.add_argument("--timeout", type=float, default=600.0)
+        command.add_argument("--timeout", type=float, default=600.0,
+                             help="seconds the call may take")
         _add_client_auth_flags(command)
         command.set_defaults(func=func)
     return parser
@@ -345,9 +434,49 @@ def _add_client_auth_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument("--tls-key", default=None, help="client key (mutual TLS)")
 
 
+def _worker_dests(serve: argparse.ArgumentParser) -> list[str]:
+    return [a.dest for a in _worker_actions(serve)]
+
+
+def _worker_actions(serve: argparse.ArgumentParser) -> list[argparse.Action]:
+    (group,) = [g for g in serve._action_groups if g.title == WORKER_GROUP]
+    return list(group._group_actions)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdcluster")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; for `serve`, over the `--config` file and `PDCLUSTER_*` variables
+    (`cluster.config_file`), whose errors exit with code 2 like argparse's."""
+    from cluster.config_file import ConfigError, layers
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        return args
+    serve = args.serve_parser
+    path = args.config or (Path(os.environ["PDCLUSTER_CONFIG"])
+                           if os.environ.get("PDCLUSTER_CONFIG") else None)
+    try:
+        found = layers(serve, _worker_actions(serve), path, os.environ)
+    except ConfigError as e:
+        serve.exit(2, f"{serve.prog}: error: {e}\n")
+    serve.set_defaults(**found.defaults)
+    args = parser.parse_args(argv)
+    args.pool_overrides = found.pools
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pdcluster` console script."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

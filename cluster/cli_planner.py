@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,23 @@ from rich.console import Console
 
 from engine import defaults as engine_defaults
 from protocol import defaults
+from protocol.serving import SLO_HELP
 
-console = Console()
+# `profile` reports on stdout (every column, piped or not); `plan` keeps stdout for the
+# plan (its tables, or with --json its JSON) and shows progress and notes on stderr.
+console = Console() if sys.stdout.isatty() else Console(width=1000)
+notes = Console(stderr=True)
+
+
+def slo_arg(text: str) -> str:
+    """`--slo` on serve and plan, checked as it is parsed (`Slo.parse`, bench's too)."""
+    from protocol.serving import Slo
+
+    try:
+        Slo.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_parsers(sub: Any) -> None:
@@ -29,16 +45,21 @@ def add_parsers(sub: Any) -> None:
     profile.add_argument("--dtype", default=None,
                          help=f"default {engine_defaults.DTYPE}; with --analytic, the "
                               "config's (bfloat16, float16, fp8, float32)")
-    profile.add_argument("--torch-threads", type=int, default=1)
-    profile.add_argument("--transport", choices=["shm", "zmq", "torch"], default="shm")
-    profile.add_argument("--kv-cache-gb", type=float, default=engine_defaults.KV_CACHE_GB)
-    profile.add_argument("--block-size", type=int, default=engine_defaults.BLOCK_SIZE)
+    profile.add_argument("--torch-threads", type=int, default=1,
+                         help="intra-op threads of the measured worker")
+    profile.add_argument("--transport", choices=["shm", "zmq", "torch"], default="shm",
+                         help="KV transport whose transfer times are measured")
+    profile.add_argument("--kv-cache-gb", type=float, default=engine_defaults.KV_CACHE_GB,
+                         help="KV pool of the measured worker in GB")
+    profile.add_argument("--block-size", type=int, default=engine_defaults.BLOCK_SIZE,
+                         help="tokens per KV block")
     profile.add_argument("--repeats", type=int, default=3, help="timed repetitions a point")
     profile.add_argument("--quick", action="store_true", help="a smaller grid")
     profile.add_argument("--out", type=Path, required=True,
                          help="PROFILE.json (with several --tp: PROFILE.tpN.json each)")
     analytic = profile.add_argument_group("analytic (a step-time model, nothing measured)")
-    analytic.add_argument("--analytic", action="store_true")
+    analytic.add_argument("--analytic", action="store_true",
+                          help="model the step times from --hardware and --model-config")
     analytic.add_argument("--hardware", default=None,
                           help="cpu (this machine, measured), a built-in accelerator "
                                "(H100-SXM, H100-PCIe, H200, B200, A100-80GB, L40S, MI300X) or "
@@ -48,7 +69,8 @@ def add_parsers(sub: Any) -> None:
                                "llama-3-8b, llama-3-70b, qwen2.5-7b, mixtral-8x7b, smollm2")
     analytic.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees")
     analytic.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
-    analytic.add_argument("--max-model-len", type=int, default=None)
+    analytic.add_argument("--max-model-len", type=int, default=None,
+                          help="longest prompt + output (None: the config's)")
     analytic.add_argument("--check-against", type=Path, default=None,
                           help="a measured PROFILE.json of the same model: write the step "
                                "model's error on its points to OUT.check.json")
@@ -62,27 +84,39 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--trace", type=Path, required=True, help="a `pdcluster bench` JSONL trace")
     plan.add_argument("--rate", type=float, default=None,
                       help="rescale the trace's arrivals to this mean rate (requests/s)")
-    plan.add_argument("--slo", required=True, help="e.g. ttft_p90_ms=500,tpot_p90_ms=50")
-    plan.add_argument("--attainment", type=float, default=0.9)
-    plan.add_argument("--max-workers", type=int, default=4)
-    plan.add_argument("--modes", default="disaggregated,colocated")
+    plan.add_argument("--slo", required=True, type=slo_arg, metavar="KEY=MS,...",
+                      help=SLO_HELP)
+    plan.add_argument("--attainment", type=float, default=0.9,
+                      help="share of requests that must meet --slo")
+    plan.add_argument("--max-workers", type=int, default=4,
+                      help="most workers a configuration may use")
+    plan.add_argument("--modes", default="disaggregated,colocated",
+                      help="comma-separated modes to try")
     plan.add_argument("--local-prefill-thresholds", default=str(defaults.LOCAL_PREFILL_THRESHOLD),
                       help="comma-separated thresholds to try (disaggregated)")
     plan.add_argument("--max-num-batched-tokens",
                       default=str(engine_defaults.MAX_NUM_BATCHED_TOKENS),
                       help="comma-separated step token budgets to try")
-    plan.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS)
-    plan.add_argument("--cost-per-hour-prefill", type=float, default=1.0)
-    plan.add_argument("--cost-per-hour-decode", type=float, default=1.0)
+    plan.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS,
+                      help="most requests a worker runs at once")
+    plan.add_argument("--cost-per-hour-prefill", type=float, default=1.0,
+                      help="cost of a prefill worker per hour")
+    plan.add_argument("--cost-per-hour-decode", type=float, default=1.0,
+                      help="cost of a decode (or colocated) worker per hour")
     plan.add_argument("--max-accelerators", type=int, default=None,
                       help="search every P+D split and TP degree per role (one profile per "
                            "degree) within this many accelerators, instead of --max-workers")
-    plan.add_argument("--cost-per-accelerator-hour-prefill", type=float, default=1.0)
-    plan.add_argument("--cost-per-accelerator-hour-decode", type=float, default=1.0)
+    plan.add_argument("--cost-per-accelerator-hour-prefill", type=float, default=1.0,
+                      help="with --max-accelerators: cost of a prefill accelerator per hour")
+    plan.add_argument("--cost-per-accelerator-hour-decode", type=float, default=1.0,
+                      help="with --max-accelerators: cost of a decode accelerator per hour")
     plan.add_argument("--no-calibrate", action="store_true",
                       help="plan on the profiles as measured; by default a profile measured "
                            "on this machine is first scaled to its speed now (probe steps)")
-    plan.add_argument("--json", type=Path, required=True, help="OUT.json")
+    plan.add_argument("-o", "--output", type=Path, default=None, metavar="OUT.json",
+                      help="write the plan document there")
+    plan.add_argument("--json", action="store_true",
+                      help="print the plan document (JSON) on stdout instead of the tables")
     plan.add_argument("--plot", type=Path, default=None, help="OUT.png: goodput by split")
     plan.add_argument("--validate", action="store_true",
                       help="serve the recommended config and its neighbours, replay the trace, "
@@ -201,7 +235,7 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
     prefills, decodes = _profiles(args)
     calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
     if not args.no_calibrate:
-        with console.status("Calibrating the profiles to this machine's speed now"):
+        with notes.status("Calibrating the profiles to this machine's speed now"):
             prefills, decodes, calibration = calibrate_each(prefills, decodes)
     requests = load_trace(args.trace, decodes[0].model)
     if args.rate is not None:
@@ -217,12 +251,12 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
         args.max_num_seqs, thresholds[0])
     with Progress("[progress.description]{task.description}", BarColumn(),
                   "{task.completed}/{task.total}", TimeElapsedColumn(),
-                  console=console) as progress:
+                  console=notes) as progress:
         task = progress.add_task("simulating", total=None)
         doc = search(request, lambda done, most: progress.update(task, completed=done,
                                                                   total=max(done, most)))
     s = doc["search"]
-    console.print(f"{s['within_budget']} configurations within {s['max_accelerators']} "
+    notes.print(f"{s['within_budget']} configurations within {s['max_accelerators']} "
                   f"accelerators: {s['pruned_by_throughput']} pruned by throughput, "
                   f"{s['pruned_by_latency']} by unloaded latency; {s['simulated']} simulated "
                   f"over {s['cost_levels']} cost levels in {s['seconds']:.0f} s")
@@ -263,11 +297,9 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError("--validate serves on this machine: plan without "
                              "--max-accelerators")
         doc = run_budget_plan(args)
-        print_plan(doc)
         if args.plot is not None:
             plot_plan(doc, args.plot)
-        args.json.write_text(json.dumps(doc, indent=1))
-        console.print(f"wrote {args.json}")
+        _emit(args, doc, print_plan)
         return 0
     request = plan_request(args)
     calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
@@ -276,23 +308,36 @@ def run_plan(args: argparse.Namespace) -> int:
 
         from planner.calibrate import calibrate_for_plan
 
-        with console.status("Calibrating the profiles to this machine's speed now"):
+        with notes.status("Calibrating the profiles to this machine's speed now"):
             prefill, decode, calibration = calibrate_for_plan(request.prefill_profile,
                                                               request.decode_profile)
         request = replace(request, prefill_profile=prefill, decode_profile=decode)
-    with console.status(f"Simulating {len(request.requests)} requests on every split"):
+    with notes.status(f"Simulating {len(request.requests)} requests on every split"):
         doc = {**plan(request), "calibration": calibration}
-    print_plan(doc)
     if args.plot is not None:
         plot_plan(doc, args.plot)
     if args.validate:
         from cluster.validate import validate
 
         doc = validate(doc, request, args.validate_configs, args.address,
-                       args.json.with_suffix(".runs"))
-        print_validation(doc)
-    args.json.write_text(json.dumps(doc, indent=1))
-    console.print(f"wrote {args.json}")
+                       (args.output or Path("plan.json")).with_suffix(".runs"))
+    def show(doc: dict[str, Any]) -> None:
+        print_plan(doc)
+        if args.validate:
+            print_validation(doc)
+
+    _emit(args, doc, show)
     return 0
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any], show: Any) -> None:
+    """The plan: its tables (or with --json the document) on stdout; with -o, a file."""
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        show(doc)
+    if args.output is not None:
+        args.output.write_text(json.dumps(doc, indent=1))
+        notes.print(f"wrote {args.output}")
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
 
+from protocol import Role
 from protocol.defaults import DRAIN_TIMEOUT_S, LOCAL_PREFILL_THRESHOLD, RESERVE_TIMEOUT_S
 from protocol.tracing import TracingConfig
 from router.auth import is_loopback
@@ -17,6 +19,47 @@ MODES = ("disaggregated", "colocated")
 # memory is never chosen between hosts, so zmq backs it up there.
 TRANSPORTS = {"shm": ("shm", "zmq"), "zmq": ("zmq",), "torch": ("torch_dist", "zmq"),
               "mooncake": ("mooncake", "zmq")}
+# Engine settings that fix the KV layout: a prefill and a decode pool must agree on them.
+KV_LAYOUT_KEYS = ("dtype", "block_size")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """How every worker of one pool is placed and built.
+
+    Args:
+        num_cpus: Ray CPUs per worker.
+        num_gpus: Ray GPUs per worker (fractional shares a GPU).
+        resource: a Ray custom resource every worker of the pool asks a sliver of, so the
+            pool lands only on nodes started with it (`ray start --resources`); None: the
+            pool's default label (`pd_prefill`, `pd_decode`) where some node offers it,
+            else anywhere.
+        engine: engine settings of its workers (`WorkerSpec` fields: `dtype`,
+            `max_num_seqs`, `torch_threads`, ...).
+
+    Raises:
+        ValueError: a field out of range, naming it.
+    """
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resource: str | None = None
+    engine: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0:
+            raise ValueError(f"num-cpus-per-worker must be >= 0, got {self.num_cpus}")
+        if self.num_gpus < 0:
+            raise ValueError(f"num-gpus-per-worker must be >= 0, got {self.num_gpus}")
+        if self.engine.get("gpu_memory_utilization") is not None and not self.num_gpus:
+            raise ValueError("gpu-memory-utilization sizes the KV pool from accelerator "
+                             "memory, but these workers get no GPU (num-gpus-per-worker 0): "
+                             "size it with kv-cache-gb")
+
+    def settings(self) -> dict[str, Any]:
+        """Everything that builds one worker of the pool, flat (for `status`)."""
+        placement = {k: v for k, v in asdict(self).items() if k != "engine"}
+        return {**placement, **self.engine}
 
 
 @dataclass(frozen=True)
@@ -30,24 +73,19 @@ class ClusterConfig:
         num_decode: decode workers, or mixed workers when colocated.
         transports: KV transports decode workers offer.
         host: address workers and the router bind and advertise; `auto` is each node's IP.
-        num_cpus_per_worker: Ray CPUs per worker.
-        num_gpus_per_worker: Ray GPUs per worker (fractional shares a GPU).
-        torch_threads: intra-op threads per worker.
         local_prefill_threshold: uncached prompts this short are prefilled on the decode worker.
         reserve_timeout_s: how long a request may wait for decode KV to free up.
         drain_timeout_s: how long a drained worker's requests may take to finish before
             they are moved to other workers.
         migrate: place a dead or drained worker's requests again (else they end in error).
-        prefill_resource: a Ray custom resource every prefill worker asks a sliver of, so
-            the pool lands only on nodes started with it (`ray start --resources`); None:
-            `pd_prefill` where some node offers it, else anywhere.
-        decode_resource: the same for decode (and colocated) workers; None: `pd_decode`
-            where offered.
         internal_auth: security of the internal ZMQ sockets (router <-> workers, KV
             transfer): `curve` encrypts them and admits only holders of the cluster's key,
             `off` is plain TCP, `auto` is `curve` unless the internal host is loopback on a
             single-node Ray cluster.
-        worker: engine settings shared by all workers (`WorkerSpec` fields).
+        prefill: how prefill workers are placed and built.
+        decode: how decode (or colocated) workers are placed and built; every worker the
+            cluster starts for a pool (at start, `scale`, the autoscaler, a replacement
+            for a dead one) gets its pool's spec.
         tracing: where the router and the workers export their spans
             (`--otlp-traces-endpoint`); None: no tracing.
 
@@ -61,17 +99,13 @@ class ClusterConfig:
     num_decode: int = 1
     transports: tuple[str, ...] = TRANSPORTS["shm"]
     host: str = "127.0.0.1"
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float = 0.0
-    torch_threads: int | None = 1
     local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD
     reserve_timeout_s: float = RESERVE_TIMEOUT_S
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     migrate: bool = True
     internal_auth: str = "auto"
-    prefill_resource: str | None = None
-    decode_resource: str | None = None
-    worker: dict[str, Any] = field(default_factory=dict)
+    prefill: PoolSpec = PoolSpec()
+    decode: PoolSpec = PoolSpec()
     tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
@@ -88,12 +122,30 @@ class ClusterConfig:
         if self.internal_auth not in INTERNAL_AUTH:
             raise ValueError(f"internal_auth must be one of {INTERNAL_AUTH}, "
                              f"got {self.internal_auth!r}")
+        if self.mode == "disaggregated":
+            for key in KV_LAYOUT_KEYS:  # KV blocks move between the pools as they are
+                ours, theirs = self.prefill.engine.get(key), self.decode.engine.get(key)
+                if ours != theirs:
+                    raise ValueError(f"prefill and decode {key.replace('_', '-')} differ "
+                                     f"({ours} vs {theirs}): KV blocks move between the "
+                                     "pools as they are, so they must match")
+
+    def pool(self, role: Role) -> PoolSpec:
+        """The spec of the pool a worker of `role` belongs to."""
+        return self.decode if role.decodes else self.prefill
 
     def pool_resource(self, decodes: bool) -> tuple[str, bool]:
         """The custom resource a worker of that pool asks for, and whether it was named
         (required) rather than the default label (used only where offered)."""
-        named = self.decode_resource if decodes else self.prefill_resource
+        named = (self.decode if decodes else self.prefill).resource
         return (named, True) if named else (f"pd_{'decode' if decodes else 'prefill'}", False)
+
+    def pool_settings(self) -> dict[str, dict[str, Any]]:
+        """Each pool's effective settings by role name, as `status` shows them."""
+        if self.mode == "colocated":
+            return {str(Role.MIXED): self.decode.settings()}
+        return {str(Role.PREFILL): self.prefill.settings(),
+                str(Role.DECODE): self.decode.settings()}
 
     @property
     def num_workers(self) -> int:

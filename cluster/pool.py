@@ -116,11 +116,15 @@ class WorkerPool:
         """The `n` active workers of `role` with the fewest requests in flight."""
         return sorted(self.active(role), key=lambda h: len(h.in_flight))[:n]
 
-    def has_room(self, workers: int) -> bool:
-        """Whether Ray has the CPUs (and GPUs) for `workers` more workers now."""
+    def has_room(self, change: dict[Role, int]) -> bool:
+        """Whether Ray has the CPUs (and GPUs) now for the workers `change` adds per role."""
         free = ray.available_resources()
-        return (free.get("CPU", 0.0) >= workers * self.config.num_cpus_per_worker
-                and free.get("GPU", 0.0) >= workers * self.config.num_gpus_per_worker)
+        need = {"CPU": 0.0, "GPU": 0.0}
+        for role, n in change.items():
+            spec = self.config.pool(role)
+            need["CPU"] += max(n, 0) * spec.num_cpus
+            need["GPU"] += max(n, 0) * spec.num_gpus
+        return all(free.get(kind, 0.0) >= amount for kind, amount in need.items())
 
     async def wait_for_worker(self, deadline: float) -> None:
         """No decode worker is ready: wait for one being started (a replacement), if any.
@@ -158,14 +162,14 @@ class WorkerPool:
             RuntimeError: a named pool resource that no node of the Ray cluster offers.
         """
         worker_id = f"{role}-{next(self._ids)}"
+        pool = self.config.pool(role)
         spec = WorkerSpec(worker_id=worker_id, role=role, model=self.config.model,
                           router_endpoint=self.endpoint, host=self.config.host,
                           cluster_key=self.cluster_key, transports=self.config.transports,
-                          torch_threads=self.config.torch_threads,
-                          tracing=self.config.tracing, **self.config.worker)
-        bundle = {"CPU": self.config.num_cpus_per_worker}
-        if self.config.num_gpus_per_worker:
-            bundle["GPU"] = self.config.num_gpus_per_worker
+                          tracing=self.config.tracing, **pool.engine)
+        bundle = {"CPU": pool.num_cpus}
+        if pool.num_gpus:
+            bundle["GPU"] = pool.num_gpus
         pool_resource, required = self.config.pool_resource(role.decodes)
         if pool_resource in ray.cluster_resources():
             bundle[pool_resource] = 0.01
@@ -185,8 +189,9 @@ class WorkerPool:
                            bundle: dict[str, float]) -> WorkerHandle:
         pg = placement_group([bundle], strategy="STRICT_PACK")
         await pg.ready()
+        pool = self.config.pool(role)
         actor = WorkerActor.options(
-            num_cpus=self.config.num_cpus_per_worker, num_gpus=self.config.num_gpus_per_worker,
+            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
             resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg),
             max_concurrency=8, name=f"pdcluster-{worker_id}-{time.time_ns()}",

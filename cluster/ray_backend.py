@@ -52,7 +52,7 @@ class ClusterBackend(Backend):
         self.dispatcher = Dispatcher(
             self.pool, DispatchConfig(config.local_prefill_threshold, config.reserve_timeout_s,
                                       config.migrate,
-                                      config.worker.get("block_size", defaults.BLOCK_SIZE)),
+                                      config.decode.engine.get("block_size", defaults.BLOCK_SIZE)),
             self.metrics, self.tracer)
         self.scaler = Scaler(self.pool, self.dispatcher, config.mode, config.drain_timeout_s)
         self._replacing: set[asyncio.Task] = set()
@@ -134,6 +134,7 @@ class ClusterBackend(Backend):
         for h in self.workers.values():
             pools.setdefault(str(h.role), []).append(msgspec.to_builtins(h.status(now)))
         return {"mode": self.config.mode, "model": self.config.model, "pools": pools,
+                "pool_settings": self.config.pool_settings(),
                 "num_streams": len(self.dispatcher.requests)}
 
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:

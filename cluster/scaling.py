@@ -3,10 +3,11 @@ prefill and decode pools in place.
 
 A rebalance (one pool grows as the other shrinks) changes the role of drained workers,
 keeping their process, model and KV pool, so no worker starts and no resources are needed
-beside the old. What is left to add or remove after that (and any worker that could not
-change) makes before it breaks: the new workers start, and only once they are ready do the
-old ones drain; when Ray has no room for the new workers beside the old, the old ones
-drain first to free theirs.
+beside the old; this needs both pools built alike (`ClusterConfig.prefill` equal to
+`decode`), else the growing pool starts workers of its own spec. What is left to add or
+remove after that (and any worker that could not change) makes before it breaks: the new
+workers start, and only once they are ready do the old ones drain; when Ray has no room
+for the new workers beside the old, the old ones drain first to free theirs.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Scaler:
         """
         change = self.changes(num_prefill, num_decode)
         await self._trade_roles(change)
-        if self.pool.has_room(sum(n for n in change.values() if n > 0)):
+        if self.pool.has_room(change):
             await self._grow(change)
             self._shrink(change)
         else:
@@ -79,6 +80,8 @@ class Scaler:
         `change` keeps what is left to start or stop."""
         if len(change) != 2 or Role.MIXED in change:
             return
+        if self.pool.config.prefill != self.pool.config.decode:
+            return  # a worker keeps its process and engine: only same-spec pools trade
         (role, n), (other, m) = change.items()
         if n * m >= 0:
             return

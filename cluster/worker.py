@@ -55,8 +55,11 @@ class WorkerSpec:
         router_endpoint: the router's PULL socket, e.g. `tcp://10.0.0.1:5555`.
         host: address to bind and advertise.
         dtype: model dtype.
-        num_blocks: KV blocks (None sizes by `kv_cache_memory_gb`).
-        kv_cache_memory_gb: KV budget when `num_blocks` is None.
+        num_blocks: KV blocks (None sizes by `kv_cache_memory_gb` or
+            `gpu_memory_utilization`, `engine.config.kv_pool_bytes`).
+        kv_cache_memory_gb: KV budget when `num_blocks` is None (None: the device's
+            default).
+        gpu_memory_utilization: on CUDA, the share of the GPU the worker may hold.
         block_size: tokens per block.
         max_num_batched_tokens: step token budget.
         max_num_seqs: most running requests.
@@ -84,7 +87,8 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     dtype: str = defaults.DTYPE
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = defaults.KV_CACHE_GB
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float | None = None
     block_size: int = defaults.BLOCK_SIZE
     max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = defaults.MAX_NUM_SEQS
@@ -147,6 +151,7 @@ class Worker:
             spec.model, spec.dtype,
             cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
                               kv_cache_memory_gb=spec.kv_cache_memory_gb,
+                              gpu_memory_utilization=spec.gpu_memory_utilization,
                               enable_prefix_caching=spec.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
                                       max_num_seqs=spec.max_num_seqs, role=str(spec.role),

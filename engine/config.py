@@ -76,14 +76,18 @@ class CacheConfig:
 
     Args:
         block_size: tokens per KV block.
-        num_blocks: blocks in the pool; None sizes the pool from `kv_cache_memory_gb`.
-        kv_cache_memory_gb: memory budget for the pool when `num_blocks` is None.
+        num_blocks: blocks in the pool; None sizes the pool (`kv_pool_bytes`).
+        kv_cache_memory_gb: memory budget for the pool when `num_blocks` is None; None:
+            `defaults.KV_CACHE_GB` on CPU, `gpu_memory_utilization` on CUDA.
+        gpu_memory_utilization: on CUDA, the share of the GPU's memory this engine may
+            hold (weights + KV pool) when `kv_cache_memory_gb` is None.
         enable_prefix_caching: reuse full blocks whose chained token hash matches.
     """
 
     block_size: int = defaults.BLOCK_SIZE
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = defaults.KV_CACHE_GB
+    kv_cache_memory_gb: float | None = defaults.KV_CACHE_GB
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -91,8 +95,48 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None and self.gpu_memory_utilization is not None:
+            raise ValueError("kv_cache_memory_gb and gpu_memory_utilization both size the KV "
+                             "pool: give one")
+
+
+def kv_pool_bytes(cache: CacheConfig, device_type: str, total_bytes: int = 0,
+                  held_bytes: int = 0) -> int:
+    """The KV pool's memory budget on a device.
+
+    On CPU it is `kv_cache_memory_gb` (default `defaults.KV_CACHE_GB`); a GPU share means
+    nothing there. On CUDA an absolute `kv_cache_memory_gb` wins, else the pool gets what
+    `gpu_memory_utilization` (default `defaults.GPU_MEMORY_UTILIZATION`) of the device
+    leaves after what this process holds already (the weights), as in vLLM.
+
+    Args:
+        cache: the sizing settings.
+        device_type: `cpu` or `cuda`.
+        total_bytes: the accelerator's memory (CUDA).
+        held_bytes: what this process holds on it now (CUDA).
+
+    Raises:
+        ValueError: a GPU share on CPU, or a share too small for the weights.
+    """
+    if device_type != "cuda":
+        if cache.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization sizes the KV pool from accelerator "
+                             "memory, but this engine runs on CPU: give kv_cache_memory_gb")
+        return int((cache.kv_cache_memory_gb or defaults.KV_CACHE_GB) * 2**30)
+    if cache.kv_cache_memory_gb is not None:
+        return int(cache.kv_cache_memory_gb * 2**30)
+    share = cache.gpu_memory_utilization or defaults.GPU_MEMORY_UTILIZATION
+    budget = int(share * total_bytes) - held_bytes
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {share:g} of {total_bytes / 2**30:.1f} GiB "
+                         f"leaves nothing for the KV pool beside the "
+                         f"{held_bytes / 2**30:.1f} GiB this worker holds: raise it")
+    return budget
 
 
 @dataclass(frozen=True)

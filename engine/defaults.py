@@ -7,3 +7,4 @@ KV_CACHE_GB = 1.0  # KV pool budget per worker
 MAX_NUM_BATCHED_TOKENS = 2048  # token budget of one step
 MAX_NUM_SEQS = 64  # most requests running at once
 DTYPE = "float32"  # the exact reference on CPU
+GPU_MEMORY_UTILIZATION = 0.9  # share of a GPU a worker may hold (weights + KV), as vLLM

@@ -11,7 +11,7 @@ from threadpoolctl import threadpool_limits
 
 from engine.attention import get_backend
 from engine.block_pool import BlockPool
-from engine.config import CacheConfig, SchedulerConfig, parse_dtype
+from engine.config import CacheConfig, SchedulerConfig, kv_pool_bytes, parse_dtype
 from engine.hardware import cpu_features
 from engine.kv_cache import BufferAllocator, KVCache
 from engine.kv_cache_manager import KVCacheManager
@@ -132,7 +132,12 @@ class LLMEngine:
         cfg = self.model_config
         per_block = KVCache.bytes_per_block(cfg.num_layers, self.cache_config.block_size,
                                             cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        return max(int(self.cache_config.kv_cache_memory_gb * 2**30) // per_block, 1)
+        total = held = 0
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+            held = torch.cuda.memory_reserved(self.device)
+        budget = kv_pool_bytes(self.cache_config, self.device.type, total, held)
+        return max(budget // per_block, 1)
 
     # ---- requests -------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, PoolSpec
 from cluster.ray_backend import ClusterBackend
 from engine import SamplingParams, defaults
 from experiments import RESULTS
@@ -74,10 +74,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(16, 48))]
                for _ in range(args.chats)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    config = ClusterConfig(model="smollm2", num_prefill=1, num_decode=1, torch_threads=1,
-                           local_prefill_threshold=64,
-                           worker={"kv_cache_memory_gb": defaults.KV_CACHE_GB,
-                                   "max_num_batched_tokens": defaults.MAX_NUM_BATCHED_TOKENS})
+    pool = PoolSpec(engine={"torch_threads": 1, "kv_cache_memory_gb": defaults.KV_CACHE_GB,
+                            "max_num_batched_tokens": defaults.MAX_NUM_BATCHED_TOKENS})
+    config = ClusterConfig(model="smollm2", num_prefill=1, num_decode=1,
+                           local_prefill_threshold=64, prefill=pool, decode=pool)
     backend = ClusterBackend(config)
     await backend.start()
     rounds: dict[str, list[dict[str, Any]]] = {"spread": [], "none": []}

@@ -3,6 +3,7 @@ marked), predicted beside measured after `--validate`, and a goodput plot."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,8 @@ from rich.console import Console
 
 from planner.plan import label
 
-console = Console()
+# Piped or redirected, rich would assume 80 columns and cut the tables' cells.
+console = Console() if sys.stdout.isatty() else Console(width=1000)
 
 
 def _ms(value: float | None) -> str:

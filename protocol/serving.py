@@ -36,6 +36,13 @@ DEFAULT_VOCAB_RANGE = (100, 49000)
 _TRACE_STREAM = 2  # the random stream `prompt_len` lines draw from (see bench.traces)
 
 
+SLO_EXAMPLE = "ttft_p90_ms=500,tpot_p90_ms=50"
+# `--slo` on serve, plan and bench: one syntax, `Slo.parse`'s.
+SLO_HELP = (f"latency objectives, KEY=MS comma-separated (e.g. {SLO_EXAMPLE}; ttft=MS is "
+            "short for ttft_ms=MS); keys: ttft, tpot, e2e with _ms (each request) or "
+            "_p50_ms/_p90_ms/_p99_ms (also that percentile of the run)")
+
+
 @dataclass(frozen=True)
 class Slo:
     """Latency objectives and the share of requests that must meet them.
@@ -76,7 +83,10 @@ class Slo:
         """
         bounds: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"slo: expected KEY=MS, got {part!r} (the one syntax: "
+                                 f"{SLO_EXAMPLE}; vLLM's ttft:MS pairs go to bench --goodput)")
             key = key.strip()
             key = f"{key}_ms" if key in METRICS else key
             try:

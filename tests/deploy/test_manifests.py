@@ -541,6 +541,19 @@ def test_rayjob_pools_fit_in_their_worker_groups():
         assert int(flags.get("--torch-threads", 1)) <= float(flags["--num-cpus-per-worker"])
 
 
+
+def test_rayjob_gpu_workers_get_a_gpu_dtype_and_a_share_of_its_memory():
+    """On a GPU the KV pool is a share of the device (not an absolute CPU-sized GB), the
+    shares of the workers on one GPU fit in it, and the dtype is one FlashInfer takes."""
+    flags = parse_flags(serve_argv(rayjob()["spec"]["entrypoint"]), "serve", "rayjob")
+    gpus = float(flags["--num-gpus-per-worker"])
+    assert gpus > 0
+    assert flags.get("--dtype", "auto") in ("auto", "bfloat16", "float16")
+    assert "--kv-cache-gb" not in flags
+    share = float(flags["--gpu-memory-utilization"])
+    assert share > 0 and share * round(1 / gpus) <= 1, "workers sharing a GPU overcommit it"
+
+
 def test_kustomization_lists_existing_files():
     (kustomization,) = load_docs(KUBERAY / "kustomization.yaml")
     for resource in kustomization["resources"]:
@@ -647,13 +660,13 @@ def test_dockerfile_runs_as_non_root_with_pdcluster_entrypoint():
 def test_image_serves_on_every_interface_whatever_the_serve_arguments(monkeypatch):
     """`docker run IMAGE serve --prefill 1 --decode 1` replaces the CMD: the image's
     environment, not its CMD, must make serve bind 0.0.0.0."""
-    from cluster.cli import HOST_ENV
+    from cluster.cli import HOST_ENV, parse_args
 
     env = dict(rest.split("=", 1) for instruction, rest in dockerfile_instructions()
                if instruction == "ENV" for rest in shlex.split(rest))
     assert env[HOST_ENV] == "0.0.0.0"
     monkeypatch.setenv(HOST_ENV, env[HOST_ENV])
-    args = cli_subcommands()["serve"].parse_args(["--prefill", "1", "--decode", "1"])
+    args = parse_args(["serve", "--prefill", "1", "--decode", "1"])
     assert args.host == "0.0.0.0"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, PoolSpec
 from cluster.ray_backend import ClusterBackend
 from engine import LLM, CacheConfig, SamplingParams
 from router.backend import GenerateRequest, TokenDelta
@@ -49,10 +49,13 @@ def loop_thread():
 
 
 def start_cluster(loop_thread: LoopThread, **overrides: Any) -> ClusterBackend:
-    worker = {"num_blocks": 128, "block_size": 16, "max_num_batched_tokens": 512}
+    """A cluster on the tiny model; `worker` overrides engine settings of both pools."""
+    worker = {"num_blocks": 128, "block_size": 16, "max_num_batched_tokens": 512,
+              "torch_threads": 1}
     worker.update(overrides.pop("worker", {}))
-    config = ClusterConfig(model="tiny", local_prefill_threshold=8, worker=worker,
-                           num_cpus_per_worker=1, **overrides)
+    pool = PoolSpec(num_cpus=1, engine=worker)
+    config = ClusterConfig(model="tiny", local_prefill_threshold=8, prefill=pool, decode=pool,
+                           **overrides)
     backend = loop_thread.run(_make(config))
     return backend
 

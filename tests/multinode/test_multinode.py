@@ -87,8 +87,9 @@ class Cluster:
             "--address", f"{self.head}:6379", "--host", self.head,
             "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
             "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--kv-cache-gb", "0.25",
-            "--local-prefill-threshold", "0", "--prefill-resource", "prefill_host",
-            "--decode-resource", "decode_host", *flags], "serve.log")
+            "--dtype", "float32", "--local-prefill-threshold", "0",
+            "--prefill-resource", "prefill_host", "--decode-resource", "decode_host", *flags],
+            "serve.log")
         deadline = time.monotonic() + timeout_s
         while not READY.search(log.read_text()[start:]):
             if self.serve_proc.poll() is not None or time.monotonic() > deadline:

@@ -33,7 +33,7 @@ def test_the_serve_command_builds_the_configuration_as_profiled() -> None:
     assert (args.command, args.model, args.mode, args.prefill, args.decode) == (
         "serve", "synthetic", "disaggregated", 2, 3)
     assert (args.max_num_batched_tokens, args.local_prefill_threshold, args.max_num_seqs,
-            args.kv_cache_gb, args.dtype, args.num_gpus_per_worker) == (
+            args.kv_cache_memory_gb, args.dtype, args.num_gpus_per_worker) == (
         1024, 64, 32, 1.0, "float32", 0.0)
     assert deploy["notes"] == [] and deploy["tensor_parallel"] == {"prefill": 1, "decode": 1}
 
@@ -45,7 +45,7 @@ def test_an_analytic_tp_pick_reserves_its_gpus_in_both_forms() -> None:
     args = build_parser().parse_args(deploy["serve_argv"][1:])
     assert (args.num_gpus_per_worker, args.dtype, args.model) == (
         4.0, "bfloat16", "llama-3-70b")
-    assert args.kv_cache_gb == pytest.approx(profile.kv_cache_gb, rel=1e-3)
+    assert args.kv_cache_memory_gb == pytest.approx(profile.kv_cache_gb, rel=1e-3)
     groups = yaml.safe_load(deploy["kuberay_worker_groups"])["workerGroupSpecs"]
     assert [(g["groupName"], g["replicas"]) for g in groups] == [("prefill", 2), ("decode", 3)]
     for g in groups:
@@ -70,7 +70,7 @@ def plan_cli(tmp_path: Path, profile: object, *flags: str) -> dict:
     out = tmp_path / "plan.json"
     assert main(["plan", "--profile", str(path), "--trace", str(trace_path), "--rate", "1",
                  "--slo", "ttft_p90_ms=2000,tpot_p90_ms=50", "--max-workers", "2",
-                 "--modes", "colocated", "--json", str(out), *flags]) == 0
+                 "--modes", "colocated", "-o", str(out), *flags]) == 0
     return json.loads(out.read_text())
 
 

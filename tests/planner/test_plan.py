@@ -90,7 +90,9 @@ def write_trace(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_plan_cli_writes_the_plan_schema(tmp_path: Path) -> None:
+def test_plan_cli_writes_the_plan_schema(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`-o` writes the plan; `--json` prints the same document, and only it, on stdout."""
     profile = tmp_path / "profile.json"
     PROFILE.save(profile)
     rows = [{"timestamp": 0.5 * i, "prompt_len": 300, "output_len": 8} for i in range(40)]
@@ -99,9 +101,10 @@ def test_plan_cli_writes_the_plan_schema(tmp_path: Path) -> None:
 
     assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--rate", "1",
                  "--slo", "ttft_p90_ms=2000,tpot_p90_ms=50", "--max-workers", "2",
-                 "--json", str(out)]) == 0
+                 "--no-calibrate", "-o", str(out), "--json"]) == 0
 
     doc = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == doc
     assert doc["schema"] == "pdcluster.plan/1"
     assert doc["rate_rps"] == pytest.approx(1.0)
     assert [(c["mode"], c["prefill"], c["decode"]) for c in doc["configs"]] == [
@@ -178,8 +181,10 @@ def test_bad_input_through_the_cli_exits_2(tmp_path: Path, capsys: pytest.Captur
     PROFILE.save(profile)
     trace_path = write_trace(tmp_path / "t.jsonl", [{"timestamp": 0, "prompt_len": 5,
                                                      "output_len": 2}])
-    assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
-                 "latency=5", "--json", str(tmp_path / "p.json")]) == 2
+    with pytest.raises(SystemExit) as exit_:  # refused as argparse parses it
+        main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
+              "latency=5", "-o", str(tmp_path / "p.json")])
+    assert exit_.value.code == 2
     assert "unknown key 'latency'" in capsys.readouterr().err
 
 
@@ -197,7 +202,7 @@ def test_a_plot_without_the_bench_extra_is_refused_before_planning(
     out = tmp_path / "p.json"
 
     assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
-                 "ttft_p90_ms=100", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 2
+                 "ttft_p90_ms=100", "-o", str(out), "--plot", str(tmp_path / "p.png")]) == 2
 
     assert ("pdcluster plan --plot/--validate needs 'matplotlib', which comes with the bench "
             "extra: pip install 'pdcluster[bench]'") in capsys.readouterr().err

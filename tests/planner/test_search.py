@@ -83,12 +83,12 @@ def test_plan_cli_searches_the_budget(tmp_path: Path) -> None:
                  str(paths[0]), "--trace", str(trace_path), "--slo", "ttft_p90_ms=900",
                  "--modes", "disaggregated", "--max-num-batched-tokens", "1024",
                  "--max-accelerators", "4", "--cost-per-accelerator-hour-prefill", "2.5",
-                 "--json", str(out)]) == 0
+                 "-o", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert (doc["recommended"]["prefill_tp"], doc["recommended"]["cost_per_hour"]) == (2, 6.0)
     assert doc["calibration"]["applied"] is False
     assert main(["plan", "--profile", f"{paths[0]},{paths[1]}", "--trace", str(trace_path),
-                 "--slo", "ttft_p90_ms=900", "--json", str(out)]) == 2
+                 "--slo", "ttft_p90_ms=900", "-o", str(out)]) == 2
 
 
 def test_colocated_candidates_use_the_decode_profiles_alone() -> None:

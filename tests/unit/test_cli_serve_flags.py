@@ -49,7 +49,7 @@ def test_mooncake_transport_and_its_protocol_reach_the_workers(captured: list[An
                  "--mooncake-protocol", "tcp"]) == 0
     (options,) = captured
     assert options.cluster.transports == TRANSPORTS["mooncake"] == ("mooncake", "zmq")
-    assert options.cluster.worker["mooncake_protocol"] == "tcp"
+    assert options.cluster.decode.engine["mooncake_protocol"] == "tcp"
 
 
 def test_tls_and_key_flags_reach_both_front_doors(captured: list[Any], tmp_path: Path) -> None:

@@ -1,0 +1,227 @@
+"""`serve --config FILE.yaml` and `PDCLUSTER_*`: precedence (command line > environment >
+file > defaults), per-pool sections reaching each pool's spec, errors naming file and key
+(exit code 2, nothing started); the GPU-aware KV sizing decided from device facts."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import cluster.serve
+from cluster.cli import main
+from cluster.config import ClusterConfig, PoolSpec
+from engine import CacheConfig, defaults
+from engine.config import kv_pool_bytes, parse_dtype
+
+REPO = Path(__file__).resolve().parents[2]
+GB = 2**30
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Replaces `cluster.serve.run`: the options are kept, nothing is started; no
+    `PDCLUSTER_*` variable of the caller leaks in."""
+    seen: list[Any] = []
+
+    async def run(options: Any) -> None:
+        seen.append(options)
+
+    monkeypatch.setattr(cluster.serve, "run", run)
+    for name in [k for k in os.environ if k.startswith("PDCLUSTER_")]:
+        monkeypatch.delenv(name)
+    return seen
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return path
+
+
+def serve(captured: list[Any], *argv: str) -> Any:
+    assert main(["serve", "--model", "tiny", *argv]) == 0
+    return captured[-1]
+
+
+def test_command_line_beats_environment_beats_file_beats_defaults(
+        captured: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "max-num-seqs: 11\nmax-queue: 12\nmax-running: 13\n"
+                           "grpc-port: 0\nport: 0\n")
+    monkeypatch.setenv("PDCLUSTER_MAX_QUEUE", "22")
+    monkeypatch.setenv("PDCLUSTER_MAX_RUNNING", "23")
+    options = serve(captured, "--config", str(path), "--max-running", "33")
+    router = options.router
+    assert router.max_running == 33  # command line over environment and file
+    assert router.max_queue == 22  # environment over file
+    assert options.cluster.decode.engine["max_num_seqs"] == 11  # file over the default
+    assert options.cluster.decode.engine["max_num_batched_tokens"] == \
+        defaults.MAX_NUM_BATCHED_TOKENS  # untouched: the default
+    assert (options.grpc_port, options.http_port) == (0, 0)  # `port` is --http-port's name
+
+
+def test_environment_alone_and_the_config_file_by_environment(
+        captured: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDCLUSTER_CONFIG", str(write(tmp_path, "mode: colocated\n")))
+    monkeypatch.setenv("PDCLUSTER_NO_PREFIX_CACHING", "true")
+    monkeypatch.setenv("PDCLUSTER_TORCH_THREADS", "3")
+    config = serve(captured).cluster
+    assert config.mode == "colocated"
+    assert config.decode.engine["enable_prefix_caching"] is False
+    assert config.decode.engine["torch_threads"] == 3
+
+
+def test_pool_sections_override_the_shared_values_for_their_pool_only(
+        captured: list[Any], tmp_path: Path) -> None:
+    path = write(tmp_path, """
+max-num-seqs: 32
+torch-threads: 2
+prefill:
+  replicas: 2
+  max-num-batched-tokens: 4096
+  max-num-seqs: 4
+  resource: big_cpu
+  num-cpus-per-worker: 2
+decode:
+  replicas: 3
+  kv-cache-gb: 0.5
+  no-prefix-caching: true
+""")
+    config: ClusterConfig = serve(captured, "--config", str(path), "--max-num-seqs", "40",
+                                  "--prefill", "1").cluster
+    prefill, decode = config.prefill, config.decode
+    assert (config.num_prefill, config.num_decode) == (1, 3)  # command line over replicas
+    assert (prefill.engine["max_num_seqs"], decode.engine["max_num_seqs"]) == (4, 40)
+    assert (prefill.engine["max_num_batched_tokens"],
+            decode.engine["max_num_batched_tokens"]) == (4096, defaults.MAX_NUM_BATCHED_TOKENS)
+    assert (prefill.engine["torch_threads"], decode.engine["torch_threads"]) == (2, 2)
+    assert (prefill.engine["kv_cache_memory_gb"], decode.engine["kv_cache_memory_gb"]) == \
+        (None, 0.5)
+    assert (prefill.engine["enable_prefix_caching"],
+            decode.engine["enable_prefix_caching"]) == (True, False)
+    assert (prefill.num_cpus, decode.num_cpus) == (2.0, 1.0)
+    assert config.pool_resource(decodes=False) == ("big_cpu", True)
+    assert config.pool_resource(decodes=True) == ("pd_decode", False)
+    shown = config.pool_settings()
+    assert (shown["prefill"]["max_num_seqs"], shown["decode"]["max_num_seqs"]) == (4, 40)
+    assert shown["prefill"]["resource"] == "big_cpu"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max-num-seqs: many\n", "max-num-seqs: Input should be a valid integer"),
+    ("max_num_seqs: 4\n", "max_num_seqs: unknown key"),
+    ("decode:\n  replica: 2\n", "decode.replica: unknown key"),
+    ("prefill:\n  port: 9000\n", "prefill.port: unknown key"),  # not a per-worker setting
+    ("prefill:\n  max-num-seqs: 1.5\n", "prefill.max-num-seqs: Input should be a valid integer"),
+    ("decode:\n  replicas: -1\n", "decode.replicas: Input should be greater than or equal"),
+    ("mode: split\n", "mode: Input should be 'disaggregated' or 'colocated'"),
+    ("no-migration: maybe\n", "no-migration: Input should be a valid boolean"),
+    ("port: null\n", "port: Input should be a valid integer"),
+    ("decode:\n  max-num-seqs: null\n", "decode.max-num-seqs: Input should be a valid integer"),
+    ("- port: 1\n", "expected a mapping of flag names to values, got list"),
+    ("port: [1\n", "while parsing a flow sequence"),
+])
+def test_a_bad_file_is_refused_naming_file_and_key(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--config", str(path)])
+    assert exit_.value.code == 2
+    assert f"{path}: {message}" in capsys.readouterr().err
+    assert captured == []
+
+
+def test_the_messages_name_the_key(captured: list[Any], tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "max-num-seqs: many\nprefill:\n  bogus: 1\n")
+    with pytest.raises(SystemExit):
+        main(["serve", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert f"{path}: max-num-seqs: Input should be a valid integer" in err
+    assert f"{path}: prefill.bogus: unknown key" in err
+
+
+def test_a_bad_environment_variable_is_refused_naming_it(
+        captured: list[Any], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDCLUSTER_MAX_NUM_SEQS", "lots")
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve"])
+    assert exit_.value.code == 2
+    assert "environment: PDCLUSTER_MAX_NUM_SEQS: Input should be a valid integer" in \
+        capsys.readouterr().err
+    assert captured == []
+
+
+def test_pools_that_disagree_on_the_kv_layout_are_refused(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "prefill:\n  dtype: bfloat16\ndecode:\n  dtype: float32\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "prefill and decode dtype differ (bfloat16 vs float32)" in capsys.readouterr().err
+    assert captured == []
+
+
+def test_a_gpu_share_on_a_pool_without_gpus_is_refused(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "decode:\n  gpu-memory-utilization: 0.8\n"
+                           "  num-gpus-per-worker: 1\nprefill:\n"
+                           "  gpu-memory-utilization: 0.8\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "gpu-memory-utilization sizes the KV pool from accelerator memory, but these " \
+           "workers get no GPU" in capsys.readouterr().err
+    assert captured == []
+
+
+def test_the_example_file_is_valid_and_the_guide_shows_it(captured: list[Any]) -> None:
+    example = REPO / "deploy" / "pdcluster.yaml"
+    config = serve(captured, "--config", str(example)).cluster
+    assert (config.num_prefill, config.num_decode) == (1, 2)
+    assert config.prefill.engine["max_num_seqs"] != config.decode.engine["max_num_seqs"]
+    guide = (REPO / "docs" / "operators.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", guide,
+                                                    flags=re.M | re.S)]
+    assert yaml.safe_load(example.read_text()) in blocks
+
+
+def test_equal_pools_compare_equal() -> None:
+    """The scaler trades roles in place only between pools built alike."""
+    assert PoolSpec(engine={"max_num_seqs": 4}) == PoolSpec(engine={"max_num_seqs": 4})
+    assert PoolSpec(engine={"max_num_seqs": 4}) != PoolSpec(engine={"max_num_seqs": 8})
+
+
+# ---- GPU defaults, decided from the device facts ----
+
+def test_auto_dtype_is_bf16_on_cuda_whatever_the_cpu() -> None:
+    import torch
+
+    assert parse_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_kv_pool_on_cpu_is_absolute_and_refuses_a_gpu_share() -> None:
+    assert kv_pool_bytes(CacheConfig(kv_cache_memory_gb=None), "cpu") == \
+        int(defaults.KV_CACHE_GB * GB)
+    assert kv_pool_bytes(CacheConfig(kv_cache_memory_gb=0.5), "cpu") == GB // 2
+    with pytest.raises(ValueError, match="this engine runs on CPU: give kv_cache_memory_gb"):
+        kv_pool_bytes(CacheConfig(kv_cache_memory_gb=None, gpu_memory_utilization=0.8), "cpu")
+
+
+def test_kv_pool_on_cuda_is_the_share_left_after_the_weights() -> None:
+    default = CacheConfig(kv_cache_memory_gb=None)
+    # 80 GiB card, 10 GiB of weights held: 0.9 x 80 - 10 = 62 GiB.
+    assert kv_pool_bytes(default, "cuda", 80 * GB, 10 * GB) == 62 * GB
+    share = CacheConfig(kv_cache_memory_gb=None, gpu_memory_utilization=0.5)
+    assert kv_pool_bytes(share, "cuda", 80 * GB, 10 * GB) == 30 * GB
+    assert kv_pool_bytes(CacheConfig(kv_cache_memory_gb=4.0), "cuda", 80 * GB, 10 * GB) == \
+        4 * GB  # an absolute size wins on CUDA too
+    with pytest.raises(ValueError, match="leaves nothing for the KV pool"):
+        kv_pool_bytes(CacheConfig(kv_cache_memory_gb=None, gpu_memory_utilization=0.1),
+                      "cuda", 80 * GB, 10 * GB)
+    with pytest.raises(ValueError, match="give one"):
+        CacheConfig(kv_cache_memory_gb=1.0, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        CacheConfig(kv_cache_memory_gb=None, gpu_memory_utilization=1.5)
