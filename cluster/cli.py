@@ -22,12 +22,61 @@ HOST_ENV = "PDCLUSTER_HOST"
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from cluster.config import TRANSPORTS, ClusterConfig
     from cluster.serve import ServeOptions, run
     from protocol.tracing import TracingConfig
     from router.auth import SecurityConfig
-    from router.frontend import RouterConfig
     from router.logs import configure_logging
+
+    try:
+        tracing = TracingConfig.from_flag(args.otlp_traces_endpoint)
+    except RuntimeError as exc:  # OpenTelemetry not installed: say what to install
+        raise ValueError(str(exc)) from None
+    per_model = _per_model(args)
+    if args.autoscale and len(per_model) > 1:
+        raise ValueError(f"--autoscale serves one model; this config serves {len(per_model)}")
+    models = []
+    for i, model_args in enumerate(per_model):
+        try:
+            models.append(_served_model(model_args, tracing))
+        except ValueError as e:
+            if len(per_model) == 1:
+                raise
+            raise ValueError(f"models.{i} ({model_args.model}): {e}") from None
+    security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              tls_client_ca=args.tls_client_ca)
+    options = ServeOptions(models[0].cluster, args.address, args.host, args.grpc_port,
+                           args.http_port, models[0].router,
+                           security=security,
+                           allow_unauthenticated=args.allow_unauthenticated,
+                           drain_timeout_s=args.drain_timeout,
+                           metrics_compat=args.metrics_compat,
+                           autoscaler=_autoscaler(args), more_models=tuple(models[1:]))
+    configure_logging(args.log_level, args.log_format)
+    logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
+    asyncio.run(run(options))
+    return 0
+
+
+def _per_model(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The flags of each model served: `args` itself, or with a config file's `models:`,
+    one copy per entry with the entry's values and pool sections over the shared ones."""
+    from cluster.config_file import POOLS
+
+    entries = getattr(args, "model_layers", None)
+    if not entries:
+        return [args]
+    shared = getattr(args, "pool_overrides", {})
+    return [argparse.Namespace(**{**vars(args), **entry.defaults, "pool_overrides": {
+        pool: {**shared.get(pool, {}), **entry.pools.get(pool, {})} for pool in POOLS}})
+        for entry in entries]
+
+
+def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
+    """One model's pools and router settings from its flags."""
+    from cluster.config import TRANSPORTS, ClusterConfig
+    from cluster.serve import ServedModel
+    from router.frontend import RouterConfig
 
     shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
     if args.transport == "mooncake":
@@ -38,10 +87,6 @@ def _serve(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
         shared["mooncake_protocol"] = args.mooncake_protocol
-    try:
-        tracing = TracingConfig.from_flag(args.otlp_traces_endpoint)
-    except RuntimeError as exc:  # OpenTelemetry not installed: say what to install
-        raise ValueError(str(exc)) from None
     cluster = ClusterConfig(
         model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
         transports=TRANSPORTS[args.transport],
@@ -50,24 +95,12 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
         internal_auth=args.internal_auth, tracing=tracing,
         prefill=_pool_spec(args, "prefill", shared), decode=_pool_spec(args, "decode", shared))
-    security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
-                              tls_cert=args.tls_cert, tls_key=args.tls_key,
-                              tls_client_ca=args.tls_client_ca)
-    options = ServeOptions(cluster, args.address, args.host, args.grpc_port, args.http_port,
-                           RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
-                                        served_model_name=args.served_model_name,
-                                        request_timeout_s=args.request_timeout,
-                                        sse_keepalive_s=args.sse_keepalive or None,
-                                        log_prompts=args.log_prompts),
-                           security=security,
-                           allow_unauthenticated=args.allow_unauthenticated,
-                           drain_timeout_s=args.drain_timeout,
-                           metrics_compat=args.metrics_compat,
-                           autoscaler=_autoscaler(args))
-    configure_logging(args.log_level, args.log_format)
-    logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
-    asyncio.run(run(options))
-    return 0
+    router = RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
+                          served_model_name=args.served_model_name,
+                          request_timeout_s=args.request_timeout,
+                          sse_keepalive_s=args.sse_keepalive or None,
+                          log_prompts=args.log_prompts)
+    return ServedModel(cluster, router)
 
 
 def _pool_spec(args: argparse.Namespace, pool: str, shared: dict[str, Any]) -> Any:
@@ -154,15 +187,27 @@ def console() -> Any:
 
 
 def _status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        first = client.status(args.model or "")
+        names = [args.model] if args.model else first.get("models", [first.get("model")])
+        statuses = {name: first if name == first.get("model") else client.status(name)
+                    for name in names}
+    if args.json:
+        document = first if len(statuses) == 1 else {"models": statuses}
+        print(json.dumps(document, indent=2, default=str))
+        return 0
+    out = console()
+    for status in statuses.values():
+        _print_status(out, status)
+    return 0
+
+
+def _print_status(out: Any, status: dict[str, Any]) -> None:
+    """One model's workers and pool settings, as tables."""
     from rich.table import Table
 
     from protocol.status import workers
 
-    with _client(args) as client:
-        status = client.status()
-    if args.json:
-        print(json.dumps(status, indent=2, default=str))
-        return 0
     table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
     for column in ("worker", "role", "state", "node", "host", "pid", "dtype", "running",
                    "waiting", "KV blocks", "KV used", "prefix hits", "busy"):
@@ -172,25 +217,23 @@ def _status(args: argparse.Namespace) -> int:
         table.add_row(w.worker_id, w.role, w.state, w.node[:12], w.host, str(w.pid), w.dtype,
                       str(w.num_running), str(w.num_waiting), str(w.num_blocks),
                       f"{w.kv_usage:.0%}", f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
-    out = console()
     out.print(table)
     pools = status.get("pool_settings", {})
     if pools:
-        settings = Table(title="pool settings")
+        settings = Table(title=f"pool settings · {status.get('model')}")
         settings.add_column("setting")
         for role in pools:
             settings.add_column(role)
         for key in sorted({k for values in pools.values() for k in values}):
             settings.add_row(key, *(str(values.get(key, "")) for values in pools.values()))
         out.print(settings)
-    return 0
 
 
 def _scale(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        status = client.scale(prefill=args.prefill, decode=args.decode)
+        status = client.scale(prefill=args.prefill, decode=args.decode, model=args.model or "")
     sizes = {role: len(workers) for role, workers in status.get("pools", {}).items()}
-    print(f"pools now: {sizes} (removed workers drain before stopping)")
+    print(f"{status.get('model')} pools now: {sizes} (removed workers drain before stopping)")
     return 0
 
 
@@ -375,12 +418,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="pools, workers, load and KV usage")
     status.add_argument("--json", action="store_true",
-                        help="print the status document (JSON) instead of the tables")
+                        help="print the status document (JSON) instead of the tables; with "
+                             "several models, {\"models\": {NAME: document}}")
+    status.add_argument("--model", default=None, metavar="NAME",
+                        help="the served model to show (None: every one)")
     scale = sub.add_parser("scale", help="resize the pools live")
     scale.add_argument("--prefill", type=int, default=None,
                        help="prefill workers wanted (None: unchanged)")
     scale.add_argument("--decode", type=int, default=None,
                        help="decode (or colocated) workers wanted (None: unchanged)")
+    scale.add_argument("--model", default=None, metavar="NAME",
+                       help="the served model whose pools to resize (required when the "
+                            "cluster serves several)")
     # bench.cli imports only what its flags need; running a benchmark needs the bench extra.
     from bench.cli import add_parser as add_bench_parser
 
@@ -471,6 +520,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     serve.set_defaults(**found.defaults)
     args = parser.parse_args(argv)
     args.pool_overrides = found.pools
+    args.model_layers = found.models
     return args
 
 

@@ -7,6 +7,12 @@ any per-worker flag, for that pool alone. Every flag also reads `PDCLUSTER_<FLAG
 over the file, the file over the built-in defaults; a pool's section wins over the shared
 value for that pool, wherever that came from.
 
+With `models:`, a list, one cluster serves several models: each entry names its `model`
+and `served-model-name` (default: the model) and may set its own `mode`, `prefill:` and
+`decode:` sections and any per-model key (`MODEL_KEYS`, the per-worker flags); an entry's
+values win over the shared ones for that model, wherever those came from. Each model gets
+pools of its own.
+
 The keys and their types come from the `serve` parser itself (pydantic checks them), so a
 flag added there is a key of the file and an environment variable with no more code.
 """
@@ -27,6 +33,10 @@ POOLS = ("prefill", "decode")
 # `serve` flags the file holds elsewhere: pool sizes are `replicas` in the pool sections,
 # and the file does not name another file.
 _NOT_TOP_LEVEL = {"prefill", "decode", "config", "help"}
+# What a `models:` entry may set besides the per-worker flags and its pool sections: what
+# builds that model's pools and its router.
+MODEL_KEYS = ("model", "served_model_name", "mode", "max_model_len", "policy",
+              "local_prefill_threshold", "max_running", "max_queue")
 
 
 class ConfigError(ValueError):
@@ -40,10 +50,13 @@ class Layers:
     Args:
         defaults: shared values (file, then the environment over it).
         pools: per pool (`prefill`, `decode`), the values its section sets.
+        models: with `models:`, one `Layers` per entry: what it sets over the shared
+            values (its pool sizes as `prefill`/`decode`), and its pool sections.
     """
 
     defaults: dict[str, Any] = field(default_factory=dict)
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models: list[Layers] = field(default_factory=list)
 
 
 def long_names(action: argparse.Action) -> list[str]:
@@ -85,7 +98,7 @@ def _model(name: str, actions: list[argparse.Action],
 
 def _values(model: pydantic.BaseModel, actions: Mapping[str, argparse.Action]) -> dict[str, Any]:
     """The set fields as argparse destinations (`--no-x: true` stores False in `x`)."""
-    values = model.model_dump(exclude_unset=True, exclude=set(POOLS))
+    values = model.model_dump(exclude_unset=True, exclude={*POOLS, "models"})
     return {dest: (not value if isinstance(actions[dest], argparse._StoreFalseAction) else value)
             for dest, value in values.items() if dest in actions}
 
@@ -125,21 +138,18 @@ def layers(parser: argparse.ArgumentParser, worker_actions: list[argparse.Action
     pool_model = _model("Pool", worker_actions, {
         "replicas": (pydantic.NonNegativeInt | None, None),
         "resource": (str | None, None)})
-    file_model = _model("ConfigFile", top, {pool: (pool_model | None, None) for pool in POOLS})
+    pools = {pool: (pool_model | None, None) for pool in POOLS}
+    entry_model = _model("Model", [by_dest[d] for d in MODEL_KEYS] + worker_actions, pools)
+    file_model = _model("ConfigFile", top, {**pools, "models": (list[entry_model] | None, None)})
     result = Layers()
     if path is not None:
         parsed = _load(path, file_model)
-        result.defaults.update(_values(parsed, by_dest))
-        for pool in POOLS:
-            section = getattr(parsed, pool)
-            if section is None:
-                continue
-            if section.replicas is not None:
-                result.defaults[pool] = section.replicas
-            values = _values(section, by_dest)
-            if section.resource is not None:
-                values["resource"] = section.resource
-            result.pools[pool] = values
+        _read_pools(parsed, by_dest, result)
+        for i, entry in enumerate(parsed.models or []):
+            if entry.model is None:
+                raise ConfigError(f"{path}: models.{i}.model: required")
+            result.models.append(_read_pools(entry, by_dest, Layers()))
+        _check_models(path, parsed)
     env_model = _model("Environment", [a for a in actions if a.dest != "help"])
     names = {env_name(a): long_names(a)[0] for a in actions if a.dest != "help"}
     given = {names[k]: v for k, v in environ.items() if k in names}
@@ -148,6 +158,42 @@ def layers(parser: argparse.ArgumentParser, worker_actions: list[argparse.Action
     except pydantic.ValidationError as e:
         raise _error("environment", e, {flag: var for var, flag in names.items()}) from None
     return result
+
+
+def _read_pools(parsed: pydantic.BaseModel, by_dest: Mapping[str, argparse.Action],
+                into: Layers) -> Layers:
+    """`parsed`'s values into `into.defaults`, its pool sections into `into.pools`."""
+    into.defaults.update(_values(parsed, by_dest))
+    for pool in POOLS:
+        section = getattr(parsed, pool)
+        if section is None:
+            continue
+        if section.replicas is not None:
+            into.defaults[pool] = section.replicas
+        values = _values(section, by_dest)
+        if section.resource is not None:
+            values["resource"] = section.resource
+        into.pools[pool] = values
+    return into
+
+
+def _check_models(path: Path, parsed: Any) -> None:
+    """`models:` names every model itself, each under a name of its own."""
+    if not parsed.models:
+        if parsed.models is not None:
+            raise ConfigError(f"{path}: models: list at least one model")
+        return
+    for key in ("model", "served_model_name"):
+        if getattr(parsed, key) is not None:
+            raise ConfigError(f"{path}: {key.replace('_', '-')}: give it in each entry of "
+                              "models:, not beside it")
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(parsed.models):
+        name = entry.served_model_name or entry.model
+        if name in seen:
+            raise ConfigError(f"{path}: models.{i}.served-model-name: {name!r} is already "
+                              f"served by models.{seen[name]} (names must differ)")
+        seen[name] = i
 
 
 def _load(path: Path, model: type[pydantic.BaseModel]) -> Any:

@@ -27,6 +27,23 @@ console = Console(stderr=True)
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """One model of the cluster: its own pools and its router's settings.
+
+    Args:
+        cluster: its pools (workers, KV pools and prefix caches of its own).
+        router: its admission limits and `served_model_name`.
+    """
+
+    cluster: ClusterConfig
+    router: RouterConfig
+
+    @property
+    def name(self) -> str:
+        return self.router.served_model_name or self.cluster.model
+
+
+@dataclass(frozen=True)
 class ServeOptions:
     """What `pdcluster serve` was asked for.
 
@@ -43,6 +60,8 @@ class ServeOptions:
         drain_timeout_s: on SIGTERM/SIGINT, how long running requests may take to finish
             (new ones are refused meanwhile) before the servers stop.
         autoscaler: the autoscaling policy (`serve --autoscale`), or None.
+        more_models: further models served beside the first (`cluster`, `router`), each
+            with pools of its own; requests go to the model their `model` field names.
     """
 
     cluster: ClusterConfig
@@ -56,11 +75,24 @@ class ServeOptions:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     allow_unauthenticated: bool = False
     drain_timeout_s: float = 30.0
+    more_models: tuple[ServedModel, ...] = ()
 
     def __post_init__(self) -> None:
         check_bind(self.host, self.security, self.allow_unauthenticated)
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.more_models and self.autoscaler is not None:
+            raise ValueError("--autoscale serves one model; this config serves "
+                             f"{len(self.models)}")
+        names = [m.name for m in self.models]
+        if len(set(names)) < len(names):
+            raise ValueError(f"served-model-name: each model needs a name of its own, got "
+                             f"{names}")
+
+    @property
+    def models(self) -> list[ServedModel]:
+        """Every model served, the first (the default) first."""
+        return [ServedModel(self.cluster, self.router), *self.more_models]
 
 
 def endpoint_file() -> Path:
@@ -80,22 +112,28 @@ def init_ray(address: str | None, num_workers: int) -> None:
 
 async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGINT/SIGTERM)."""
-    with console.status(f"Preparing model {options.cluster.model!r}"):
-        resolve_model_dir(options.cluster.model)  # convert once here, not in every worker
-    cfg = options.cluster
-    with console.status(f"Starting Ray and {cfg.num_workers} workers ({cfg.mode})"):
-        init_ray(options.address, cfg.num_workers)
+    models = options.models
+    for model in models:
+        with console.status(f"Preparing model {model.cluster.model!r}"):
+            resolve_model_dir(model.cluster.model)  # convert once here, not in every worker
+    num_workers = sum(m.cluster.num_workers for m in models)
+    with console.status(f"Starting Ray and {num_workers} workers "
+                        f"({', '.join(f'{m.name}: {m.cluster.mode}' for m in models)})"):
+        init_ray(options.address, num_workers)
         # After ray.init, whose native signal handlers would otherwise replace ours.
         stop = stop or _signal_event()
-        backend = ClusterBackend(cfg, options.router.served_model_name)
-        await backend.start()
+        backends = [ClusterBackend(m.cluster, m.router.served_model_name) for m in models]
+        await asyncio.gather(*(b.start() for b in backends))
+    backend = backends[0]
     front: Backend = backend if options.autoscaler is None else RecordingBackend(backend)
+    more = [(b, m.router) for b, m in zip(backends[1:], models[1:], strict=True)]
     servers = await start_servers(front, options.host, options.grpc_port, options.http_port,
-                                  options.router, options.security, backend.tracer)
+                                  options.router, options.security, backend.tracer, more)
+    for router, each in zip(servers.routers, backends, strict=True):
+        router.metrics.registry.register(WorkerCollector(each, router.metrics.model_name))
+        if options.metrics_compat == "vllm":
+            router.metrics.registry.register(VllmCompatCollector(each, router.metrics))
     metrics = servers.router.metrics
-    metrics.registry.register(WorkerCollector(backend, metrics.model_name))
-    if options.metrics_compat == "vllm":
-        metrics.registry.register(VllmCompatCollector(backend, metrics))
     autoscaling = None
     if options.autoscaler is not None:
         loop = AutoscalerLoop(options.autoscaler, front, AutoscalerMetrics(metrics.registry,
@@ -115,7 +153,7 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
         if autoscaling is not None:
             autoscaling.cancel()
         await servers.stop()
-        await backend.close()
+        await asyncio.gather(*(b.close() for b in backends))
         endpoint_file().unlink(missing_ok=True)
         ray.shutdown()
 

@@ -103,14 +103,17 @@ class PdClusterClient:
         self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout,
                          metadata=self._auth)
 
-    def status(self) -> dict[str, Any]:
-        """Model, mode, the router's queue and each pool's workers."""
-        return status_from_proto(self._stub.Status(pb.StatusRequest(), timeout=self.timeout,
-                                                   metadata=self._auth))
+    def status(self, model: str = "") -> dict[str, Any]:
+        """Model, mode, the router's queue and each pool's workers, of `model` ("": the
+        first served); `models` names every served model."""
+        return status_from_proto(self._stub.Status(pb.StatusRequest(model=model),
+                                                   timeout=self.timeout, metadata=self._auth))
 
-    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
-        """Resize the pools (None leaves one as it is); returns the new status."""
-        request = pb.ScalePoolRequest(prefill=prefill, decode=decode)
+    def scale(self, prefill: int | None = None, decode: int | None = None,
+              model: str = "") -> dict[str, Any]:
+        """Resize `model`'s pools (None leaves one as it is; "": the one model served, which
+        several served models refuse); returns its new status."""
+        request = pb.ScalePoolRequest(prefill=prefill, decode=decode, model=model)
         return status_from_proto(self._stub.ScalePool(request, timeout=self.timeout,
                                                       metadata=self._admin_auth))
 

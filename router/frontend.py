@@ -345,6 +345,10 @@ class Router:
         if not self.admission.cancel(request_id):
             await self.backend.abort(request_id)
 
+    def has(self, request_id: str) -> bool:
+        """Whether `request_id` is queued or running here."""
+        return request_id in self._active
+
     async def status(self) -> dict[str, Any]:
         """The backend's status plus `model` and the router's own queue (`router`)."""
         status = await self.backend.status()

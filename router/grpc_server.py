@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from protocol.tracing import TRACEPARENT
 from router.auth import Access, SecurityConfig, bearer_token
 from router.errors import RouterError
-from router.frontend import Router
+from router.models import Routers
 from router.proto.pdcluster.v1 import pdcluster_pb2 as pb
 from router.proto.pdcluster.v1 import pdcluster_pb2_grpc as pb_grpc
 from router.proto_convert import output_to_proto, params_from_proto, status_to_proto
@@ -24,24 +24,26 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PdCluster"].full_name
 
 
 class PdClusterServicer(pb_grpc.PdClusterServicer):
-    """`pdcluster.v1.PdCluster` over a `Router`.
+    """`pdcluster.v1.PdCluster` over the served models' routers.
 
     Args:
-        router: validation, admission and streaming.
+        routers: validation, admission and streaming, one per model (by the request's
+            `model`).
     """
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, routers: Routers) -> None:
+        self.routers = routers
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            prepared = self.router.prepare(
+            router = self.routers.get(request.model)
+            prepared = router.prepare(
                 **_inputs(request), params=params_from_proto(request.sampling_params),
                 model=request.model or None,
                 request_id=request.request_id if request.HasField("request_id") else None,
                 traceparent=dict(context.invocation_metadata() or ()).get(TRACEPARENT))
-            outs = self.router.generate(prepared, context.time_remaining())
+            outs = router.generate(prepared, context.time_remaining())
             async with aclosing(outs):
                 async for out in outs:
                     yield output_to_proto(out)
@@ -51,25 +53,34 @@ class PdClusterServicer(pb_grpc.PdClusterServicer):
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:
-            await self.router.abort(request.request_id)
+            await self.routers.holding(request.request_id).abort(request.request_id)
         except RouterError as e:
             await _abort(context, e)
         return pb.AbortResponse()
 
     async def Status(self, request: pb.StatusRequest,
                      context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        return status_to_proto(await self.router.status())
+        try:  # no model named: the first one's, whose `models` lists them all
+            router = self.routers.get(request.model) if request.model else self.routers.default
+        except RouterError as e:
+            await _abort(context, e)
+        return status_to_proto(self._with_models(await router.status()))
 
     async def ScalePool(self, request: pb.ScalePoolRequest,
                         context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         prefill = request.prefill if request.HasField("prefill") else None
         decode = request.decode if request.HasField("decode") else None
         try:
-            return status_to_proto(await self.router.scale(prefill, decode))
+            router = self.routers.get(request.model)
+            return status_to_proto(self._with_models(await router.scale(prefill, decode)))
         except RouterError as e:
             await _abort(context, e)
         except NotImplementedError as e:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
+
+    def _with_models(self, status: dict[str, Any]) -> dict[str, Any]:
+        """A model's status, and the names of every served model (`models`)."""
+        return {**status, "models": list(self.routers.by_name)}
 
 
 def _inputs(request: pb.GenerateRequest) -> dict[str, Any]:
@@ -196,22 +207,22 @@ class GrpcServer:
     """A grpc.aio server with the PdCluster, health and reflection services.
 
     Args:
-        router: the shared router.
+        routers: the served models' routers.
         host: interface to bind.
         port: port to bind; 0 picks a free one (see `port` after `start`).
-        health_interval_s: how often the health status follows `router.healthy()`.
+        health_interval_s: how often the health status follows `routers.healthy()`.
         security: keys (checked by `AuthInterceptor`) and TLS; None for neither.
     """
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, routers: Routers, host: str = "127.0.0.1", port: int = 0,
                  health_interval_s: float = 1.0, security: SecurityConfig | None = None) -> None:
-        self.router = router
+        self.routers = routers
         self.health = health.aio.HealthServicer()
         self._interval = health_interval_s
         security = security or SecurityConfig()
         self._server = grpc.aio.server(
             interceptors=[MalformedRequestInterceptor(), AuthInterceptor(security)])
-        pb_grpc.add_PdClusterServicer_to_server(PdClusterServicer(router), self._server)
+        pb_grpc.add_PdClusterServicer_to_server(PdClusterServicer(routers), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
@@ -232,8 +243,8 @@ class GrpcServer:
             await self.set_health()
 
     async def set_health(self) -> None:
-        """Publish `router.healthy()` now (e.g. NOT_SERVING as a drain starts)."""
-        status = (health_pb2.HealthCheckResponse.SERVING if self.router.healthy()
+        """Publish `routers.healthy()` now (e.g. NOT_SERVING as a drain starts)."""
+        status = (health_pb2.HealthCheckResponse.SERVING if self.routers.healthy()
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)

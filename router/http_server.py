@@ -31,6 +31,7 @@ from router.errors import (
     UnavailableError,
 )
 from router.frontend import Router
+from router.models import Routers
 from router.openai_protocol import (
     ChatCompletionRequest,
     Choice,
@@ -72,23 +73,22 @@ _KEYED = ("/v1/", "/tokenize", "/detokenize")
 _FAILED = ("abort", "error")
 
 
-def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI:
+def build_app(routers: Routers, security: SecurityConfig | None = None) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, vLLM's
     `/tokenize`, `/detokenize` and `/version`, `/health`, `/metrics`.
 
     Args:
-        router: the shared router.
+        routers: one per served model; each request goes to its `model`'s.
         security: the keys `/v1/*` requires (see `router.auth`); None for none.
 
     Returns:
         The app, ready for any ASGI server.
     """
     app = FastAPI(title="pdcluster", version=VERSION)
-    app.state.router = router
+    app.state.router = routers.default
     add_auth(app, security or SecurityConfig())
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    info = router.model_info
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -97,6 +97,7 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
         if len(prompts) > 1 and raw.headers.get(_REQUEST_ID):
             raise InvalidRequestError(f"{_REQUEST_ID}: one id cannot name {len(prompts)} "
                                       "prompts; send one prompt per request", "prompt")
+        router = routers.get(body.model)
         prompts = [router.prepare(**prompt, params=params, model=body.model,
                                   request_id=raw.headers.get(_REQUEST_ID),
                                   traceparent=raw.headers.get(TRACEPARENT))
@@ -110,12 +111,12 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        router.check_model(body.model)
+        router = routers.get(body.model)
         calling = _checked(router, lambda: body.tool_calling(router.chat_template))
         messages = _checked(router, body.message_dicts)
         try:
             request = router.prepare(messages=messages,
-                                     params=body.params(info.max_model_len, calling),
+                                     params=body.params(router.model_info.max_model_len, calling),
                                      model=body.model, request_id=raw.headers.get(_REQUEST_ID),
                                      tools=body.tool_dicts(),
                                      traceparent=raw.headers.get(TRACEPARENT))
@@ -129,15 +130,15 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        router.check_model(body.model)
+        router = routers.get(body.model)
         ids = _checked(router, lambda: body.token_ids(router.chat_template))
         strs = router.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": router.model_info.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        router.check_model(body.model)
+        router = routers.get(body.model)
         return {"prompt": _checked(router, lambda: router.detokenize(body.tokens))}
 
     @app.get("/version")
@@ -146,18 +147,18 @@ def build_app(router: Router, security: SecurityConfig | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": info.name, "object": "model", "created": 0,
-                                            "owned_by": "pdcluster",
-                                            "max_model_len": info.max_model_len}]}
+        return {"object": "list", "data": [
+            {"id": r.model_info.name, "object": "model", "created": 0, "owned_by": "pdcluster",
+             "max_model_len": r.model_info.max_model_len} for r in routers]}
 
     @app.get("/health")
     async def health() -> Response:
-        ok = router.healthy()
+        ok = routers.healthy()
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, 200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(routers.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -437,22 +438,22 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    """Uvicorn serving `build_app(router)` in the running event loop.
+    """Uvicorn serving `build_app(routers)` in the running event loop.
 
     The socket is bound (and listening) at construction, so `port` is known at once and
     early clients wait in the backlog rather than being refused.
 
     Args:
-        router: the shared router.
+        routers: the served models' routers.
         host: interface to bind.
         port: port to bind; 0 picks a free one (see `port`).
         security: keys and TLS; None for neither.
     """
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, routers: Routers, host: str = "127.0.0.1", port: int = 0,
                  security: SecurityConfig | None = None) -> None:
         security = security or SecurityConfig()
-        self.app = build_app(router, security)
+        self.app = build_app(routers, security)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server((host, port), family=family)
         self.port: int = self._socket.getsockname()[1]

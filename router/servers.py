@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.tracing import Tracer
@@ -11,15 +12,25 @@ from router.backend import Backend
 from router.frontend import Router, RouterConfig
 from router.grpc_server import GrpcServer
 from router.http_server import HttpServer
+from router.models import Routers
 
 
 @dataclass
 class Servers:
-    """The running front doors; `stop()` ends both."""
+    """The running front doors; `stop()` ends both.
 
-    router: Router
+    Attributes:
+        router: the first (default) model's router.
+        routers: every served model's.
+    """
+
+    routers: Routers
     grpc: GrpcServer
     http: HttpServer
+
+    @property
+    def router(self) -> Router:
+        return self.routers.default
 
     @property
     def grpc_port(self) -> int:
@@ -32,9 +43,10 @@ class Servers:
     async def drain(self, timeout_s: float) -> int:
         """Health NOT_SERVING, new requests refused (UNAVAILABLE / 503); wait up to
         `timeout_s` for the running ones. Returns how many were still running."""
-        self.router.draining = True
+        for router in self.routers:
+            router.draining = True
         await self.grpc.set_health()
-        return await self.router.drain(timeout_s)
+        return await self.routers.drain(timeout_s)
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop both; streams still open after `grace` seconds are cancelled (and aborted)."""
@@ -48,8 +60,9 @@ class Servers:
 async def start_servers(backend: Backend, host: str = "127.0.0.1", grpc_port: int = 0,
                         http_port: int = 0, config: RouterConfig | None = None,
                         security: SecurityConfig | None = None,
-                        tracer: Tracer | None = None) -> Servers:
-    """Serve `backend` over gRPC and OpenAI HTTP, sharing one `Router`.
+                        tracer: Tracer | None = None,
+                        more_models: Sequence[tuple[Backend, RouterConfig]] = ()) -> Servers:
+    """Serve `backend` over gRPC and OpenAI HTTP, one `Router` per model.
 
     Args:
         backend: what serves the requests.
@@ -59,13 +72,17 @@ async def start_servers(backend: Backend, host: str = "127.0.0.1", grpc_port: in
         config: admission limits.
         security: keys and TLS for both servers (see `router.auth`); None for neither.
         tracer: the router's spans (`protocol.tracing`); None: no tracing.
+        more_models: further models, each its backend and its router's config (its
+            `served_model_name` must differ from the others'). Requests go to the router
+            their `model` names.
 
     Returns:
         The running servers, with their bound ports.
     """
-    router = Router(backend, config, tracer)
-    grpc_server = GrpcServer(router, host, grpc_port, security=security)
-    http_server = HttpServer(router, host, http_port, security)
+    routers = Routers([Router(backend, config, tracer)] + [
+        Router(other, other_config, tracer) for other, other_config in more_models])
+    grpc_server = GrpcServer(routers, host, grpc_port, security=security)
+    http_server = HttpServer(routers, host, http_port, security)
     await grpc_server.start()
     await http_server.start()
-    return Servers(router, grpc_server, http_server)
+    return Servers(routers, grpc_server, http_server)

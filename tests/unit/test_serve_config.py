@@ -1,5 +1,6 @@
 """`serve --config FILE.yaml` and `PDCLUSTER_*`: precedence (command line > environment >
-file > defaults), per-pool sections reaching each pool's spec, errors naming file and key
+file > defaults), per-pool sections reaching each pool's spec, `models:` (one cluster and
+router config per entry, its values over the shared ones), errors naming file and key
 (exit code 2, nothing started); the GPU-aware KV sizing decided from device facts."""
 
 from __future__ import annotations
@@ -192,6 +193,114 @@ def test_equal_pools_compare_equal() -> None:
     """The scaler trades roles in place only between pools built alike."""
     assert PoolSpec(engine={"max_num_seqs": 4}) == PoolSpec(engine={"max_num_seqs": 4})
     assert PoolSpec(engine={"max_num_seqs": 4}) != PoolSpec(engine={"max_num_seqs": 8})
+
+
+# ---- several models: `models:` ----
+
+TWO = """
+dtype: float32
+max-num-seqs: 16
+max-running: 64
+prefill:
+  max-num-batched-tokens: 512
+models:
+  - model: smollm2
+    mode: disaggregated
+    prefill:
+      replicas: 2
+    decode:
+      max-num-seqs: 8
+  - model: tiny
+    served-model-name: small
+    mode: colocated
+    max-running: 4
+    torch-threads: 2
+    decode:
+      replicas: 3
+"""
+
+
+def test_each_entry_builds_a_model_of_its_own(captured: list[Any], tmp_path: Path) -> None:
+    assert main(["serve", "--config", str(write(tmp_path, TWO))]) == 0
+    options = captured[-1]
+    (first, second) = options.models
+    assert (first.name, first.cluster.model, first.cluster.mode) == \
+        ("smollm2", "smollm2", "disaggregated")
+    assert (first.cluster.num_prefill, first.cluster.num_decode) == (2, 1)
+    # The shared prefill section reaches this model's prefill pool; its own decode section
+    # wins over the shared max-num-seqs for its decode pool only.
+    assert first.cluster.prefill.engine["max_num_batched_tokens"] == 512
+    assert first.cluster.prefill.engine["max_num_seqs"] == 16
+    assert first.cluster.decode.engine["max_num_seqs"] == 8
+    assert first.router.max_running == 64
+    assert (second.name, second.cluster.model, second.cluster.mode) == \
+        ("small", "tiny", "colocated")
+    assert second.cluster.num_decode == 3
+    assert second.router.max_running == 4
+    assert second.cluster.decode.engine["torch_threads"] == 2
+    assert first.cluster.decode.engine["torch_threads"] == 1
+    assert second.cluster.decode.engine["dtype"] == "float32"  # shared key reaches both
+
+
+def test_without_models_the_file_means_one_model(captured: list[Any], tmp_path: Path) -> None:
+    path = write(tmp_path, "model: tiny\nmode: colocated\n")
+    assert main(["serve", "--config", str(path)]) == 0
+    (only,) = captured[-1].models
+    assert (only.name, only.cluster.mode) == ("tiny", "colocated")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("models:\n  - model: tiny\n  - model: tiny\n    mode: colocated\n",
+     "models.1.served-model-name: 'tiny' is already served by models.0 (names must differ)"),
+    ("models:\n  - model: tiny\n    served-model-name: a\n  - model: smollm2\n"
+     "    served-model-name: a\n",
+     "models.1.served-model-name: 'a' is already served by models.0"),
+    ("models:\n  - mode: colocated\n", "models.0.model: required"),
+    ("models:\n  - model: tiny\n    port: 9000\n", "models.0.port: unknown key"),
+    ("models:\n  - model: tiny\n    mode: mixed\n", "models.0.mode: Input should be"),
+    ("models:\n  - model: tiny\n    decode:\n      replicas: -1\n",
+     "models.0.decode.replicas: Input should be greater than or equal to 0"),
+    ("models: []\n", "models: list at least one model"),
+    ("model: tiny\nmodels:\n  - model: smollm2\n",
+     "model: give it in each entry of models:, not beside it"),
+    ("models:\n  model: tiny\n", "models: Input should be a valid list"),
+])
+def test_a_bad_models_list_is_refused_naming_file_and_key(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--config", str(path)])
+    assert exit_.value.code == 2
+    assert f"{path}: {message}" in capsys.readouterr().err
+    assert captured == []
+
+
+def test_one_entry_with_a_bad_pool_is_refused_naming_the_model(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "models:\n  - model: tiny\n  - model: smollm2\n    prefill:\n"
+                           "      dtype: bfloat16\n    decode:\n      dtype: float32\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "models.1 (smollm2): prefill and decode dtype differ (bfloat16 vs float32)" in \
+        capsys.readouterr().err
+    assert captured == []
+
+
+def test_autoscaling_serves_one_model(captured: list[Any], tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "models:\n  - model: tiny\n  - model: smollm2\n")
+    profile = tmp_path / "profile.json"
+    assert main(["serve", "--config", str(path), "--autoscale", "--profile", str(profile),
+                 "--slo", "ttft=500"]) == 2
+    assert "--autoscale serves one model; this config serves 2" in capsys.readouterr().err
+    assert captured == []
+
+
+def test_the_two_model_example_is_valid(captured: list[Any]) -> None:
+    example = REPO / "deploy" / "pdcluster-models.yaml"
+    assert main(["serve", "--config", str(example)]) == 0
+    modes = {m.name: m.cluster.mode for m in captured[-1].models}
+    assert modes == {"smollm2": "disaggregated", "tiny": "colocated"}
 
 
 # ---- GPU defaults, decided from the device facts ----

@@ -160,8 +160,10 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Worker(_message.Message):
     __slots__ = ("worker_id", "role", "state", "num_running", "num_waiting", "num_blocks", "num_free_blocks", "kv_usage", "prefix_hit_rate", "extra_json")
@@ -222,9 +224,11 @@ class StatusResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., mode: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., router: _Optional[_Union[RouterStatus, _Mapping]] = ..., extra_json: _Optional[str] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
-    __slots__ = ("prefill", "decode")
+    __slots__ = ("prefill", "decode", "model")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     prefill: int
     decode: int
-    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
