@@ -1,0 +1,189 @@
+"""Two models on one cluster from one YAML file: `smollm2` disaggregated (1 prefill + 1
+decode) and `tiny` colocated. Each answers as its own reference does, over gRPC and the
+`openai` client (usage in the stream, logprobs, seed); an unknown model is a 404 / NOT_FOUND
+naming it; `/v1/models`, `status` and the metrics show both; `scale --model` resizes one
+model's pools and leaves the other's workers as they were."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+
+from cluster.cli import main
+from engine import LLM, CacheConfig, SamplingParams, apply_chat_template
+from router.client import PdClusterClient
+from tests.conftest import SMOL_CHATS, hf_greedy
+from tests.e2e.serving import serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+CONFIG = """
+local-prefill-threshold: 0
+models:
+  - model: smollm2
+    mode: disaggregated
+    prefill:
+      replicas: 1
+    decode:
+      replicas: 1
+  - model: tiny
+    mode: colocated
+    decode:
+      replicas: 1
+"""
+MODELS = ("smollm2", "tiny")
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("models") / "serve.yaml"
+    path.write_text(CONFIG)
+    with serve("--config", str(path)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("tiny", dtype="float32", cache=CacheConfig(num_blocks=64))
+
+
+def _statuses(address: str) -> dict[str, dict]:
+    with PdClusterClient(address, timeout=10) as client:
+        return {name: client.status(name) for name in MODELS}
+
+
+def _workers(status: dict) -> dict[str, str]:
+    return {w["worker_id"]: role for role, ws in status["pools"].items() for w in ws}
+
+
+def _pools_free(address: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = [w for s in _statuses(address).values() for ws in s["pools"].values()
+                   for w in ws]
+        if all(w["num_free_blocks"] == w["num_blocks"] and not w["num_running"]
+               for w in workers):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not free: {workers}")
+        time.sleep(0.2)
+
+
+def _openai(served):
+    import openai
+
+    return openai.OpenAI(base_url=served.http + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def test_each_model_answers_as_its_own_reference(two_models, smollm2, tiny):
+    messages = [{"role": "user", "content": SMOL_CHATS[0]}]
+    prompt = list(range(5, 45))
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with PdClusterClient(two_models.grpc, timeout=120) as client:
+        smol = list(client.generate(messages=messages, model="smollm2", max_tokens=16,
+                                    temperature=0.0, ignore_eos=True))
+        small = list(client.generate(prompt_token_ids=prompt, model="tiny", **params))
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.generate(prompt="hi", model="nope", max_tokens=2))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "'nope' is not served here" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # which of the two: the client must say
+            list(client.generate(prompt="hi", max_tokens=2))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "model: required" in e.value.details()
+    smol_prompt = apply_chat_template(smollm2.tokenizer, messages)
+    assert [t for o in smol for t in o.token_ids] == hf_greedy("smollm2", smol_prompt, 16)
+    expected = tiny.generate([prompt], SamplingParams(**params))[0].outputs[0].token_ids
+    assert [t for o in small for t in o.token_ids] == expected
+    _pools_free(two_models.grpc)
+
+
+def test_openai_surface_on_both_models(two_models, smollm2, tiny):
+    """Usage in the stream, logprobs, seed, `/v1/models`, `/tokenize` with each model's chat
+    template, and a 404 naming an unknown model, with the official client."""
+    import openai
+
+    http = _openai(two_models)
+    listed = {m.id: m for m in http.models.list().data}
+    assert set(listed) == set(MODELS)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    for name, llm in (("smollm2", smollm2), ("tiny", tiny)):
+        tokenized = httpx.post(two_models.http + "/tokenize", timeout=60,
+                               json={"model": name, "messages": messages}).json()
+        assert tokenized["tokens"] == apply_chat_template(llm.tokenizer, messages)
+        assert tokenized["max_model_len"] == listed[name].max_model_len
+        chunks = list(http.chat.completions.create(
+            model=name, messages=messages, max_tokens=6, temperature=0.0, logprobs=True,
+            top_logprobs=2, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True}))
+        assert all(c.model == name for c in chunks)
+        assert chunks[-1].usage.prompt_tokens == tokenized["count"]
+        assert chunks[-1].usage.completion_tokens == 6
+        logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                    for lp in c.choices[0].logprobs.content]
+        assert len(logprobs) == 6
+        for lp in logprobs:  # greedy: the chosen token is the likeliest of the top two
+            assert len(lp.top_logprobs) == 2
+            assert lp.logprob == max(t.logprob for t in lp.top_logprobs) <= 0
+        greedy = llm.generate(tokenized["tokens"], SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy
+        seeded = [http.completions.create(model=name, prompt="Once upon a time",
+                                          max_tokens=12, temperature=1.0, seed=11).choices[0]
+                  for _ in range(2)]
+        assert seeded[0].text == seeded[1].text
+        offline = llm.generate(llm.tokenizer.encode("Once upon a time"), SamplingParams(
+            temperature=1.0, max_tokens=12, seed=11))[0].outputs[0].text
+        assert seeded[0].text == offline
+    with pytest.raises(openai.NotFoundError) as e:
+        http.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    assert "'nope' is not served here; the models are 'smollm2', 'tiny'" in e.value.message
+    _pools_free(two_models.grpc)
+
+
+def test_status_and_metrics_per_model(two_models, capsys):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert main(["status", "--json", "--address", two_models.grpc]) == 0
+    document = json.loads(capsys.readouterr().out)["models"]
+    assert {name: (s["mode"], sorted(s["pools"])) for name, s in document.items()} == {
+        "smollm2": ("disaggregated", ["decode", "prefill"]), "tiny": ("colocated", ["mixed"])}
+    assert main(["status", "--address", two_models.grpc]) == 0
+    table = capsys.readouterr().out
+    assert "pdcluster · smollm2 · disaggregated" in table
+    assert "pdcluster · tiny · colocated" in table
+    text = httpx.get(two_models.http + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    usage = families["pdcluster:worker_kv_usage"].samples
+    by_model = {(s.labels["model_name"], s.labels["role"]) for s in usage}
+    assert by_model == {("smollm2", "prefill"), ("smollm2", "decode"), ("tiny", "mixed")}
+    finished = families["pdcluster:requests_finished"].samples
+    assert {s.labels["model_name"] for s in finished if s.value > 0} >= set(MODELS)
+    waiting = families["pdcluster:num_requests_waiting"].samples
+    assert sorted(s.labels["model_name"] for s in waiting) == sorted(MODELS)
+
+
+def test_scale_one_model_leaves_the_other_untouched(two_models, capsys):
+    before = _statuses(two_models.grpc)
+    assert main(["scale", "--decode", "2", "--address", two_models.grpc]) == 1
+    assert "model: required, this server serves several: smollm2, tiny" in \
+        capsys.readouterr().err
+    assert main(["scale", "--model", "tiny", "--decode", "2", "--address",
+                 two_models.grpc]) == 0
+    assert "tiny pools now: {'mixed': 2}" in capsys.readouterr().out
+    after = _statuses(two_models.grpc)
+    assert _workers(after["smollm2"]) == _workers(before["smollm2"])
+    assert len(_workers(after["tiny"])) == 2
+    assert set(_workers(before["tiny"])) < set(_workers(after["tiny"]))
+    with PdClusterClient(two_models.grpc, timeout=120) as client:
+        for name in MODELS:  # both still answer
+            outs = list(client.generate(prompt="Hello", model=name, max_tokens=4,
+                                        temperature=0.0, ignore_eos=True))
+            assert sum(len(o.token_ids) for o in outs) == 4
+    _pools_free(two_models.grpc)
