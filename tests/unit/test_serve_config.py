@@ -301,6 +301,10 @@ def test_the_two_model_example_is_valid(captured: list[Any]) -> None:
     assert main(["serve", "--config", str(example)]) == 0
     modes = {m.name: m.cluster.mode for m in captured[-1].models}
     assert modes == {"smollm2": "disaggregated", "tiny": "colocated"}
+    guide = (REPO / "docs" / "operators.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", guide,
+                                                    flags=re.M | re.S)]
+    assert yaml.safe_load(example.read_text()) in blocks
 
 
 # ---- GPU defaults, decided from the device facts ----
