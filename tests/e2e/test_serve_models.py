@@ -147,9 +147,21 @@ def test_openai_surface_on_both_models(two_models, smollm2, tiny):
     _pools_free(two_models.grpc)
 
 
-def test_status_and_metrics_per_model(two_models, capsys):
+def _families(served) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
+    text = httpx.get(served.http + "/metrics", timeout=10).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _finished(served) -> dict[str, float]:
+    """`pdcluster:requests_finished{finish_reason="length"}` by model."""
+    return {s.labels["model_name"]: s.value
+            for s in _families(served)["pdcluster:requests_finished"].samples
+            if s.name.endswith("_total") and s.labels["finish_reason"] == "length"}
+
+
+def test_status_and_metrics_per_model(two_models, capsys):
     assert main(["status", "--json", "--address", two_models.grpc]) == 0
     document = json.loads(capsys.readouterr().out)["models"]
     assert {name: (s["mode"], sorted(s["pools"])) for name, s in document.items()} == {
@@ -158,15 +170,21 @@ def test_status_and_metrics_per_model(two_models, capsys):
     table = capsys.readouterr().out
     assert "pdcluster · smollm2 · disaggregated" in table
     assert "pdcluster · tiny · colocated" in table
-    text = httpx.get(two_models.http + "/metrics", timeout=10).text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
+    families = _families(two_models)
     usage = families["pdcluster:worker_kv_usage"].samples
     by_model = {(s.labels["model_name"], s.labels["role"]) for s in usage}
     assert by_model == {("smollm2", "prefill"), ("smollm2", "decode"), ("tiny", "mixed")}
-    finished = families["pdcluster:requests_finished"].samples
-    assert {s.labels["model_name"] for s in finished if s.value > 0} >= set(MODELS)
     waiting = families["pdcluster:num_requests_waiting"].samples
     assert sorted(s.labels["model_name"] for s in waiting) == sorted(MODELS)
+    # One request to tiny, two to smollm2: each model's counter moves by its own.
+    before = _finished(two_models)
+    with PdClusterClient(two_models.grpc, timeout=120) as client:
+        for name in ("tiny", "smollm2", "smollm2"):
+            list(client.generate(prompt="Hello", model=name, max_tokens=2, temperature=0.0,
+                                 ignore_eos=True))
+    after = _finished(two_models)
+    assert {m: after[m] - before.get(m, 0) for m in MODELS} == {"smollm2": 2, "tiny": 1}
+    _pools_free(two_models.grpc)
 
 
 def test_scale_one_model_leaves_the_other_untouched(two_models, capsys):
