@@ -19,8 +19,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     int8 pages (`engine/kv_quant.py`) are written quantized; the kernel dequantizes rows as
     it reads them, and a prefill over cached blocks dequantizes only that sequence's
-    gathered pages, so no full-precision copy of the cache is made. A prompt's fresh keys
-    are attended in full precision, as they were computed.
+    gathered pages, so no full-precision copy of the cache is made. A fresh prompt attends
+    its keys as stored too (quantized and back), so a token's output does not depend on
+    whether its prefix came from the cache, a transfer or this step.
     """
 
     name = "torch"
@@ -56,9 +57,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
-        quantized = kv_layer.dtype == torch.int8
-        kv_layer[self.slot_blocks, 0, self.slot_offsets] = quantize(k) if quantized else k
-        kv_layer[self.slot_blocks, 1, self.slot_offsets] = quantize(v) if quantized else v
+        if kv_layer.dtype == torch.int8:
+            k, v = quantize(k), quantize(v)
+            kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
+            kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
+            if self.prefills:  # what the pages now hold, for prompts attending fresh keys
+                k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
+        else:
+            kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
+            kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
         out = torch.empty_like(q)
         for start, q_len, ctx_len, table, mask in self.prefills:
             end = start + q_len
