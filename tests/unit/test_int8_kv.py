@@ -7,13 +7,12 @@ import torch
 from engine import LLM, CacheConfig, LLMEngine, SamplingParams
 from tests.conftest import assert_pool_free
 
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
-         "Explain photosynthesis in one paragraph.", "List three prime numbers.",
-         "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
+CHATS = ["What is the capital of France?", "Explain photosynthesis in one paragraph.",
+         "List three prime numbers.", "Translate 'good morning' into Spanish.",
          "What is 12 times 12?", "Give me a tip for learning to code."]
-# Measured on these chats over 48 tokens: int8 parted from fp32 only where fp32's top two
-# were within 0.12 of each other (3 of 8 chats, at tokens 1, 15 and 17), and along the
-# shared tokens the top-two gap moved by at most 0.58.
+# Measured on these chats (and two more) over 48 tokens: int8 parted from fp32 only where
+# fp32's top two were within 0.12 of each other (at tokens 15, 17 and 1 of the 2nd, 4th
+# and 6th here), and along the shared tokens the top-two gap moved by at most 0.58.
 TIE_GAP = 0.25
 GAP_SHIFT = 1.0
 
@@ -23,36 +22,44 @@ def _top_gap(logprobs: dict[int, float]) -> float:
     return first - second
 
 
+def _follows_up_to_a_near_tie(ours, reference) -> bool:
+    """`ours` greedy follows `reference` until, if ever, a step where the two picks are
+    within TIE_GAP in the reference's logits; along the shared tokens the top-two gap
+    moves by less than GAP_SHIFT. True when the sequences are identical."""
+    t, t_ref = ours.outputs[0].token_ids, reference.outputs[0].token_ids
+    lp, lp_ref = ours.outputs[0].logprobs, reference.outputs[0].logprobs
+    parted = next((i for i, (a, b) in enumerate(zip(t, t_ref, strict=True)) if a != b),
+                  len(t_ref))
+    for step in range(parted):
+        assert abs(_top_gap(lp[step]) - _top_gap(lp_ref[step])) < GAP_SHIFT, step
+    if parted < len(t_ref):
+        assert t[parted] in lp_ref[parted], "a pick outside the reference's top 20"
+        assert lp_ref[parted][t_ref[parted]] - lp_ref[parted][t[parted]] < TIE_GAP
+    return parted == len(t_ref)
+
+
 @pytest.fixture(scope="module")
 def smollm2_int8() -> LLM:
     return LLM("smollm2", kv_cache_dtype="int8", cache=CacheConfig(num_blocks=128))
 
 
+@pytest.mark.slow
 def test_int8_greedy_follows_fp32_kv_up_to_near_ties(smollm2, smollm2_int8):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=20)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     assert smollm2_int8.engine.kv_cache.buffer.dtype == torch.int8
     out8, out32 = smollm2_int8.chat(chats, params), smollm2.chat(chats, params)
-    identical = 0
-    for o8, o32 in zip(out8, out32, strict=True):
-        t8, t32 = o8.outputs[0].token_ids, o32.outputs[0].token_ids
-        lp8, lp32 = o8.outputs[0].logprobs, o32.outputs[0].logprobs
-        parted = next((i for i, (a, b) in enumerate(zip(t8, t32, strict=True)) if a != b),
-                      len(t32))
-        for step in range(parted):
-            assert abs(_top_gap(lp8[step]) - _top_gap(lp32[step])) < GAP_SHIFT, step
-        if parted < len(t32):
-            assert t8[parted] in lp32[parted], "int8 picked a token outside fp32's top 20"
-            assert lp32[parted][t32[parted]] - lp32[parted][t8[parted]] < TIE_GAP
-        identical += parted == len(t32)
-    assert identical >= len(CHATS) // 2  # 5 of 8 measured
+    identical = sum(_follows_up_to_a_near_tie(o8, o32)
+                    for o8, o32 in zip(out8, out32, strict=True))
+    assert identical >= len(CHATS) // 2  # 3 of 6 measured
     assert out8[0].outputs[0].text.startswith("The capital of France is Paris.")
-    # Prefix caching unchanged: the prompts' int8 blocks now come from the cache, and a
-    # prompt attends its fresh keys as stored, so the tokens are the same.
+    # Prefix caching unchanged: the prompts' int8 blocks now come from the cache. (Exact
+    # equality is not promised: another batch shape sums the linears in another order.)
+    hits = smollm2_int8.engine.block_pool.num_hits
     again = smollm2_int8.chat(chats[:3], params)
-    assert smollm2_int8.engine.block_pool.num_hits > 0
-    assert [o.outputs[0].token_ids for o in again] == \
-        [o.outputs[0].token_ids for o in out8[:3]]
+    assert smollm2_int8.engine.block_pool.num_hits > hits
+    for warm, cold in zip(again, out8, strict=False):
+        _follows_up_to_a_near_tie(warm, cold)
     assert_pool_free(smollm2_int8.engine)
 
 
