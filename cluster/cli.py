@@ -30,6 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     worker: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb,
                               "max_num_batched_tokens": args.max_num_batched_tokens,
                               "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
+                              "kv_cache_dtype": args.kv_cache_dtype,
                               "policy": args.policy, "max_model_len": args.max_model_len,
                               "enable_prefix_caching": not args.no_prefix_caching}
     if args.transport == "mooncake":
@@ -144,14 +145,15 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2, default=str))
         return 0
     table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
-    for column in ("worker", "role", "state", "node", "host", "pid", "dtype", "running",
-                   "waiting", "KV used", "prefix hits", "busy"):
+    for column in ("worker", "role", "state", "node", "host", "pid", "dtype", "KV blocks",
+                   "running", "waiting", "KV used", "prefix hits", "busy"):
         table.add_column(column)
     for w in workers(status):
         busy = w.busy_seconds / max(w.uptime_s, 1e-9)
         table.add_row(w.worker_id, w.role, w.state, w.node[:12], w.host, str(w.pid), w.dtype,
-                      str(w.num_running), str(w.num_waiting), f"{w.kv_usage:.0%}",
-                      f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
+                      f"{w.num_blocks} {w.kv_cache_dtype}", str(w.num_running),
+                      str(w.num_waiting), f"{w.kv_usage:.0%}", f"{w.prefix_hit_rate:.0%}",
+                      f"{busy:.0%}")
     Console().print(table)
     return 0
 
@@ -218,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     serve.add_argument("--torch-threads", type=int, default=1)
     serve.add_argument("--kv-cache-gb", type=float, default=engine_defaults.KV_CACHE_GB)
+    serve.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                       help="KV pages of every worker: auto (the model's dtype) or int8 "
+                            "(a scale per token and KV head: about 2x the blocks of bf16 "
+                            "per GB, half the bytes per transfer; CPU/torch attention)")
     serve.add_argument("--max-num-batched-tokens", type=int,
                        default=engine_defaults.MAX_NUM_BATCHED_TOKENS)
     serve.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS)

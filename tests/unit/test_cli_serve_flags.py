@@ -76,3 +76,14 @@ def test_refusals_start_nothing(captured: list[Any], capsys: pytest.CaptureFixtu
     assert main(["serve", "--model", "tiny", *flags]) == 2
     assert message in capsys.readouterr().err
     assert captured == []
+
+
+def test_kv_cache_dtype_reaches_every_worker(captured: list[Any],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "tiny", "--kv-cache-dtype", "int8"]) == 0
+    assert main(["serve", "--model", "tiny"]) == 0
+    assert [o.cluster.worker["kv_cache_dtype"] for o in captured] == ["int8", "auto"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "tiny", "--kv-cache-dtype", "int4"])
+    assert exit_info.value.code == 2
+    assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err

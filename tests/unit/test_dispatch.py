@@ -175,6 +175,10 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     assert last.workers == ("decode-0", "prefill-0")  # for the request's log line
     assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_bytes_total",
                                                {"transport": "zmq"}) == 3 * BLOCK_BYTES
+    assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_request_bytes_sum",
+                                               {"transport": "zmq"}) == 3 * BLOCK_BYTES
+    assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_request_bytes_count",
+                                               {"transport": "zmq"}) == 1
     assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_seconds_count") == 1
     assert idle(h) and not h.dispatcher.requests
     # A finished request is not aborted.
