@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ import torch
 
 from engine import LLM, CacheConfig, LLMEngine, SamplingParams
 from engine.attention import BatchLayout
+from engine.attention.torch_backend import paged_decode
 from engine.hardware import cpu_features
+from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_quant import quantize
 from experiments import RESULTS
@@ -61,6 +64,7 @@ TEXT = (
     "a landscape that nobody recognised. It would take weeks for the water to go down, and "
     "months before the fields could be planted again, but no one had been lost.")
 CONTEXT = 1024
+_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "fma"}
 BLOCK = 16
 
 
@@ -143,7 +147,9 @@ def capacity(budget_gb: float = 1.0) -> dict[str, Any]:
 
 
 def _decode_engine(dtype: str, kv: str, batch: int) -> LLMEngine:
-    engine = LLMEngine("smollm2", dtype, cache=CacheConfig(
+    # One compute thread (torch and BLAS): on a shared 2-core machine two OpenBLAS threads
+    # made fp32 steps swing 5x between rounds.
+    engine = LLMEngine("smollm2", dtype, num_threads=1, cache=CacheConfig(
         num_blocks=batch * CONTEXT // BLOCK + 1, kv_cache_dtype=kv, enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
     head_dim = engine.model_config.head_dim
@@ -151,6 +157,23 @@ def _decode_engine(dtype: str, kv: str, batch: int) -> LLMEngine:
         values = torch.randn(*layer.shape[:-1], head_dim, generator=gen)
         layer.copy_(quantize(values) if engine.kv_cache.quantized else values)
     return engine
+
+
+def _attention(engine: LLMEngine, q: torch.Tensor, tables: torch.Tensor,
+               lens: torch.Tensor) -> None:
+    """The decode attention of every layer over its pages, alone (the KV-reading part)."""
+    for layer in engine.kv_cache.layers:
+        paged_decode(q, layer, tables, lens)
+
+
+def _median_s(fn: Any, steps: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -164,24 +187,24 @@ def step_times(runs: int, steps: int = 6) -> dict[str, Any]:
         tables = torch.arange(batch * blocks).view(batch, blocks)
         ids = torch.randint(100, 40000, (batch,), generator=torch.Generator().manual_seed(1))
         lens = [CONTEXT] * batch
+        q = {dtype: torch.randn(batch, 9, 64, generator=torch.Generator().manual_seed(2)).to(
+            getattr(torch, dtype)) for dtype in ("float32", "bfloat16")}
         rounds = []
         for _ in range(runs):
-            medians = {}
+            step, attn = {}, {}
             for c, engine in engines.items():  # interleaved: each config once per round
-                _step(engine, ids, 0, tables, lens)  # warm
-                times = []
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    _step(engine, ids, 0, tables, lens)
-                    times.append(time.perf_counter() - start)
-                medians["/".join(c)] = statistics.median(times)
-            rounds.append({"step_ms": {k: v * 1e3 for k, v in medians.items()},
-                           "int8_over_fp32_kv": medians["float32/int8"] / medians["float32/auto"],
-                           "int8_over_bf16_kv": medians["bfloat16/int8"] /
-                           medians["bfloat16/auto"]})
+                key = "/".join(c)
+                step[key] = _median_s(partial(_step, engine, ids, 0, tables, lens), steps)
+                attn[key] = _median_s(partial(_attention, engine, q[c[0]], tables,
+                                              torch.tensor(lens)), steps)
+            rounds.append({"step_ms": {k: v * 1e3 for k, v in step.items()},
+                           "attention_ms": {k: v * 1e3 for k, v in attn.items()},
+                           **{f"{part}_int8_over_{kv}_kv": t[f"{w}/int8"] / t[f"{w}/auto"]
+                              for part, t in (("step", step), ("attention", attn))
+                              for w, kv in (("float32", "fp32"), ("bfloat16", "bf16"))}})
         out[f"batch_{batch}"] = {"rounds": rounds, **{
             key: {"min": min(r[key] for r in rounds), "max": max(r[key] for r in rounds)}
-            for key in ("int8_over_fp32_kv", "int8_over_bf16_kv")}}
+            for key in rounds[0] if key.endswith("_kv")}}
         del engines
     return out
 
@@ -191,14 +214,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="interleaved timing rounds")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true",
+                        help="only capacity and the decode step")
     parser.add_argument("--out", type=Path, default=RESULTS / "int8_kv.json")
     args = parser.parse_args()
     cpu = cpu_features()
     report: dict[str, Any] = {
-        "machine": {"cpu": cpu.describe(), "torch_threads": torch.get_num_threads()},
+        "machine": {"cpu": cpu.describe(), "flags": sorted(cpu.flags & _FLAGS),
+                    "kernel_isa": cpu_kernels().isa(), "compute_threads": 1},
         "load_at_start": os.getloadavg()[0],
-        "capacity": capacity(), "logprob": logprob_difference(),
-        "greedy": greedy(args.max_tokens)}
+        "capacity": capacity()}
+    if not args.skip_quality:
+        report["logprob"] = logprob_difference()
+        report["greedy"] = greedy(args.max_tokens)
     if not args.skip_speed:
         report["decode_step"] = step_times(args.runs)
     report["load_at_end"] = os.getloadavg()[0]
