@@ -20,8 +20,8 @@ class TorchAttentionBackend(AttentionBackend):
     int8 pages (`engine/kv_quant.py`) are written quantized; the kernel dequantizes rows as
     it reads them, and a prefill over cached blocks dequantizes only that sequence's
     gathered pages, so no full-precision copy of the cache is made. A fresh prompt attends
-    its keys as stored too (quantized and back), so a token's output does not depend on
-    whether its prefix came from the cache, a transfer or this step.
+    its keys as stored too (quantized and back), so it attends the same values whether its
+    prefix came from the cache, a transfer or this step.
     """
 
     name = "torch"
