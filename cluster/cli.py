@@ -209,14 +209,15 @@ def _print_status(out: Any, status: dict[str, Any]) -> None:
     from protocol.status import workers
 
     table = Table(title=f"pdcluster · {status.get('model')} · {status.get('mode')}")
-    for column in ("worker", "role", "state", "node", "host", "pid", "dtype", "running",
-                   "waiting", "KV blocks", "KV used", "prefix hits", "busy"):
+    for column in ("worker", "role", "state", "node", "host", "pid", "dtype", "KV blocks",
+                   "running", "waiting", "KV used", "prefix hits", "busy"):
         table.add_column(column)
     for w in workers(status):
         busy = w.busy_seconds / max(w.uptime_s, 1e-9)
         table.add_row(w.worker_id, w.role, w.state, w.node[:12], w.host, str(w.pid), w.dtype,
-                      str(w.num_running), str(w.num_waiting), str(w.num_blocks),
-                      f"{w.kv_usage:.0%}", f"{w.prefix_hit_rate:.0%}", f"{busy:.0%}")
+                      f"{w.num_blocks} {w.kv_cache_dtype}", str(w.num_running),
+                      str(w.num_waiting), f"{w.kv_usage:.0%}", f"{w.prefix_hit_rate:.0%}",
+                      f"{busy:.0%}")
     out.print(table)
     pools = status.get("pool_settings", {})
     if pools:
@@ -339,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="GB", help="KV pool per worker in GB (None: "
                              f"{engine_defaults.KV_CACHE_GB:g} on CPU; on CUDA sized by "
                              "--gpu-memory-utilization)")
+    worker.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="KV pages: auto (the model's dtype) or int8 (a scale per token "
+                             "and KV head: about 2x the blocks of bf16 per GB, half the bytes "
+                             "per transfer; CPU/torch attention); both pools must match")
     worker.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                         help="share of the GPU's memory a worker may hold (weights + KV); "
                              "the KV pool gets what the weights leave (None: "

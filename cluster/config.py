@@ -20,7 +20,7 @@ MODES = ("disaggregated", "colocated")
 TRANSPORTS = {"shm": ("shm", "zmq"), "zmq": ("zmq",), "torch": ("torch_dist", "zmq"),
               "mooncake": ("mooncake", "zmq")}
 # Engine settings that fix the KV layout: a prefill and a decode pool must agree on them.
-KV_LAYOUT_KEYS = ("dtype", "block_size")
+KV_LAYOUT_KEYS = ("dtype", "kv_cache_dtype", "block_size")
 
 
 @dataclass(frozen=True)

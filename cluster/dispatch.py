@@ -376,8 +376,10 @@ class Dispatcher:
         if record.timings:  # the remote prefill's KV landed: the prefill worker is done
             state.timings.update(record.timings)
             self.metrics.transfer_seconds.observe(record.timings.get("transfer", 0.0))
-            self.metrics.transfer_bytes.labels(record.transport or "unknown").inc(
-                state.num_kv_blocks * handle.info["block_bytes"])
+            shipped = state.num_kv_blocks * handle.info["block_bytes"]
+            self.metrics.transfer_bytes.labels(record.transport or "unknown").inc(shipped)
+            self.metrics.request_transfer_bytes.labels(record.transport or "unknown").observe(
+                shipped)
             self._release(state, only_prefill=True)
         if record.transfer_failed:
             self._retry_transfer(state, record.error or "KV transfer failed")

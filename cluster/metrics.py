@@ -12,6 +12,8 @@ from prometheus_client.registry import Collector
 from router.metrics import ModelBoundMetric
 
 _TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# KV bytes of one request: SmolLM2-135M takes 23 KiB (fp32) or 6 KiB (int8) per token.
+_REQUEST_BYTES_BUCKETS = tuple(2.0**k for k in range(16, 33, 2))  # 64 KiB .. 4 GiB
 
 _GAUGES = {
     "worker_kv_usage": ("kv_usage", "Fraction of the worker's KV blocks in use."),
@@ -78,6 +80,8 @@ class ClusterMetrics:
         registry: where they live.
         transfer_seconds: end of prefill to KV landed on the decode worker, per transfer.
         transfer_bytes: KV bytes shipped from prefill to decode workers, by transport.
+        request_transfer_bytes: KV bytes shipped for one request, by transport (its
+            `_sum` over its `_count` is the mean bytes per transferred request).
         migrations: requests placed again because their worker died or was drained.
         transfer_retries: failed KV transfers retried on another prefill worker or locally.
         spread_moves: running requests moved onto a worker that joined the decode pool.
@@ -94,6 +98,11 @@ class ClusterMetrics:
             "pdcluster:kv_transfer_bytes",
             "KV bytes shipped from prefill to decode workers, by transport.",
             [*model, "transport"], registry=self.registry), model_name)
+        self.request_transfer_bytes = ModelBoundMetric(Histogram(
+            "pdcluster:kv_transfer_request_bytes",
+            "KV bytes shipped from prefill to decode for one request, by transport.",
+            [*model, "transport"], buckets=_REQUEST_BYTES_BUCKETS, registry=self.registry),
+            model_name)
         self.migrations = Counter(
             "pdcluster:migrations",
             "Requests placed again because their worker died or was drained.",
@@ -140,6 +149,15 @@ class WorkerCollector(Collector):
                         metric.add_metric([self.model_name, h.worker_id, h.role],
                                           getattr(values, key))
                 yield metric
+        info = GaugeMetricFamily(
+            "pdcluster:worker_kv_cache_info",
+            "The worker's KV pool: its page dtype as a label, its blocks as the value.",
+            labels=[*labels, "kv_cache_dtype"])
+        for h in workers:
+            if h.stats is not None:
+                info.add_metric([self.model_name, h.worker_id, h.role, h.stats.kv_cache_dtype],
+                                h.stats.num_blocks)
+        yield info
         yield from self.backend.metrics.registry.collect()
 
 

@@ -68,6 +68,8 @@ class WorkerSpec:
         torch_threads: intra-op threads for this worker.
         policy: `continuous` batching, or `static` (for comparison benchmarks).
         enable_prefix_caching: reuse cached prompt blocks.
+        kv_cache_dtype: `auto` (the model's dtype) or `int8` KV pages; prefill and decode
+            workers must agree (the KV handshake refuses a mismatch).
         kv_wait_timeout_s: how long reserved decode blocks wait for a remote prefill's KV
             (queueing on the prefill worker included; peer loss is detected sooner).
         max_model_len: longest prompt + output; None: the model's and the KV pool's limit.
@@ -96,6 +98,7 @@ class WorkerSpec:
     torch_threads: int | None = None
     policy: str = "continuous"
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     kv_wait_timeout_s: float = 600.0
     max_model_len: int | None = None
     cluster_key: ClusterKey | None = None
@@ -152,7 +155,8 @@ class Worker:
             cache=CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
                               kv_cache_memory_gb=spec.kv_cache_memory_gb,
                               gpu_memory_utilization=spec.gpu_memory_utilization,
-                              enable_prefix_caching=spec.enable_prefix_caching),
+                              enable_prefix_caching=spec.enable_prefix_caching,
+                              kv_cache_dtype=spec.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
                                       max_num_seqs=spec.max_num_seqs, role=str(spec.role),
                                       policy=spec.policy),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+from engine.config import CacheConfig
 from engine.llm_engine import EngineOutput, LLMEngine
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -20,11 +22,15 @@ class LLM:
     Args:
         model: `smollm2`, `tiny`, a `.gguf` file or a local Hugging Face directory.
         dtype: `float32`, `bfloat16` or `float16`.
+        kv_cache_dtype: `auto` (the model's dtype) or `int8`; sets `cache.kv_cache_dtype`.
         **engine_kwargs: passed to `LLMEngine` (cache, scheduler, device, ...).
     """
 
     def __init__(self, model: str = "smollm2", dtype: str = "float32",
-                 **engine_kwargs: Any) -> None:
+                 kv_cache_dtype: str = "auto", **engine_kwargs: Any) -> None:
+        if kv_cache_dtype != "auto":
+            cache = engine_kwargs.get("cache") or CacheConfig()
+            engine_kwargs["cache"] = replace(cache, kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(model, dtype, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -111,13 +111,18 @@ class LLMEngine:
         self.model = load_model(self.model_dir, cfg, hf_config, self.dtype, self.device)
         num_blocks = self.cache_config.num_blocks or self._blocks_for_memory()
         bs = self.cache_config.block_size
+        kv_dtype = self.cache_config.kv_cache_dtype
+        attn = get_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           attention_backend)
+        if kv_dtype == "int8" and attn.name != "torch":
+            raise ValueError(f"--kv-cache-dtype int8 needs the torch attention backend (its "
+                             f"CPU kernels read int8 pages); {attn.name} does not: use "
+                             f"--kv-cache-dtype auto, or attention_backend='torch'")
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
-                                self.dtype, self.device, kv_allocator)
+                                self.dtype, self.device, kv_allocator, kv_dtype)
         self.block_pool = BlockPool(num_blocks, self.cache_config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, bs)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
-        attn = get_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           attention_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device)
         self.max_model_len = min(cfg.max_model_len, num_blocks * bs)
         if not self.scheduler_config.enable_chunked_prefill:
@@ -131,7 +136,8 @@ class LLMEngine:
     def _blocks_for_memory(self) -> int:
         cfg = self.model_config
         per_block = KVCache.bytes_per_block(cfg.num_layers, self.cache_config.block_size,
-                                            cfg.num_kv_heads, cfg.head_dim, self.dtype)
+                                            cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                            self.cache_config.kv_cache_dtype)
         total = held = 0
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1]
@@ -292,6 +298,7 @@ class LLMEngine:
         pool = self.block_pool
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv_cache.kv_cache_dtype,
             "hardware": self.runner.hardware,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

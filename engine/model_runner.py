@@ -41,11 +41,10 @@ class StepCosts:
         cfg = model.cfg
         per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters()
                         if "layernorm" not in n)
-        elem = kv_cache.buffer.element_size()
-        weights = sum(p.numel() for p in model.parameters()) * elem
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
         return StepCosts(per_layer * cfg.num_layers, cfg.vocab_size * cfg.hidden_size, weights,
                          4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
-                         2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * elem)
+                         kv_cache.block_bytes * cfg.num_layers // kv_cache.block_size)
 
     def estimate(self, layout: BatchLayout, num_sampled: int) -> tuple[float, float]:
         """(FLOPs, bytes read) of one step."""
@@ -82,7 +81,7 @@ class ModelRunner:
         # The device and the paths a step takes on it (logged; in the worker's stats).
         self.hardware = str(device)
         if device.type == "cpu":
-            self.hardware = self._cpu_paths(kv_cache.dtype)
+            self.hardware = self._cpu_paths(next(model.parameters()).dtype)
             log.info("%s; %d torch threads", self.hardware, torch.get_num_threads())
 
     def _cpu_paths(self, dtype: torch.dtype) -> str:

@@ -82,12 +82,14 @@ def default_model_dir() -> Path:
 class PdclusterRunner:
     """pdcluster's offline `LLM`, loaded once, timing `generate` on whole workloads."""
 
-    def __init__(self, model_dir: Path, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: Path, dtype: str = "float32",
+                 kv_cache_dtype: str = "auto") -> None:
         from engine import LLM, CacheConfig
 
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         start = time.perf_counter()
-        self.llm = LLM(model=str(model_dir), dtype=dtype,
+        self.llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                        cache=CacheConfig(kv_cache_memory_gb=KV_CACHE_GB))
         self.generate(Workload("warm-up", 0, [BenchRequest(list(range(100, 116)), 4)]))
         self.startup_s = time.perf_counter() - start
@@ -256,18 +258,20 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 10) -> float:
 
 
 def decode_bytes(model_dir: Path, batch: int, context_len: float,
-                 dtype: str = "float32") -> tuple[int, float]:
+                 dtype: str = "float32", kv_cache_dtype: str = "auto") -> tuple[int, float]:
     """(weight bytes, KV bytes) one decode step at `dtype` reads.
 
     The weights are stored in fp32, so the safetensors size scaled to `dtype` is what a step
     streams (the tied embedding is read once, as the LM head). KV: K and V of every layer
-    for `context_len` tokens of each of `batch` sequences.
+    for `context_len` tokens of each of `batch` sequences (int8: a byte per value and 4 for
+    each row's scale).
     """
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     weight_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) * elem // 4
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * elem
+    row = head_dim + 4 if kv_cache_dtype == "int8" else head_dim * elem
+    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * row
     return weight_bytes, batch * context_len * kv_per_token
 
 
@@ -299,7 +303,7 @@ def decode_roofline(runner: PdclusterRunner, model_dir: Path, vocab_size: int,
             step = decode_step_s(lambda w: runner.generate(w)[0], batch, prompt_len, steps,
                                  vocab_size)
         weight_bytes, kv_bytes = decode_bytes(model_dir, batch, prompt_len + steps / 2,
-                                              runner.dtype)
+                                              runner.dtype, runner.kv_cache_dtype)
         bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
         rows.append({"batch": batch, "step_ms": step * 1e3, "roofline_ms": bound * 1e3,
                      "fraction_of_roofline": bound / step, "weight_bytes": weight_bytes,
@@ -311,10 +315,11 @@ def decode_roofline(runner: PdclusterRunner, model_dir: Path, vocab_size: int,
 # ---- the run -------------------------------------------------------------------------
 
 def run_pdcluster(model_dir: Path, workload: Workload, vocab_size: int, roofline: bool,
-                  dtype: str = "float32") -> tuple[EngineRun, dict[str, Any]]:
+                  dtype: str = "float32", kv_cache_dtype: str = "auto"
+                  ) -> tuple[EngineRun, dict[str, Any]]:
     """pdcluster on the workload, then (optionally) the roofline parts; its KV cache is freed
     on return."""
-    runner = PdclusterRunner(model_dir, dtype)
+    runner = PdclusterRunner(model_dir, dtype, kv_cache_dtype)
     result = runner.run(workload)
     parts: dict[str, Any] = {"status": "skipped (--no-roofline)"}
     if roofline:
@@ -348,9 +353,10 @@ def default_dtypes() -> list[str]:
 
 
 def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: int, out: Path,
-        roofline: bool = True, dtypes: list[str] | None = None) -> dict[str, Any]:
+        roofline: bool = True, dtypes: list[str] | None = None,
+        kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Run the chosen engines on one workload, pdcluster and vLLM at each of `dtypes`
-    (pdcluster also on the roofline); write `out`.
+    (pdcluster also on the roofline, its KV pages of `kv_cache_dtype`); write `out`.
 
     A failing engine does not stop the others: its error is recorded in place of its numbers.
     """
@@ -370,7 +376,7 @@ def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: i
         try:
             if name == "pdcluster":
                 runs[key], parts[dtype] = run_pdcluster(model_dir, workload, vocab_size,
-                                                        roofline, dtype)
+                                                        roofline, dtype, kv_cache_dtype)
             else:
                 runs[key] = run_peer(name, model_dir, workload, dtype or "float32")
         except Exception as e:  # one engine's failure must not hide the others' numbers
@@ -485,6 +491,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default=None,
                         help="comma-separated dtypes for pdcluster and vLLM (default: float32, "
                              "plus bfloat16 where the CPU has native bf16)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="pdcluster's KV pages (vLLM keeps its own default)")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip pdcluster's decode/prefill roofline parts")
     parser.add_argument("--model-dir", type=Path, default=None,
@@ -506,7 +514,8 @@ def main() -> None:
     out = args.out or RESULTS / ("engine.json" if args.workload == "mixed" else
                                  f"engine-{args.workload}.json")
     report = run(engines, model_dir, args.workload, args.num_requests, out,
-                 roofline=not args.no_roofline, dtypes=dtypes)
+                 roofline=not args.no_roofline, dtypes=dtypes,
+                 kv_cache_dtype=args.kv_cache_dtype)
     print_report(report)
     _console.print(f"wrote {out}")
     if any("error" in r for r in report["engines"].values()):

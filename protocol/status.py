@@ -66,6 +66,8 @@ class WorkerStats(msgspec.Struct, kw_only=True):
         utilization: the last interval's shares (None before the first whole interval).
         queued_prefill_tokens: prompt tokens queued on a prefill worker (placement).
         dtype: what its model computes in (`--dtype auto` resolved).
+        kv_cache_dtype: what its KV pages hold (`int8`, or `dtype` with `--kv-cache-dtype
+            auto`).
         hardware: its device and the kernel paths it took there.
     """
 
@@ -93,6 +95,7 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     utilization: Utilization | None = None  # None until a whole interval was sampled
     queued_prefill_tokens: int = 0
     dtype: str = ""
+    kv_cache_dtype: str = ""
     hardware: str = ""
 
 

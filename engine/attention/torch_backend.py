@@ -9,12 +9,19 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kernels import cpu_kernels
+from engine.kv_quant import dequantize, quantize
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Prefills attend with SDPA; decodes on CPU with one kernel call per layer that reads
     the KV pages in place (`engine/csrc/paged_decode.cpp`), elsewhere with SDPA per sequence over
     exactly its gathered pages (the reference the kernel is tested against).
+
+    int8 pages (`engine/kv_quant.py`) are written quantized; the kernel dequantizes rows as
+    it reads them, and a prefill over cached blocks dequantizes only that sequence's
+    gathered pages, so no full-precision copy of the cache is made. A fresh prompt attends
+    its keys as stored too (quantized and back), so it attends the same values whether its
+    prefix came from the cache, a transfer or this step.
     """
 
     name = "torch"
@@ -50,15 +57,22 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
-        kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
-        kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
+        if kv_layer.dtype == torch.int8:
+            k, v = quantize(k), quantize(v)
+            kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
+            kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
+            if self.prefills:  # what the pages now hold, for prompts attending fresh keys
+                k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
+        else:
+            kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
+            kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
         out = torch.empty_like(q)
         for start, q_len, ctx_len, table, mask in self.prefills:
             end = start + q_len
             if ctx_len == q_len:  # nothing cached before: attend to the fresh keys
                 out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None)
             else:
-                keys, values = _gather(kv_layer, table, ctx_len)
+                keys, values = _gather(kv_layer, table, ctx_len, q.dtype)
                 out[start:end] = self._attend(q[start:end], keys, values, mask)
         if self.decodes:
             q_dec = q[self.decode_start:]
@@ -83,7 +97,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i, (table, ctx_len) in enumerate(self.decodes):
             keys, values = (x.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
-                            for x in _gather(kv_layer, table, ctx_len))
+                            for x in _gather(kv_layer, table, ctx_len, q.dtype))
             # The query heads sharing a KV head act as that head's queries: no KV repeat needed.
             grouped = q[i].view(1, self.num_kv_heads, group, self.head_dim)
             out[i] = F.scaled_dot_product_attention(grouped, keys, values).view(
@@ -91,11 +105,14 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def _gather(kv_layer: torch.Tensor, table: torch.Tensor,
-            ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's keys and values, `[ctx_len, H, D]` each, from its pages."""
+def _gather(kv_layer: torch.Tensor, table: torch.Tensor, ctx_len: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values, `[ctx_len, H, D]` each of `dtype`, from its pages
+    (int8 pages dequantized: the copy is this sequence's context, never the pool)."""
     keys, values = (kv_layer[:, i].index_select(0, table).flatten(0, 1)[:ctx_len]
                     for i in (0, 1))
+    if kv_layer.dtype == torch.int8:
+        return dequantize(keys, dtype), dequantize(values, dtype)
     return keys, values
 
 
@@ -111,7 +128,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
 
     Args:
         q: `[B, num_heads, head_dim]`.
-        kv_layer: `[num_blocks, 2, block_size, num_kv_heads, head_dim]`, contiguous.
+        kv_layer: `[num_blocks, 2, block_size, num_kv_heads, head_dim]` of q's dtype, or
+            int8 `[..., head_dim + 4]` (`engine/kv_quant.py`), contiguous.
         block_tables: int64 `[B, max_blocks]`.
         context_lens: int64 `[B]`, the tokens each query sees (its own included).
 

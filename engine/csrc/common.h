@@ -48,6 +48,12 @@ struct Ops {
                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim, int64_t block_size, float scale, int64_t head_tasks,
                  int64_t begin, int64_t end);
+  // The same over int8 pages: each row of head_dim int8 values is followed by its fp32
+  // scale (engine/kv_quant.py), dequantized as the row is read.
+  void (*decode_i8)(const T* q, const int8_t* kv, const int64_t* tables, const int64_t* lens,
+                    T* out, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, int64_t block_size, float scale, int64_t head_tasks,
+                    int64_t begin, int64_t end);
 };
 
 struct KernelTable {

@@ -10,6 +10,7 @@ using pdk::bf16;
 constexpr int64_t kLanes = 8;  // independent partial sums: lets the compiler use SIMD
 
 inline float load(float x) { return x; }
+inline float load(int8_t x) { return static_cast<float>(x); }
 inline float load(bf16 x) {
   const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -95,6 +96,24 @@ void silu_mul(const T* gate_up, int64_t gs, T* out, int64_t n, int64_t begin, in
   }
 }
 
+// Elements after a KV row's head_dim values: an int8 row carries its fp32 scale there.
+template <class K>
+constexpr int64_t kTail = std::is_same_v<K, int8_t> ? 4 : 0;
+
+// The factor a KV row's values are multiplied by: its stored scale for int8, else 1.
+template <class K>
+inline float row_scale(const K* row, int64_t head_dim) {
+  if constexpr (std::is_same_v<K, int8_t>) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof s);
+    return s;
+  } else {
+    (void)row;
+    (void)head_dim;
+    return 1.f;
+  }
+}
+
 // q . k over head_dim elements; q is pre-scaled fp32 (`qs`) or, with vdpbf16ps, the bf16
 // query itself (`qb`, scaled after the sum).
 inline float dot(const float* qs, const float*, const float* k, int64_t head_dim, float) {
@@ -125,12 +144,26 @@ inline float dot(const float* qs, const bf16* qb, const bf16* k, int64_t head_di
   for (int64_t l = 0; l < kLanes; ++l) s += part[l];
   return s;
 }
+// q . k for an int8 row (its scale not applied): widened to fp32 lane by lane.
+template <class T>
+inline float dot(const float* qs, const T*, const int8_t* k, int64_t head_dim, float) {
+  float part[kLanes] = {};
+  for (int64_t d = 0; d < head_dim; d += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += qs[d + l] * static_cast<float>(k[d + l]);
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += part[l];
+  return s;
+}
 
 #if PDK_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {  // widen 16 bf16 to fp32
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const int8_t* p) {  // widen 16 int8 to fp32
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Asks for n elements from p into the cache ahead of their use (pages are scattered, so
@@ -162,12 +195,12 @@ inline __m512 sum16(__m512* v) {
 }
 
 // Scores of one query head against 16 consecutive keys `stride` elements apart.
-template <class T>
-inline void scores16(const float* qs, const T* qb, const T* k, int64_t stride,
+template <class T, class K>
+inline void scores16(const float* qs, const T* qb, const K* k, int64_t stride,
                      int64_t head_dim, float scale, float* out) {
   __m512 acc[16];
 #if PDK_BF16_DOT
-  if constexpr (std::is_same_v<T, bf16>) {
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<K, bf16>) {
     for (int i = 0; i < 16; ++i) {
       __m512 a = _mm512_setzero_ps();
       for (int64_t d = 0; d < head_dim; d += 32)
@@ -187,16 +220,24 @@ inline void scores16(const float* qs, const T* qb, const T* k, int64_t stride,
       a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + d), load16(k + i * stride + d), a);
     acc[i] = a;
   }
-  _mm512_storeu_ps(out, sum16(acc));
+  __m512 sums = sum16(acc);
+  if constexpr (std::is_same_v<K, int8_t>) {
+    float scales[16];
+    for (int i = 0; i < 16; ++i) scales[i] = row_scale(k + i * stride, head_dim);
+    sums = _mm512_mul_ps(sums, _mm512_loadu_ps(scales));
+  }
+  _mm512_storeu_ps(out, sums);
 }
 #endif
 
-template <class T>
-void decode(const T* q, const T* kv, const int64_t* tables, const int64_t* lens, T* out,
+// K is the pages' element type: T itself, or int8 (rows of head_dim values and a scale).
+template <class T, class K>
+void decode(const T* q, const K* kv, const int64_t* tables, const int64_t* lens, T* out,
             int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
             int64_t block_size, float scale, int64_t head_tasks, int64_t begin, int64_t end) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // kv [N, 2, bs, Hkv, D]
+  const int64_t row_width = head_dim + kTail<K>;
+  const int64_t token_stride = num_kv_heads * row_width;  // kv [N, 2, bs, Hkv, row_width]
   const int64_t half_stride = block_size * token_stride;  // K -> V of one block
   const int64_t block_stride = 2 * half_stride;
   const int64_t heads_per_task = num_kv_heads / head_tasks;
@@ -210,8 +251,8 @@ void decode(const T* q, const T* kv, const int64_t* tables, const int64_t* lens,
     for (int64_t i = 0; i < width * head_dim; ++i) qs[i] = load(q_seq[i]) * scale;
     scores.resize(width * len);
     for (int64_t t = 0; t < len;) {
-      const T* row = kv + table[t / block_size] * block_stride +
-                     (t % block_size) * token_stride + first * head_dim;
+      const K* row = kv + table[t / block_size] * block_stride +
+                     (t % block_size) * token_stride + first * row_width;
 #if PDK_AVX512
       // 16 keys of one page at once (no horizontal sum per key).
       if (block_size % 16 == 0 && t % 16 == 0 && t + 16 <= len && head_dim % 32 == 0) {
@@ -219,15 +260,18 @@ void decode(const T* q, const T* kv, const int64_t* tables, const int64_t* lens,
           prefetch(kv + table[t / block_size + 1] * block_stride, half_stride);
         for (int64_t h = 0; h < width; ++h)
           scores16(qs.data() + h * head_dim, q_seq + h * head_dim,
-                   row + (h / group) * head_dim, token_stride, head_dim, scale,
+                   row + (h / group) * row_width, token_stride, head_dim, scale,
                    scores.data() + h * len + t);
         t += 16;
         continue;
       }
 #endif
-      for (int64_t h = 0; h < width; ++h)
-        scores[h * len + t] = dot(qs.data() + h * head_dim, q_seq + h * head_dim,
-                                  row + (h / group) * head_dim, head_dim, scale);
+      for (int64_t h = 0; h < width; ++h) {
+        const K* k = row + (h / group) * row_width;
+        scores[h * len + t] =
+            dot(qs.data() + h * head_dim, q_seq + h * head_dim, k, head_dim, scale) *
+            row_scale(k, head_dim);
+      }
       ++t;
     }
     for (int64_t h = 0; h < width; ++h) {
@@ -245,18 +289,19 @@ void decode(const T* q, const T* kv, const int64_t* tables, const int64_t* lens,
         run = std::min(block_size - t0 % block_size, len - t0);
         if (t0 + run < len)
           prefetch(kv + table[(t0 + run) / block_size] * block_stride + half_stride, half_stride);
-        const T* rows = kv + table[t0 / block_size] * block_stride + half_stride +
-                        (t0 % block_size) * token_stride + first * head_dim;
+        const K* rows = kv + table[t0 / block_size] * block_stride + half_stride +
+                        (t0 % block_size) * token_stride + first * row_width;
         for (int64_t h = 0; h < width; ++h) {
-          const T* v = rows + (h / group) * head_dim;
+          const K* v = rows + (h / group) * row_width;
           const float* p = scores.data() + h * len + t0;
           for (int64_t d = 0; d < head_dim; d += 64) {
             float* ah = acc.data() + h * head_dim + d;
             __m512 a0 = _mm512_loadu_ps(ah), a1 = _mm512_loadu_ps(ah + 16),
                    a2 = _mm512_loadu_ps(ah + 32), a3 = _mm512_loadu_ps(ah + 48);
             for (int64_t i = 0; i < run; ++i) {
-              const __m512 pv = _mm512_set1_ps(p[i]);
-              const T* vr = v + i * token_stride + d;
+              const __m512 pv =
+                  _mm512_set1_ps(p[i] * row_scale(v + i * token_stride, head_dim));
+              const K* vr = v + i * token_stride + d;
               a0 = _mm512_fmadd_ps(pv, load16(vr), a0);
               a1 = _mm512_fmadd_ps(pv, load16(vr + 16), a1);
               a2 = _mm512_fmadd_ps(pv, load16(vr + 32), a2);
@@ -272,11 +317,11 @@ void decode(const T* q, const T* kv, const int64_t* tables, const int64_t* lens,
     } else
 #endif
     for (int64_t t = 0; t < len; ++t) {
-      const T* row = kv + table[t / block_size] * block_stride + half_stride +
-                     (t % block_size) * token_stride + first * head_dim;
+      const K* row = kv + table[t / block_size] * block_stride + half_stride +
+                     (t % block_size) * token_stride + first * row_width;
       for (int64_t h = 0; h < width; ++h) {
-        const float p = scores[h * len + t];
-        const T* v = row + (h / group) * head_dim;
+        const K* v = row + (h / group) * row_width;
+        const float p = scores[h * len + t] * row_scale(v, head_dim);
         float* ah = acc.data() + h * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * load(v[d]);
       }
@@ -290,7 +335,8 @@ void decode(const T* q, const T* kv, const int64_t* tables, const int64_t* lens,
 
 template <class T>
 constexpr pdk::Ops<T> ops() {
-  return {&rms_norm<T>, &add_rms_norm<T>, &rope<T>, &silu_mul<T>, &decode<T>};
+  return {&rms_norm<T>, &add_rms_norm<T>, &rope<T>, &silu_mul<T>, &decode<T, T>,
+          &decode<T, int8_t>};
 }
 
 // constexpr: no static initialiser runs code of this ISA when the module loads.

@@ -262,6 +262,7 @@ def stand_in_backend() -> SimpleNamespace:
                for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
     metrics = ClusterMetrics("smollm2")
     metrics.transfer_bytes.labels("zmq")  # a labelled counter has no series before its child
+    metrics.request_transfer_bytes.labels("zmq")
     return SimpleNamespace(workers=workers, metrics=metrics)
 
 

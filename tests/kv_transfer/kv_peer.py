@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCache
+from engine.kv_quant import quantize
 from kv_transfer.blocks import as_bytes
 from kv_transfer.compat import CompatRecord
 from kv_transfer.config import TRANSPORTS, TransferConfig
@@ -44,13 +45,15 @@ TRANSPORT_PARAMS = [pytest.param(t, marks=[NEEDS_MOONCAKE] if t == "mooncake" el
 
 
 def make_kv(num_blocks: int, seed: int | None = None, allocator: Any = None,
-            block_size: int = BLOCK_SIZE) -> KVCache:
-    """A bfloat16 pool: zeros, or seeded random contents (same in every process)."""
+            block_size: int = BLOCK_SIZE, kv_cache_dtype: str = "auto") -> KVCache:
+    """A bfloat16 (or int8) pool: zeros, or seeded random contents (same in every process;
+    int8 pages hold quantized random rows with their scales)."""
     kv = KVCache(NUM_LAYERS, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16,
-                 allocator=allocator)
+                 allocator=allocator, kv_cache_dtype=kv_cache_dtype)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
-        kv.buffer.copy_(torch.randn(kv.buffer.shape, generator=gen))
+        values = torch.randn(*kv.buffer.shape[:-1], HEAD_DIM, generator=gen)
+        kv.buffer.copy_(quantize(values) if kv.quantized else values)
     return kv
 
 
@@ -131,9 +134,10 @@ def run_plan(tx: KVSender, peer_id: str, plan: Plan) -> list[TransferEvent]:
     return collect(tx, len(plan))
 
 
-def sender_main(conn: Any, transport: str, corrupt: bool = False) -> None:
+def sender_main(conn: Any, transport: str, corrupt: bool = False,
+                kv_cache_dtype: str = "auto") -> None:
     """Child: a sender with the seeded pool, obeying commands from the test."""
-    kv = make_kv(SENDER_BLOCKS, seed=SEED)
+    kv = make_kv(SENDER_BLOCKS, seed=SEED, kv_cache_dtype=kv_cache_dtype)
     cls = CorruptingSender if corrupt else KVSender
     with cls(kv, compat_of(kv), config(transport)) as tx:
         while (cmd := conn.recv())[0] != "exit":

@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from kv_peer import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
     RECEIVER_BLOCKS,
     SEED,
     SENDER_BLOCKS,
@@ -21,6 +26,7 @@ from kv_peer import (
     sender_main,
 )
 
+from engine.kv_cache import KVCache
 from kv_transfer import (
     KVCompatibilityError,
     KVSender,
@@ -111,6 +117,19 @@ def test_mismatched_handshake_is_refused_by_both_sides(transport: str) -> None:
         with pytest.raises(KVCompatibilityError,
                            match=r"refused the handshake.*block_size: 4 here, 8 on the peer"):
             tx.connect(info, transport)
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_int8_pages_are_refused_by_a_peer_of_another_kv_dtype(transport: str) -> None:
+    # The same model and geometry: only the pages' format differs, and bytes of one read as
+    # the other would be garbage, so the handshake names it before anything moves.
+    kv = KVCache(NUM_LAYERS, SENDER_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                 torch.bfloat16, kv_cache_dtype="int8")
+    with receiver_for(transport) as rx, KVSender(kv, compat_of(kv), config(transport)) as tx:
+        with pytest.raises(KVCompatibilityError) as err:
+            tx.connect(rx.peer_info(), transport)
+        assert str(err.value) == ("incompatible KV caches: dtype: 'int8' here, 'bfloat16' "
+                                  "on the peer")
 
 
 def test_compat_error_names_every_field_with_both_values() -> None:

@@ -24,12 +24,21 @@ from kv_transfer import KVReceiver, SharedKVPool, TransferDone
 
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_received_kv_is_bit_identical(transport: str) -> None:
+    _check_round_trip(transport, "auto")
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_int8_pages_and_their_scales_arrive_bit_identical(transport: str) -> None:
+    _check_round_trip(transport, "int8")
+
+
+def _check_round_trip(transport: str, kv_cache_dtype: str) -> None:
     # Blocks travel whole, so a partly filled last block arrives with its unused slots too.
     pool = SharedKVPool() if transport == "shm" else None
-    kv = make_kv(RECEIVER_BLOCKS, allocator=pool)
+    kv = make_kv(RECEIVER_BLOCKS, allocator=pool, kv_cache_dtype=kv_cache_dtype)
     plan = make_plan()
     with KVReceiver(kv, compat_of(kv), config(transport), shm_pool=pool) as rx, \
-            child(sender_main, transport) as (_, conn):
+            child(sender_main, transport, False, kv_cache_dtype) as (_, conn):
         peer_id = ask(conn, "connect", rx.peer_info())
         for rid, _, dst in plan:
             rx.expect(rid, dst)
@@ -41,8 +50,10 @@ def test_received_kv_is_bit_identical(transport: str) -> None:
     assert sorted(events, key=str) == sorted(
         (TransferDone(rid, {"first_token": i}, transport) for i, (rid, _, _) in enumerate(plan)),
         key=str)
-    sent = make_kv(SENDER_BLOCKS, seed=SEED).buffer.view(torch.int16)  # [L, N, 2, bs, H, D]
-    got = kv.buffer.view(torch.int16)
+    # bytes of [L, N, 2, bs, H, D] (int8: D + 4, each row's scale after it)
+    sent = make_kv(SENDER_BLOCKS, seed=SEED, kv_cache_dtype=kv_cache_dtype).buffer.view(
+        torch.uint8)
+    got = kv.buffer.view(torch.uint8)
     for _, src, dst in plan:
         assert torch.equal(got[:, dst], sent[:, src])
     written = {b for _, _, dst in plan for b in dst}

@@ -47,7 +47,7 @@ def _case(device):
     new_v = torch.cat([v[ctx - q:] for v, (q, ctx) in zip(full_v, seqs, strict=True)])
     expected = torch.cat([_dense(q, k, v, ctx) for q, k, v, (_, ctx)
                           in zip(qs, full_k, full_v, seqs, strict=True)])
-    return layout, torch.cat(qs), new_k, new_v, kv, expected, full_k, tables, seqs
+    return layout, torch.cat(qs), new_k, new_v, kv, expected, full_k, tables, seqs, full_v
 
 
 @pytest.mark.parametrize("name", [
@@ -57,7 +57,7 @@ def _case(device):
 ])
 def test_backend_matches_dense_reference(name):
     device = torch.device("cuda" if name == "flashinfer" else "cpu")
-    layout, q, k, v, kv, expected, full_k, tables, seqs = _case(device)
+    layout, q, k, v, kv, expected, full_k, tables, seqs, _ = _case(device)
     backend = get_backend(device, HEADS, KV_HEADS, DIM, name)
     backend.begin_step(layout)
     kv = kv.to(device)
@@ -103,3 +103,56 @@ def test_cpu_paged_decode_kernel_matches_dense_reference(isa, dtype, tol):
             "hd,khd->hk", q[i].float(), k.repeat_interleave(3, 1)).div(dim**0.5).softmax(-1),
             v.repeat_interleave(3, 1))
         torch.testing.assert_close(out[i].float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_paged_decode_kernel_reads_int8_pages(isa, dtype, tol):
+    # The same geometry over int8 pages: the reference attends over the dequantized rows,
+    # so the kernel's only freedom is its summation order (and bf16 rounding of q/out).
+    from engine.attention.torch_backend import paged_decode
+    from engine.kv_quant import dequantize, quantize
+
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(2)
+    lens = [1, 15, 16, 17, 300]
+    max_blocks = -(-max(lens) // bs)
+    tables = torch.randperm(128, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1)
+    kv = quantize(torch.randn(128, 2, bs, kv_heads, dim, generator=gen) * 3)
+    assert kv.dtype == torch.int8 and kv.shape[-1] == dim + 4
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    out = paged_decode(q, kv, tables, torch.tensor(lens))
+    for i, ctx in enumerate(lens):
+        k, v = (dequantize(kv[tables[i], j].flatten(0, 1)[:ctx], torch.float32)
+                for j in (0, 1))
+        expected = torch.einsum("hk,khd->hd", torch.einsum(
+            "hd,khd->hk", q[i].float(), k.repeat_interleave(3, 1)).div(dim**0.5).softmax(-1),
+            v.repeat_interleave(3, 1))
+        torch.testing.assert_close(out[i].float(), expected, atol=tol, rtol=tol)
+
+
+def test_int8_pages_prefill_and_decode_match_the_dense_reference_on_their_values():
+    # Cached context, fresh prefill and decodes over int8 pages (kernel and per-sequence
+    # paths): exact attention over the dequantized keys, near the full-precision answer.
+    from engine.kv_quant import SCALE_BYTES, dequantize, quantize
+
+    layout, q, k, v, kv, expected, full_k, tables, seqs, full_v = _case(torch.device("cpu"))
+    pages = quantize(kv)
+    backend = get_backend(torch.device("cpu"), HEADS, KV_HEADS, DIM, "torch")
+    backend.begin_step(layout)
+    kernel_out = backend.forward(q, k, v, pages)
+    for key, table, (_, ctx) in zip(full_k, tables, seqs, strict=True):
+        stored = pages[torch.tensor(table), 0].flatten(0, 1)[:ctx]
+        assert stored.shape[-1] == DIM + SCALE_BYTES
+        assert torch.equal(stored, quantize(key))  # the new keys landed, quantized
+    reference_out = backend._decode(q[layout.num_prefill_tokens:], pages)
+    torch.testing.assert_close(kernel_out[layout.num_prefill_tokens:], reference_out,
+                               atol=1e-5, rtol=1e-5)
+    # Every sequence, the fresh prefill (7, 7) too, attends the keys as stored: the dense
+    # result over the dequantized rows, and within int8 rounding of full precision.
+    stored = torch.cat([_dense(qi, *(dequantize(quantize(x), torch.float32) for x in (ki, vi)),
+                               ctx) for qi, ki, vi, (_, ctx) in zip(
+                                   q.split(layout.query_lens), full_k, full_v, seqs,
+                                   strict=True)])
+    torch.testing.assert_close(kernel_out, stored, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_out, expected, atol=0.05, rtol=0)
+    assert not torch.allclose(kernel_out, expected, atol=1e-4, rtol=0)

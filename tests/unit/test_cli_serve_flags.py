@@ -92,3 +92,15 @@ def test_tracing_and_log_prompts_flags(captured: list[Any], monkeypatch: pytest.
     assert main(["serve", "--model", "tiny", "--otlp-traces-endpoint", "http://otel:4318"]) == 2
     assert "exports traces over grpc only" in capsys.readouterr().err
     assert len(captured) == 2
+
+
+def test_kv_cache_dtype_reaches_every_worker(captured: list[Any],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "tiny", "--kv-cache-dtype", "int8"]) == 0
+    assert main(["serve", "--model", "tiny"]) == 0
+    assert [(o.cluster.prefill.engine["kv_cache_dtype"], o.cluster.decode.engine["kv_cache_dtype"])
+            for o in captured] == [("int8", "int8"), ("auto", "auto")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "tiny", "--kv-cache-dtype", "int4"])
+    assert exit_info.value.code == 2
+    assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err

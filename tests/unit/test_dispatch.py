@@ -176,6 +176,12 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     assert h.metrics.registry.get_sample_value(
         "pdcluster:kv_transfer_bytes_total",
         {"model_name": "tiny", "transport": "zmq"}) == 3 * BLOCK_BYTES
+    assert h.metrics.registry.get_sample_value(
+        "pdcluster:kv_transfer_request_bytes_sum",
+        {"model_name": "tiny", "transport": "zmq"}) == 3 * BLOCK_BYTES
+    assert h.metrics.registry.get_sample_value(
+        "pdcluster:kv_transfer_request_bytes_count",
+        {"model_name": "tiny", "transport": "zmq"}) == 1
     assert h.metrics.registry.get_sample_value("pdcluster:kv_transfer_seconds_count",
                                                {"model_name": "tiny"}) == 1
     assert idle(h) and not h.dispatcher.requests
