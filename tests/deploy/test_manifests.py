@@ -14,6 +14,7 @@ import functools
 import io
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -649,8 +650,7 @@ def test_image_serves_on_every_interface_whatever_the_serve_arguments(monkeypatc
     environment, not its CMD, must make serve bind 0.0.0.0."""
     from cluster.cli import HOST_ENV
 
-    env = dict(rest.split("=", 1) for instruction, rest in dockerfile_instructions()
-               if instruction == "ENV" for rest in shlex.split(rest))
+    env = dockerfile_env()
     assert env[HOST_ENV] == "0.0.0.0"
     monkeypatch.setenv(HOST_ENV, env[HOST_ENV])
     args = cli_subcommands()["serve"].parse_args(["--prefill", "1", "--decode", "1"])
@@ -678,6 +678,56 @@ def test_dockerfile_requirements_snippet_reads_pyproject():
                                 capture_output=True, text=True,
                                 env={**os.environ, "EXTRAS": extras})
         assert result.stdout.split("\n")[:-1] == expected
+
+
+def dockerfile_env() -> dict[str, str]:
+    return dict(rest.split("=", 1) for instruction, rest in dockerfile_instructions()
+                if instruction == "ENV" for rest in shlex.split(rest))
+
+
+def kernel_step() -> str:
+    """The Dockerfile's python command that builds the CPU kernels."""
+    (snippet,) = [s for run in runs() for s in python_snippets(run) if "cpu_kernels" in s]
+    return snippet
+
+
+def test_dockerfile_builds_the_cpu_kernels_where_containers_load_them():
+    """Built after the package is installed, by the user the containers run as, into a
+    folder of the image that no later step or HOME changes."""
+    env = dockerfile_env()
+    assert env["TORCH_EXTENSIONS_DIR"].startswith(env["PDCLUSTER_CACHE"] + "/")
+    steps = dockerfile_instructions()
+    build = next(i for i, (ins, rest) in enumerate(steps)
+                 if ins == "RUN" and "cpu_kernels" in rest)
+    install = next(i for i, (ins, rest) in enumerate(steps)
+                   if ins == "RUN" and "/opt/pdcluster/src" in rest and "--no-deps" in rest)
+    users = [i for i, (ins, _) in enumerate(steps) if ins == "USER"]
+    assert install < build and users and users[-1] < build
+    assert not [rest for ins, rest in steps[build:] if ins == "ENV"
+                and "TORCH_EXTENSIONS_DIR" in rest], "the folder must not change after it"
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_dockerfile_kernel_step_leaves_a_build_that_loads_without_a_compiler(tmp_path: Path):
+    """The step's own command in a fresh HOME and extensions folder (a C++ build: minutes
+    on two cores), then a process with no compiler on PATH loads that build. The build is
+    portable: no -march flag, one variant per ISA."""
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    subprocess.run([sys.executable, "-c", kernel_step()], cwd=ROOT, env=env, check=True,
+                   timeout=1800)
+    (ninja,) = (tmp_path / "torch_extensions").rglob("build.ninja")
+    assert "-march" not in ninja.read_text()
+    no_compiler = tmp_path / "no-compiler"
+    no_compiler.mkdir()
+    load = ("from engine.kernels import cpu_kernels; m = cpu_kernels(); "
+            "assert m is not None, 'not loaded'; print(','.join(m.isas()))")
+    result = subprocess.run([sys.executable, "-c", load], cwd=ROOT, capture_output=True,
+                            text=True, env={**env, "PATH": str(no_compiler)}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    variants = "generic,avx2,avx512,avx512_bf16" if platform.machine() == "x86_64" else "generic"
+    assert result.stdout.split()[-1] == variants
 
 
 def test_dockerignore_lets_every_package_in():
