@@ -84,6 +84,9 @@ def _serve_detached(options: Any, name: str) -> int:
     from cluster.serve import announce
 
     endpoints = launch(options, name)
+    if endpoints["existing"]:
+        print(f"{name!r} already runs: its settings are kept (`pdcluster stop --name {name}` "
+              f"first to change them)", flush=True)
     announce(options, endpoints["grpc_port"], endpoints["http_port"])
     print(f"detached as {name!r} (Ray namespace pdcluster): `pdcluster stop --name {name}` "
           f"stops it", flush=True)

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "pdcluster"
 DEFAULT_NAME = "pdcluster"
+# Nodes that offer this custom resource host the front door (a Kubernetes pod of its own,
+# with the probes and the Service: deploy/kuberay); without one, the launcher's node does.
+FRONTDOOR_RESOURCE = "pd_frontdoor"
 
 
 def frontdoor_name(name: str) -> str:
@@ -140,32 +143,38 @@ class FrontDoor:
 def launch(options: ServeOptions, name: str = DEFAULT_NAME,
            ready_timeout_s: float = 600.0) -> dict[str, Any]:
     """Start a detached cluster on the Ray cluster at `options.address` and return its
-    endpoints once it serves; the caller may then exit.
+    endpoints once it serves; the caller may then exit. Where a cluster of that name
+    already runs, wait for it instead (its own settings stay): a launcher run again, as a
+    Kubernetes Job retries, changes nothing.
 
-    The front door is pinned to this process's node (the one a Kubernetes Service selects,
-    `deploy/kuberay`).
+    The front door runs on a node offering `pd_frontdoor` (its own pod on Kubernetes,
+    `deploy/kuberay`), else on this process's node.
+
+    Returns:
+        `FrontDoor.ready`'s answer, plus `existing`: whether it was already running.
 
     Raises:
-        ValueError: no `options.address`, or a cluster of that name already runs.
-        RuntimeError: the front door failed to start (it is removed again).
+        ValueError: no `options.address`.
+        RuntimeError: the front door failed to start (the cluster is removed again).
     """
     if not options.address:
         raise ValueError("--detach needs a running Ray cluster to outlive this process: "
                          "--address auto (after `ray start --head`) or ray://HOST:10001")
     ray.init(address=options.address, namespace=NAMESPACE, log_to_driver=False)
     with contextlib.suppress(ValueError):
-        ray.get_actor(frontdoor_name(name))
-        raise ValueError(f"a detached cluster named {name!r} already runs; "
-                         f"`pdcluster stop --name {name}` first")
+        door = ray.get_actor(frontdoor_name(name))
+        return {**ray.get(door.ready.remote(ready_timeout_s)), "existing": True}
     Registry.options(name=registry_name(name), lifetime="detached",
                      get_if_exists=True).remote()
-    node = ray.get_runtime_context().get_node_id()
-    door = FrontDoor.options(
-        name=frontdoor_name(name), lifetime="detached", max_restarts=-1,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(options, name)
+    if FRONTDOOR_RESOURCE in ray.cluster_resources():
+        placement: dict[str, Any] = {"resources": {FRONTDOOR_RESOURCE: 0.01}}
+    else:
+        node = ray.get_runtime_context().get_node_id()
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    door = FrontDoor.options(name=frontdoor_name(name), lifetime="detached",
+                             max_restarts=-1, **placement).remote(options, name)
     try:
-        return ray.get(door.ready.remote(ready_timeout_s))
+        return {**ray.get(door.ready.remote(ready_timeout_s)), "existing": False}
     except Exception:
         stop(options.address, name, drain_timeout_s=0)
         raise
