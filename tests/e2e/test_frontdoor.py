@@ -1,6 +1,6 @@
 """`pdcluster serve --detach` on a real Ray cluster (this test process is its head): the
 launcher SIGKILLed, the front door actor killed and restarted by Ray with the same workers,
-then `pdcluster stop`."""
+the launcher run again, then `pdcluster stop`."""
 
 from __future__ import annotations
 
@@ -153,7 +153,14 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
         wait_for(lambda: _pools_free(grpc_address), "every KV pool free", timeout_s=30)
         assert _greedy_tokens(grpc_address, 16) == expected
 
-        # 3. `pdcluster stop` drains and removes every actor of the cluster.
+        # 3. The launcher run again (a Kubernetes Job's retry) finds it and changes nothing.
+        again = subprocess.run(_cli(*flags), capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr
+        assert "already runs" in again.stdout
+        assert READY.search(again.stdout).groups() == (grpc_address, http_base)
+        assert ray.get(door.ready.remote())["pid"] == restarted["pid"]
+
+        # 4. `pdcluster stop` drains and removes every actor of the cluster.
         done = subprocess.run(_cli("stop", "--address", ray_head, "--name", name),
                               capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stderr
