@@ -152,6 +152,10 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
         assert after == before  # the same workers, not new ones
         wait_for(lambda: _pools_free(grpc_address), "every KV pool free", timeout_s=30)
         assert _greedy_tokens(grpc_address, 16) == expected
+        # `scale` through the new front door: the new worker's id follows the adopted ones.
+        with PdClusterClient(grpc_address, timeout=300) as client:
+            pools = client.scale(decode=2)["pools"]
+        assert sorted(w["worker_id"] for w in pools["decode"]) == ["decode-0", "decode-2"]
 
         # 3. The launcher run again (a Kubernetes Job's retry) finds it and changes nothing.
         again = subprocess.run(_cli(*flags), capture_output=True, text=True, timeout=300)
