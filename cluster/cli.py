@@ -72,18 +72,18 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
     if args.detach:
-        return _serve_detached(options, args.name)
+        return _serve_detached(options, args.name, (args.log_level, args.log_format))
     asyncio.run(run(options))
     return 0
 
 
-def _serve_detached(options: Any, name: str) -> int:
+def _serve_detached(options: Any, name: str, log: tuple[str, str]) -> int:
     """`serve --detach`: start the cluster as detached Ray actors, print its endpoints and
     exit; it serves on until `pdcluster stop` (`cluster.frontdoor`)."""
     from cluster.frontdoor import launch
     from cluster.serve import announce
 
-    endpoints = launch(options, name)
+    endpoints = launch(options, name, log)
     if endpoints["existing"]:
         print(f"{name!r} already runs: its settings are kept (`pdcluster stop --name {name}` "
               f"first to change them)", flush=True)

@@ -77,9 +77,15 @@ class FrontDoor:
     Args:
         options: what `pdcluster serve` was asked for.
         name: the cluster's name (its actors' names start with it).
+        log_settings: `--log-level` and `--log-format` of its log (the actor's, in Ray's logs).
     """
 
-    def __init__(self, options: ServeOptions, name: str) -> None:
+    def __init__(self, options: ServeOptions, name: str,
+                 log_settings: tuple[str, str] = ("INFO", "text")) -> None:
+        from router.logs import configure_logging
+
+        configure_logging(*log_settings)
+        logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)
         self.name = name
         self.endpoints: dict[str, Any] | None = None
         self.error: str | None = None
@@ -141,6 +147,7 @@ class FrontDoor:
 
 
 def launch(options: ServeOptions, name: str = DEFAULT_NAME,
+           log_settings: tuple[str, str] = ("INFO", "text"),
            ready_timeout_s: float = 600.0) -> dict[str, Any]:
     """Start a detached cluster on the Ray cluster at `options.address` and return its
     endpoints once it serves; the caller may then exit. Where a cluster of that name
@@ -172,7 +179,7 @@ def launch(options: ServeOptions, name: str = DEFAULT_NAME,
         node = ray.get_runtime_context().get_node_id()
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
     door = FrontDoor.options(name=frontdoor_name(name), lifetime="detached",
-                             max_restarts=-1, **placement).remote(options, name)
+                             max_restarts=-1, **placement).remote(options, name, log_settings)
     try:
         return {**ray.get(door.ready.remote(ready_timeout_s)), "existing": False}
     except Exception:

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 CHANGE_ROLE_TIMEOUT_S = 30.0
 # The longest a worker's shutdown may take before its actor is killed.
 SHUTDOWN_TIMEOUT_S = 10.0
+# How long one liveness call waits in the worker before it is made again.
+WATCH_INTERVAL_S = 30.0
 
 
 @ray.remote
@@ -64,9 +66,11 @@ class WorkerActor:
         self.worker.adopt(router_endpoint)
         return self.info()
 
-    def wait_stopped(self) -> None:
-        """Returns when the worker shuts down; raises (ActorDiedError) if it dies first."""
-        self.worker.wait_stopped()
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Whether the worker shut down within `timeout_s`; raises (ActorDiedError) if it
+        dies first. Bounded, so the call of a front door that died (`cluster.frontdoor`)
+        frees its slot of the actor's threads."""
+        return self.worker.wait_stopped(timeout_s)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -347,9 +351,11 @@ class WorkerPool:
     # ---- liveness ----
 
     async def _watch(self, handle: WorkerHandle) -> None:
-        """Liveness from Ray: the call returns only when the actor stops or dies."""
+        """Liveness from Ray: the calls return True only when the actor stops, and fail
+        when it dies."""
         try:
-            await handle.actor.wait_stopped.remote()
+            while not await handle.actor.wait_stopped.remote(WATCH_INTERVAL_S):
+                pass
             error: BaseException = RuntimeError("it stopped")
         except Exception as e:  # ActorDiedError and friends: the process is gone
             error = e

@@ -359,9 +359,10 @@ class Worker:
         log.info("adopted by the router at %s; ended %d requests of the old one",
                  router_endpoint, aborted)
 
-    def wait_stopped(self) -> None:
-        """Block until `shutdown` (Ray's liveness watch calls this)."""
-        self._stop.wait()
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Block until `shutdown` or for `timeout_s`; whether it shut down (Ray's liveness
+        watch calls this)."""
+        return self._stop.wait(timeout_s)
 
     def shutdown(self) -> None:
         self._stop.set()
