@@ -1,5 +1,5 @@
 """`pdcluster serve --detach` on a real Ray cluster (this test process is its head): the
-launcher SIGKILLed, the front door actor killed and restarted by Ray with the same workers,
+launcher SIGKILLed, the front door's process SIGKILLed and restarted by Ray with the same workers,
 the launcher run again, then `pdcluster stop`."""
 
 from __future__ import annotations
@@ -131,15 +131,15 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
         before = {wid: w["pid"] for wid, w in _workers(grpc_address).items()}
         assert sorted(before) == ["decode-0", "prefill-1"]
 
-        # 2. The front door killed under a live stream: Ray restarts it on the same ports,
-        # it adopts the same worker processes, the stream ends in an error.
+        # 2. The front door's process SIGKILLed under a live stream: Ray restarts it on the
+        # same ports, it adopts the same worker processes, the stream ends in an error.
         door = ray.get_actor(frontdoor_name(name), namespace=NAMESPACE)
         first_pid = ray.get(door.ready.remote())["pid"]
         stream = _Stream(http_base)
         stream.start()
         assert stream.decoding.wait(60)
         killed = time.monotonic()
-        ray.kill(door, no_restart=False)
+        os.kill(first_pid, signal.SIGKILL)  # as the OOM killer would
         stream.join(60)
         assert stream.error is not None and not stream.finish
         wait_for(lambda: _health(http_base) == 200, "the HTTP port to answer again",
@@ -172,6 +172,9 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
         with pytest.raises(grpc.RpcError) as refused:
             _workers(grpc_address)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        again = subprocess.run(_cli("stop", "--address", ray_head, "--name", name),
+                               capture_output=True, text=True, timeout=180)
+        assert again.returncode == 1 and f"no detached cluster named {name!r}" in again.stderr
     finally:
         launcher.kill()
         launcher.wait(30)
