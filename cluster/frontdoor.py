@@ -41,6 +41,8 @@ DEFAULT_NAME = "pdcluster"
 # Nodes that offer this custom resource host the front door (a Kubernetes pod of its own,
 # with the probes and the Service: deploy/kuberay); without one, the launcher's node does.
 FRONTDOOR_RESOURCE = "pd_frontdoor"
+# What Ray's head node offers and no other node does.
+HEAD_RESOURCE = "node:__internal_head__"
 
 
 def frontdoor_name(name: str) -> str:
@@ -171,8 +173,10 @@ def launch(options: ServeOptions, name: str = DEFAULT_NAME,
     with contextlib.suppress(ValueError):
         door = ray.get_actor(frontdoor_name(name))
         return {**ray.get(door.ready.remote(ready_timeout_s)), "existing": True}
-    Registry.options(name=registry_name(name), lifetime="detached",
-                     get_if_exists=True).remote()
+    # On the head, which lives as long as the Ray cluster: a front door restarted anywhere
+    # finds it (the autoscaler may remove other idle nodes, Kubernetes restart other pods).
+    Registry.options(name=registry_name(name), lifetime="detached", get_if_exists=True,
+                     resources={HEAD_RESOURCE: 0.001}).remote()
     if FRONTDOOR_RESOURCE in ray.cluster_resources():
         placement: dict[str, Any] = {"resources": {FRONTDOOR_RESOURCE: 0.01}}
     else:
