@@ -776,6 +776,15 @@ def test_dockerfile_builds_the_cpu_kernels_where_containers_load_them():
     assert install < build and users and users[-1] < build
     assert not [rest for ins, rest in steps[build:] if ins == "ENV"
                 and "TORCH_EXTENSIONS_DIR" in rest], "the folder must not change after it"
+    # The pods run as the user that built them and leave the folder where it is.
+    pods = [g["template"]["spec"] for g in [raycluster()["spec"]["headGroupSpec"],
+                                            *worker_groups().values()]]
+    pods.append(launch_job()["spec"]["template"]["spec"])
+    for pod in pods:
+        assert pod["securityContext"]["runAsUser"] == int(dockerfile_args()["UID"])
+        for container in pod["containers"]:
+            names = {e["name"] for e in container.get("env", [])}
+            assert not names & {"TORCH_EXTENSIONS_DIR", "PDCLUSTER_CACHE", "HOME"}
 
 
 @pytest.mark.slow
