@@ -93,6 +93,7 @@ class FrontDoor:
         self.error: str | None = None
         self.started = time.time()
         self._ready = threading.Event()
+        self._restarted = self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._serve, args=(options,), daemon=True,
@@ -102,9 +103,13 @@ class FrontDoor:
     def _serve(self, options: ServeOptions) -> None:
         try:
             asyncio.run(self._run(options))
-        except BaseException as e:  # reported by `ready`
+        except BaseException as e:
             log.exception("the front door failed")
             self.error = f"{type(e).__name__}: {e}"
+            if (self._restarted or self.endpoints is not None) and not self._stopping:
+                # It served before: end the process, so Ray starts a new front door. (A
+                # first start's failure goes to the launcher through `ready` instead.)
+                os._exit(1)
         finally:
             self._ready.set()
 
@@ -112,6 +117,7 @@ class FrontDoor:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         registry = ray.get_actor(registry_name(self.name))
         record = await registry.get.remote()
+        self._restarted = record is not None
         if record is not None:  # a restart: the same ports, the workers' key
             options = replace(options, grpc_port=record["grpc_port"],
                               http_port=record["http_port"])
@@ -143,6 +149,7 @@ class FrontDoor:
 
     def shutdown(self, timeout_s: float = 600.0) -> None:
         """Drain, stop the workers and the servers (then the caller kills the actor)."""
+        self._stopping = True
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout_s)
