@@ -104,7 +104,7 @@ class _Stream(threading.Thread):
 def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
     name = f"fd{os.getpid()}"
     flags = ["serve", "--detach", "--name", name, "--address", ray_head, "--model", "tiny",
-             "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.25",
+             "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.25", "--dtype", "float32",
              "--local-prefill-threshold", "8", "--grpc-port", "0", "--http-port", "0"]
     # The real CLI, whose process then stays connected to Ray until it is SIGKILLed.
     launcher = subprocess.Popen(
