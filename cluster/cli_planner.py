@@ -79,11 +79,16 @@ def add_parsers(sub: Any) -> None:
                            "degree) within this many accelerators, instead of --max-workers")
     plan.add_argument("--cost-per-accelerator-hour-prefill", type=float, default=1.0)
     plan.add_argument("--cost-per-accelerator-hour-decode", type=float, default=1.0)
+    plan.add_argument("--no-pareto", action="store_true",
+                      help="with --max-accelerators: find only the pick's sustained rate, "
+                           "not every simulated configuration's (no Pareto front)")
     plan.add_argument("--no-calibrate", action="store_true",
                       help="plan on the profiles as measured; by default a profile measured "
                            "on this machine is first scaled to its speed now (probe steps)")
     plan.add_argument("--json", type=Path, required=True, help="OUT.json")
-    plan.add_argument("--plot", type=Path, default=None, help="OUT.png: goodput by split")
+    plan.add_argument("--plot", type=Path, default=None,
+                      help="OUT.png: goodput by split; OUT.front.png beside it: the Pareto "
+                           "front and the recommended configuration's rate sweep")
     plan.add_argument("--validate", action="store_true",
                       help="serve the recommended config and its neighbours, replay the trace, "
                            "and record measured figures beside the predicted ones")
@@ -214,7 +219,7 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
         {"prefill": args.cost_per_accelerator_hour_prefill,
          "decode": args.cost_per_accelerator_hour_decode},
         tuple(m.strip() for m in args.modes.split(",") if m.strip()), budgets[0],
-        args.max_num_seqs, thresholds[0])
+        args.max_num_seqs, thresholds[0], front=not args.no_pareto)
     with Progress("[progress.description]{task.description}", BarColumn(),
                   "{task.completed}/{task.total}", TimeElapsedColumn(),
                   console=console) as progress:
@@ -264,6 +269,7 @@ def run_plan(args: argparse.Namespace) -> int:
                              "--max-accelerators")
         doc = run_budget_plan(args)
         print_plan(doc)
+        _front(doc, args.plot)
         if args.plot is not None:
             plot_plan(doc, args.plot)
         args.json.write_text(json.dumps(doc, indent=1))
@@ -283,6 +289,7 @@ def run_plan(args: argparse.Namespace) -> int:
     with console.status(f"Simulating {len(request.requests)} requests on every split"):
         doc = {**plan(request), "calibration": calibration}
     print_plan(doc)
+    _front(doc, args.plot)
     if args.plot is not None:
         plot_plan(doc, args.plot)
     if args.validate:
@@ -296,3 +303,13 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _front(doc: dict[str, Any], plot: Path | None) -> None:
+    """Print the Pareto front and the rate sweep; plot them beside `plot` if given."""
+    from planner.report import plot_front, print_front
+
+    print_front(doc)
+    if plot is not None:
+        plot_front(doc, plot.with_suffix(".front.png"))
+        console.print(f"wrote {plot.with_suffix('.front.png')}")
