@@ -21,8 +21,8 @@ SWEEP_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 
 
 def _label(config: dict[str, Any]) -> str:
-    tp = f" TP{config['prefill_tp'] or '-'}/{config['decode_tp']}" \
-        if "decode_tp" in config else ""
+    tp = "" if "decode_tp" not in config else f" TP{config['decode_tp']}" \
+        if config["mode"] == "colocated" else f" TP{config['prefill_tp']}/{config['decode_tp']}"
     split = f"{config['decode']} colocated" if config["mode"] == "colocated" else \
         f"{config['prefill']}P+{config['decode']}D"
     return split + tp

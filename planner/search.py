@@ -16,8 +16,8 @@ is out of reach at 64 accelerators (thousands of candidates, seconds each), so:
   that meets has every dearer level meeting too, and that a level's most balanced
   candidates are its best: a level can be missed where neither holds;
 - the pick's highest sustainable rate is found by **bisection on the rate** between the
-  planned rate and its throughput bound (`sustained_rate`); with `front`, every simulated
-  candidate's too (below the planned rate for those that miss), for the Pareto front.
+  planned rate and its throughput bound (`sustained_rate`); with `front`, that of every
+  simulated candidate not shown dominated first (`_front_rates`), for the Pareto front.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class BudgetRequest:
         local_prefill_threshold: the disaggregated threshold.
         per_level: candidates simulated per cost level the bisection visits (the most
             balanced: the largest headroom over their throughput bounds).
-        front: find every simulated candidate's sustained rate (4 more simulations
-            each) for the Pareto front; else only the pick's, and `pareto` is null.
+        front: find the sustained rate of every simulated candidate that may lie on
+            the Pareto front (`_front_rates`); else only the pick's, and `pareto` is
+            null.
     """
 
     prefill_profiles: tuple[Profile, ...]
@@ -289,12 +290,11 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
     configs = sorted(simulated.values(), key=lambda e: (e["cost_per_hour"], e["accelerators"]))
     recommended = simulated[pick.key] if pick is not None else None
     searched = time.perf_counter() - start
-    by_key = {c.key: c for c in found}
-    for key, entry in simulated.items():  # the front: every simulated one's sustained rate
-        if key == getattr(pick, "key", None) or request.front:
-            entry["predicted"]["max_rate_rps"] = float(sustained_rate(
-                request, by_key[key], meets=entry["meets_slo"],
-                iterations=5 if key == getattr(pick, "key", None) else 4))
+    if pick is not None and recommended is not None:
+        recommended["predicted"]["max_rate_rps"] = float(sustained_rate(request, pick))
+    if request.front:
+        _front_rates(request, [c for c in found if c.key in simulated], simulated,
+                     getattr(pick, "key", None), load)
     deploy = None if pick is None or recommended is None else deployment(
         recommended, pick.prefill_profile, pick.decode_profile, request.max_num_seqs)
     sweep = None
@@ -327,11 +327,12 @@ def throughput_bound(request: BudgetRequest, c: Candidate, load: Load | None = N
 
 
 def sustained_rate(request: BudgetRequest, c: Candidate, iterations: int = 5,
-                   meets: bool = True) -> float:
+                   meets: bool = True, floor: float = 0.0) -> float | None:
     """The highest rate at which `c` meets the SLO: bisection between the planned rate
     and its throughput bound when it meets the SLO at the planned rate (`meets`), else
     between 0 and the planned rate, to 2^-iterations of that bracket; 0 when even the
-    lowest rate tried misses."""
+    lowest rate tried misses. With a `floor` inside the bracket, one simulation there
+    first: None when `c` misses at it (it sustains less), else the bracket starts there."""
     planned = plan_request(request, c)
     low, high = trace_rate(request.requests), throughput_bound(request, c)
     if not sweepable(request.requests):
@@ -345,10 +346,35 @@ def sustained_rate(request: BudgetRequest, c: Candidate, iterations: int = 5,
         result = simulate(planned, shape(request, c), at_rate(request.requests, rate))
         return request.slo.meets(figures(result, request.slo))
 
+    if low < floor < high:
+        if not ok(floor):
+            return None
+        low = floor
     for _ in range(iterations):
         mid = (low + high) / 2
         low, high = (mid, high) if ok(mid) else (low, mid)
     return low
+
+
+def _front_rates(request: BudgetRequest, found: list[Candidate],
+                 simulated: dict[tuple[Any, ...], dict[str, Any]], pick: Any, load: Load
+                 ) -> None:
+    """Set `max_rate_rps` on each simulated entry that may lie on the Pareto front, the
+    cheapest first: one whose throughput bound, or whose SLO at the best rate a cheaper
+    (or as cheap) one sustains, shows it sustains no more is dominated and left without
+    (`docs/planner.md`), saving its bisection."""
+    best = 0.0
+    for c in sorted(found, key=lambda c: (c.cost_per_hour, -throughput_bound(request, c,
+                                                                              load))):
+        predicted = simulated[c.key]["predicted"]
+        if c.key != pick:
+            if throughput_bound(request, c, load) <= best:
+                continue
+            rate = sustained_rate(request, c, 4, simulated[c.key]["meets_slo"], best)
+            if rate is None:
+                continue
+            predicted["max_rate_rps"] = float(rate)
+        best = max(best, predicted["max_rate_rps"])
 
 
 def _entry(request: BudgetRequest, c: Candidate, predicted: dict[str, Any]) -> dict[str, Any]:
