@@ -263,6 +263,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.plot is not None or args.validate:
         require_bench_extra("pdcluster plan --plot/--validate")
+    if args.no_pareto and args.max_accelerators is None:
+        raise ValueError("--no-pareto applies to --max-accelerators (the split search's "
+                         "sustained rates come with its rate bisection)")
     if args.max_accelerators is not None:
         if args.validate:
             raise ValueError("--validate serves on this machine: plan without "

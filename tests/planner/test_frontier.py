@@ -141,6 +141,8 @@ def test_the_schema_doc_lists_every_field_a_plan_has(prefill_bound: dict, tmp_pa
                  "--plot", str(png)]) == 0
     for path in (png, png.with_suffix(".front.png")):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
+                 "ttft_p90_ms=3000", "--no-pareto", "--json", str(out)]) == 2
     docs = documented_fields()
     budget_doc = search(budget("ttft_p90_ms=900", LIGHT))
     for doc in (json.loads(out.read_text()), prefill_bound, budget_doc):
