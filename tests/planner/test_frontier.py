@@ -36,6 +36,12 @@ def prefill_bound() -> dict:
     return plan(request)
 
 
+@pytest.fixture(scope="module")
+def light_budget() -> dict:
+    """The budget search of tests/planner/test_search.py on its light trace."""
+    return search(budget("ttft_p90_ms=900", LIGHT))
+
+
 def entry(cost: float, rate: float, name: str) -> dict:
     return {"mode": "colocated", "prefill": 0, "decode": int(name), "cost_per_hour": cost,
             "meets_slo": True, "predicted": {"max_rate_rps": rate}}
@@ -92,12 +98,12 @@ def test_the_rate_sweep_loses_attainment_as_the_rate_rises(prefill_bound: dict) 
     assert planned["attainment"] == prefill_bound["recommended"]["predicted"]["attainment"]
 
 
-def test_the_budget_search_front_holds_its_pick() -> None:
+def test_the_budget_search_front_holds_its_pick(light_budget: dict) -> None:
     """0.3 prompts a second, TTFT p90 <= 0.9 s: only TP-2 prefill meets it
     (tests/planner/test_search.py), at 3 accelerators; the search also bisects the
     sustained rate of every simulated split not shown dominated, so the front has the
     pick, marked."""
-    doc = search(budget("ttft_p90_ms=900", LIGHT))
+    doc = light_budget
     rec = doc["recommended"]
     # A simulated split without a sustained rate was shown dominated by a cheaper one.
     rated = [c for c in doc["configs"] if "max_rate_rps" in c["predicted"]]
@@ -126,8 +132,8 @@ def documented_fields() -> dict[str, set[str]]:
     return tables
 
 
-def test_the_schema_doc_lists_every_field_a_plan_has(prefill_bound: dict, tmp_path: Path
-                                                     ) -> None:
+def test_the_schema_doc_lists_every_field_a_plan_has(prefill_bound: dict, light_budget: dict,
+                                                     tmp_path: Path) -> None:
     """Every key of a plan file (a `plan --plot` run through the CLI, and a budget search),
     at every level, is in docs/planner.md's table for its object; the PNGs are written."""
     profile, trace_path = tmp_path / "p.json", tmp_path / "t.jsonl"
@@ -144,7 +150,7 @@ def test_the_schema_doc_lists_every_field_a_plan_has(prefill_bound: dict, tmp_pa
     assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
                  "ttft_p90_ms=3000", "--no-pareto", "--json", str(out)]) == 2
     docs = documented_fields()
-    budget_doc = search(budget("ttft_p90_ms=900", LIGHT))
+    budget_doc = light_budget
     for doc in (json.loads(out.read_text()), prefill_bound, budget_doc):
         assert set(doc) - docs["plan"] == set()
         assert set(doc["deploy"]) - docs["`deploy`"] == set()
