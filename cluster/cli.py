@@ -32,8 +32,9 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # OpenTelemetry not installed: say what to install
         raise ValueError(str(exc)) from None
     per_model = _per_model(args)
-    if args.autoscale and len(per_model) > 1:
-        raise ValueError(f"--autoscale serves one model; this config serves {len(per_model)}")
+    for flag, given in (("--autoscale", args.autoscale), ("--detach", args.detach)):
+        if given and len(per_model) > 1:
+            raise ValueError(f"{flag} serves one model; this config serves {len(per_model)}")
     models = []
     for i, model_args in enumerate(per_model):
         try:
@@ -54,6 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
                            autoscaler=_autoscaler(args), more_models=tuple(models[1:]))
     configure_logging(args.log_level, args.log_format)
     logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
+    if args.detach:
+        return _serve_detached(options, args.name, (args.log_level, args.log_format))
     asyncio.run(run(options))
     return 0
 
@@ -113,6 +116,33 @@ def _pool_spec(args: argparse.Namespace, pool: str, shared: dict[str, Any]) -> A
                     num_gpus=values.pop("num_gpus_per_worker"),
                     resource=values.pop("resource", getattr(args, f"{pool}_resource")),
                     engine={**shared, **values})
+
+
+def _serve_detached(options: Any, name: str, log: tuple[str, str]) -> int:
+    """`serve --detach`: start the cluster as detached Ray actors, print its endpoints and
+    exit; it serves on until `pdcluster stop` (`cluster.frontdoor`)."""
+    from cluster.frontdoor import launch
+    from cluster.serve import announce
+
+    endpoints = launch(options, name, log)
+    if endpoints["existing"]:
+        print(f"{name!r} already runs: its settings are kept (`pdcluster stop --name {name}` "
+              f"first to change them)", flush=True)
+    announce(options, endpoints["grpc_port"], endpoints["http_port"])
+    print(f"detached as {name!r} (Ray namespace pdcluster): `pdcluster stop --name {name}` "
+          f"stops it", flush=True)
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from cluster.frontdoor import stop
+
+    removed = stop(args.address, args.name, args.drain_timeout)
+    if not removed:
+        print(f"no detached cluster named {args.name!r}", file=sys.stderr)
+        return 1
+    print(f"stopped {args.name!r} ({removed} actors removed)")
+    return 0
 
 
 def _autoscaler(args: argparse.Namespace) -> Any:
@@ -409,7 +439,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="hold without simulating while the window's rate and mean "
                            "lengths stay within this fraction of the last simulated hold's "
                            "(0: simulate every decision)")
+    serve.add_argument("--detach", action="store_true",
+                       help="run the front door and the workers as detached Ray actors on the "
+                            "Ray cluster at --address, then exit: serving survives this "
+                            "process, Ray restarts a dead front door, `pdcluster stop` ends it")
+    serve.add_argument("--name", default="pdcluster",
+                       help="with --detach: the cluster's name (its Ray actors' prefix)")
     serve.set_defaults(func=_serve)
+    stop = sub.add_parser("stop", help="drain and stop a `serve --detach` cluster")
+    stop.add_argument("--address", default=None,
+                      help="the Ray cluster ('auto', 'ray://host:10001'; default: auto)")
+    stop.add_argument("--name", default="pdcluster", help="the cluster's --name")
+    stop.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
+                      help="seconds running requests get to finish")
+    stop.set_defaults(func=_stop)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
     gen.add_argument("prompt", help="the user message")

@@ -110,6 +110,9 @@ def add_parsers(sub: Any) -> None:
                       help="with --max-accelerators: cost of a prefill accelerator per hour")
     plan.add_argument("--cost-per-accelerator-hour-decode", type=float, default=1.0,
                       help="with --max-accelerators: cost of a decode accelerator per hour")
+    plan.add_argument("--no-pareto", action="store_true",
+                      help="with --max-accelerators: find only the pick's sustained rate, "
+                           "not every simulated configuration's (no Pareto front)")
     plan.add_argument("--no-calibrate", action="store_true",
                       help="plan on the profiles as measured; by default a profile measured "
                            "on this machine is first scaled to its speed now (probe steps)")
@@ -117,7 +120,9 @@ def add_parsers(sub: Any) -> None:
                       help="write the plan document there")
     plan.add_argument("--json", action="store_true",
                       help="print the plan document (JSON) on stdout instead of the tables")
-    plan.add_argument("--plot", type=Path, default=None, help="OUT.png: goodput by split")
+    plan.add_argument("--plot", type=Path, default=None,
+                      help="OUT.png: goodput by split; OUT.front.png beside it: the Pareto "
+                           "front and the recommended configuration's rate sweep")
     plan.add_argument("--validate", action="store_true",
                       help="serve the recommended config and its neighbours, replay the trace, "
                            "and record measured figures beside the predicted ones")
@@ -248,7 +253,7 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
         {"prefill": args.cost_per_accelerator_hour_prefill,
          "decode": args.cost_per_accelerator_hour_decode},
         tuple(m.strip() for m in args.modes.split(",") if m.strip()), budgets[0],
-        args.max_num_seqs, thresholds[0])
+        args.max_num_seqs, thresholds[0], front=not args.no_pareto)
     with Progress("[progress.description]{task.description}", BarColumn(),
                   "{task.completed}/{task.total}", TimeElapsedColumn(),
                   console=notes) as progress:
@@ -288,18 +293,20 @@ def plan_request(args: argparse.Namespace) -> Any:
 def run_plan(args: argparse.Namespace) -> int:
     from bench.cli import require_bench_extra
     from planner.plan import plan
-    from planner.report import plot_plan, print_plan, print_validation
+    from planner.report import print_validation
 
     if args.plot is not None or args.validate:
         require_bench_extra("pdcluster plan --plot/--validate")
+    if args.no_pareto and args.max_accelerators is None:
+        raise ValueError("--no-pareto applies to --max-accelerators (the split search's "
+                         "sustained rates come with its rate bisection)")
     if args.max_accelerators is not None:
         if args.validate:
             raise ValueError("--validate serves on this machine: plan without "
                              "--max-accelerators")
         doc = run_budget_plan(args)
-        if args.plot is not None:
-            plot_plan(doc, args.plot)
-        _emit(args, doc, print_plan)
+        _plots(doc, args.plot)
+        _emit(args, doc, _show)
         return 0
     request = plan_request(args)
     calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
@@ -314,15 +321,14 @@ def run_plan(args: argparse.Namespace) -> int:
         request = replace(request, prefill_profile=prefill, decode_profile=decode)
     with notes.status(f"Simulating {len(request.requests)} requests on every split"):
         doc = {**plan(request), "calibration": calibration}
-    if args.plot is not None:
-        plot_plan(doc, args.plot)
+    _plots(doc, args.plot)
     if args.validate:
         from cluster.validate import validate
 
         doc = validate(doc, request, args.validate_configs, args.address,
                        (args.output or Path("plan.json")).with_suffix(".runs"))
     def show(doc: dict[str, Any]) -> None:
-        print_plan(doc)
+        _show(doc)
         if args.validate:
             print_validation(doc)
 
@@ -339,5 +345,23 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], show: Any) -> None:
     if args.output is not None:
         args.output.write_text(json.dumps(doc, indent=1))
         notes.print(f"wrote {args.output}")
+
+
+def _plots(doc: dict[str, Any], plot: Path | None) -> None:
+    """With --plot: goodput by split there, the Pareto front and the rate sweep beside it."""
+    from planner.report import plot_front, plot_plan
+
+    if plot is not None:
+        plot_plan(doc, plot)
+        plot_front(doc, plot.with_suffix(".front.png"))
+        notes.print(f"wrote {plot} and {plot.with_suffix('.front.png')}")
+
+
+def _show(doc: dict[str, Any]) -> None:
+    """The plan's tables: its splits, the Pareto front and the rate sweep."""
+    from planner.report import print_front, print_plan
+
+    print_plan(doc)
+    print_front(doc)
 
 

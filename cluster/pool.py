@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 CHANGE_ROLE_TIMEOUT_S = 30.0
 # The longest a worker's shutdown may take before its actor is killed.
 SHUTDOWN_TIMEOUT_S = 10.0
+# How long one liveness call waits in the worker before it is made again.
+WATCH_INTERVAL_S = 30.0
 
 
 @ray.remote
@@ -59,12 +61,39 @@ class WorkerActor:
         self.worker.change_role(Role(role))
         return self.info()
 
-    def wait_stopped(self) -> None:
-        """Returns when the worker shuts down; raises (ActorDiedError) if it dies first."""
-        self.worker.wait_stopped()
+    def adopt(self, router_endpoint: str) -> dict[str, Any]:
+        """Serve a restarted front door's router (its old requests end); `info`."""
+        self.worker.adopt(router_endpoint)
+        return self.info()
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Whether the worker shut down within `timeout_s`; raises (ActorDiedError) if it
+        dies first. Bounded, so the call of a front door that died (`cluster.frontdoor`)
+        frees its slot of the actor's threads."""
+        return self.worker.wait_stopped(timeout_s)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+@dataclass(frozen=True)
+class Detached:
+    """Workers that outlive the process that started them (`cluster.frontdoor`).
+
+    Each worker is a detached Ray actor named `prefix + worker_id` (its placement group
+    too), so a restarted front door finds and adopts the live ones instead of starting new
+    workers.
+
+    Args:
+        prefix: the cluster's worker names, e.g. `pdcluster-worker-`.
+        cluster_key: a restarted front door's: the key its workers already hold.
+        restarted: adopt the live workers named `prefix*` (their `cluster_key` is the one
+            above, not a new one).
+    """
+
+    prefix: str
+    cluster_key: ClusterKey | None = None
+    restarted: bool = False
 
 
 WorkerCallback = Callable[[WorkerHandle], None]
@@ -81,11 +110,13 @@ class WorkerPool:
         on_leave: called when a worker leaves its pool (stopped, or about to change role).
         on_death: awaited when Ray reports a worker died that the pool was not stopping.
         on_message: every reply but `Stats` (which the pool keeps on the worker's handle).
+        detached: workers that outlive this process, adopted again after a restart; None:
+            the workers end with this process.
     """
 
     def __init__(self, config: ClusterConfig, on_ready: WorkerCallback,
                  on_leave: WorkerCallback, on_death: DeathCallback,
-                 on_message: MessageCallback) -> None:
+                 on_message: MessageCallback, detached: Detached | None = None) -> None:
         self.config = config
         self.workers: dict[str, WorkerHandle] = {}
         self._on_ready, self._on_leave = on_ready, on_leave
@@ -93,8 +124,12 @@ class WorkerPool:
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         host = resolve_host(config.host)
-        self.cluster_key = ClusterKey.generate() if uses_curve(config.internal_auth, host) \
-            else None
+        self.detached = detached
+        if detached is not None and detached.restarted:
+            self.cluster_key = detached.cluster_key
+        else:
+            self.cluster_key = ClusterKey.generate() \
+                if uses_curve(config.internal_auth, host) else None
         self.internal_security = ("CURVE (encrypted; only holders of the cluster key)"
                                   if self.cluster_key else "plain TCP (unauthenticated)")
         log.info("internal sockets on %s: %s", host, self.internal_security)
@@ -187,20 +222,65 @@ class WorkerPool:
 
     async def _start_actor(self, worker_id: str, role: Role, spec: WorkerSpec,
                            bundle: dict[str, float]) -> WorkerHandle:
-        pg = placement_group([bundle], strategy="STRICT_PACK")
+        if self.detached is None:
+            name, lifetime = f"pdcluster-{worker_id}-{time.time_ns()}", None
+        else:  # outlives this process: a restarted front door adopts it by its name
+            name, lifetime = self.detached.prefix + worker_id, "detached"
+        pg = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime=lifetime)
         await pg.ready()
         pool = self.config.pool(role)
         actor = WorkerActor.options(
             num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
             resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg),
-            max_concurrency=8, name=f"pdcluster-{worker_id}-{time.time_ns()}",
+            max_concurrency=8, name=name, lifetime=lifetime,
         ).remote(spec)
         try:
             info = await actor.info.remote()
         except Exception:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
             remove_placement_group(pg)
             raise
+        return self._join(worker_id, role, info, actor, pg)
+
+    async def adopt(self) -> int:
+        """After a restart: take over the live workers the old front door left (detached
+        only). Each one ends the old router's requests and reports to this pool; one that
+        cannot is stopped. New workers get ids after theirs.
+
+        Returns:
+            How many workers were adopted.
+        """
+        if self.detached is None or not self.detached.restarted:
+            return 0
+        prefix = self.detached.prefix
+        names = sorted(n for n in ray.util.list_named_actors() if n.startswith(prefix))
+        results = await asyncio.gather(*(self._adopt_one(name) for name in names),
+                                       return_exceptions=True)
+        ids = [int(n.rsplit("-", 1)[1]) for n in names if n.rsplit("-", 1)[1].isdigit()]
+        self._ids = itertools.count(max(ids, default=-1) + 1)
+        adopted = sum(isinstance(r, WorkerHandle) for r in results)
+        log.info("adopted %d of the %d workers left by the previous front door", adopted,
+                 len(names))
+        return adopted
+
+    async def _adopt_one(self, name: str) -> WorkerHandle:
+        actor = ray.get_actor(name)
+        pg = ray.util.get_placement_group(name)
+        try:
+            info = await actor.adopt.remote(self.endpoint)
+        except Exception as e:
+            log.warning("could not adopt worker %s (%s): stopping it", name, e)
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            raise
+        return self._join(info["worker_id"], Role(info["role"]), info, actor, pg)
+
+    def _join(self, worker_id: str, role: Role, info: dict[str, Any], actor: Any,
+              pg: Any) -> WorkerHandle:
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
         self.sockets.connect(socket, info["endpoint"])
@@ -276,9 +356,11 @@ class WorkerPool:
     # ---- liveness ----
 
     async def _watch(self, handle: WorkerHandle) -> None:
-        """Liveness from Ray: the call returns only when the actor stops or dies."""
+        """Liveness from Ray: the calls return True only when the actor stops, and fail
+        when it dies."""
         try:
-            await handle.actor.wait_stopped.remote()
+            while not await handle.actor.wait_stopped.remote(WATCH_INTERVAL_S):
+                pass
             error: BaseException = RuntimeError("it stopped")
         except Exception as e:  # ActorDiedError and friends: the process is gone
             error = e

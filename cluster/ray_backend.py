@@ -21,7 +21,7 @@ from cluster.config import ClusterConfig
 from cluster.dispatch import DispatchConfig, Dispatcher
 from cluster.handle import WorkerHandle
 from cluster.metrics import ClusterMetrics
-from cluster.pool import WorkerPool
+from cluster.pool import Detached, WorkerPool
 from cluster.scaling import Scaler
 from engine import defaults
 from protocol import Role
@@ -38,17 +38,21 @@ class ClusterBackend(Backend):
         config: pool layout and engine settings.
         model_name: the model's name in the API (the metrics' `model_name` label); None:
             `config.model`.
+        detached: workers that outlive this process, adopted again by a restarted front
+            door (`cluster.frontdoor`); None: they end with it.
 
     Attributes:
         tracer: the router process's spans (`config.tracing`), shared with the front door.
     """
 
-    def __init__(self, config: ClusterConfig, model_name: str | None = None) -> None:
+    def __init__(self, config: ClusterConfig, model_name: str | None = None,
+                 detached: Detached | None = None) -> None:
         self.config = config
         self.metrics = ClusterMetrics(model_name or config.model)
         self.tracer = Tracer(config.tracing, "router")
         self.pool = WorkerPool(config, on_ready=self._on_ready, on_leave=self._on_leave,
-                               on_death=self._on_death, on_message=self._on_message)
+                               on_death=self._on_death, on_message=self._on_message,
+                               detached=detached)
         self.dispatcher = Dispatcher(
             self.pool, DispatchConfig(config.local_prefill_threshold, config.reserve_timeout_s,
                                       config.migrate,
@@ -68,8 +72,12 @@ class ClusterBackend(Backend):
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        """Start the pools and wait until every worker has loaded its model."""
+        """Start the pools and wait until every worker has loaded its model; after a
+        restart of a detached front door, adopt the workers it left instead (a new pool
+        only if none of them is left)."""
         self.pool.start()
+        if await self.pool.adopt():
+            return
         roles = [(Role.MIXED, self.config.num_decode)] if self.config.mode == "colocated" \
             else [(Role.DECODE, self.config.num_decode), (Role.PREFILL, self.config.num_prefill)]
         await asyncio.gather(*(self.pool.add(role) for role, n in roles for _ in range(n)))

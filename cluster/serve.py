@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from rich.console import Console
 from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
 from cluster.config import ClusterConfig
 from cluster.metrics import VllmCompatCollector, WorkerCollector
+from cluster.pool import Detached
 from cluster.ray_backend import ClusterBackend
 from engine.model_loader import cache_dir, resolve_model_dir
 from planner.autoscale_policy import Autoscaler
@@ -110,19 +112,35 @@ def init_ray(address: str | None, num_workers: int) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
-async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
-    """Serve until `stop` is set (or SIGINT/SIGTERM)."""
+async def run(options: ServeOptions, stop: asyncio.Event | None = None,
+              detached: Detached | None = None,
+              on_ready: Callable[[Servers, ClusterBackend], None] | None = None) -> None:
+    """Serve until `stop` is set (or SIGINT/SIGTERM).
+
+    Args:
+        options: what to serve.
+        stop: set to drain and stop; None: SIGINT/SIGTERM.
+        detached: workers that outlive this process (`cluster.frontdoor`); None: they stop
+            with it. One model only.
+        on_ready: called once the servers listen and every worker is ready (with the first
+            model's backend).
+    """
     models = options.models
+    if detached is not None and len(models) > 1:
+        raise ValueError(f"--detach serves one model; this config serves {len(models)}")
     for model in models:
         with console.status(f"Preparing model {model.cluster.model!r}"):
             resolve_model_dir(model.cluster.model)  # convert once here, not in every worker
     num_workers = sum(m.cluster.num_workers for m in models)
     with console.status(f"Starting Ray and {num_workers} workers "
                         f"({', '.join(f'{m.name}: {m.cluster.mode}' for m in models)})"):
-        init_ray(options.address, num_workers)
+        own_ray = not ray.is_initialized()  # else: inside an actor (`cluster.frontdoor`)
+        if own_ray:
+            init_ray(options.address, num_workers)
         # After ray.init, whose native signal handlers would otherwise replace ours.
         stop = stop or _signal_event()
-        backends = [ClusterBackend(m.cluster, m.router.served_model_name) for m in models]
+        backends = [ClusterBackend(m.cluster, m.router.served_model_name, detached)
+                    for m in models]
         await asyncio.gather(*(b.start() for b in backends))
     backend = backends[0]
     front: Backend = backend if options.autoscaler is None else RecordingBackend(backend)
@@ -140,7 +158,9 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
                                                                          metrics.model_name))
         autoscaling = asyncio.create_task(loop.run())
     console.print(f"Internal sockets: {backend.internal_security}")
-    _announce(options, servers)
+    announce(options, servers.grpc_port, servers.http_port)
+    if on_ready is not None:
+        on_ready(servers, backend)
     try:
         await stop.wait()
         console.print(f"Draining: refusing new requests, waiting up to "
@@ -155,13 +175,15 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None) -> None:
         await servers.stop()
         await asyncio.gather(*(b.close() for b in backends))
         endpoint_file().unlink(missing_ok=True)
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
 
 
-def _announce(options: ServeOptions, servers: Servers) -> None:
+def announce(options: ServeOptions, grpc_port: int, http_port: int) -> None:
+    """Write the endpoint file and print the ready line (which scripts wait for)."""
     security = options.security
-    grpc_addr = f"{options.host}:{servers.grpc_port}"
-    http_addr = f"{'https' if security.tls else 'http'}://{options.host}:{servers.http_port}"
+    grpc_addr = f"{options.host}:{grpc_port}"
+    http_addr = f"{'https' if security.tls else 'http'}://{options.host}:{http_port}"
     endpoint_file().parent.mkdir(parents=True, exist_ok=True)
     endpoint_file().write_text(json.dumps({"grpc": grpc_addr, "http": http_addr,
                                            "tls": security.tls}))

@@ -347,9 +347,31 @@ class Worker:
             "pid": os.getpid(), "host": self.spec.host,
         }
 
-    def wait_stopped(self) -> None:
-        """Block until `shutdown` (Ray's liveness watch calls this)."""
-        self._stop.wait()
+    def adopt(self, router_endpoint: str) -> None:
+        """Serve a new router (a restarted front door, `cluster.frontdoor`): replies go to
+        `router_endpoint` from now on, and every request of the old router ends here, its
+        KV freed (at once, or once its transfer stopped), since nobody waits for it."""
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        self._sockets.connect(out, router_endpoint)
+        with self._lock:
+            old, self._out = self._out, out
+            self.spec = replace(self.spec, router_endpoint=router_endpoint)
+        old.close(linger=0)
+
+        def abort_all(engine: LLMEngine) -> int:
+            request_ids = set(engine.requests) | self.role.pending()
+            for request_id in request_ids:
+                self.role.abort(engine, request_id)  # its replies were for the old router
+            return len(request_ids)
+        aborted = self.loop.call(abort_all)
+        log.info("adopted by the router at %s; ended %d requests of the old one",
+                 router_endpoint, aborted)
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Block until `shutdown` or for `timeout_s`; whether it shut down (Ray's liveness
+        watch calls this)."""
+        return self._stop.wait(timeout_s)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -140,6 +140,9 @@ class DecodeRole(WorkerRole):
         out = engine.abort_request(request_id, "abort")
         return [self._step([token_record(out)])] if out else []
 
+    def pending(self) -> set[str]:
+        return set(self._expecting)
+
     def _step(self, records: list[TokenRecord]) -> Step:
         if self.tracer.enabled:
             for record in records:

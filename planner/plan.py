@@ -24,6 +24,7 @@ import numpy as np
 
 from engine import defaults
 from planner.deploy import deployment
+from planner.frontier import pareto_front, rate_sweep
 from planner.profile import Profile, check_same_model
 from planner.simulator import ClusterShape, SimResult, Simulation
 from protocol.defaults import LOCAL_PREFILL_THRESHOLD
@@ -264,10 +265,22 @@ def plan(request: PlanRequest) -> dict[str, Any]:
                                            c["prefill"] + c["decode"]), default=None)
     deploy = None if recommended is None else deployment(
         recommended, request.prefill_profile, request.decode_profile, request.max_num_seqs)
+    sweep = None
+    if recommended is not None and sweepable(request.requests):
+        shape = shape_of(recommended, request.max_num_seqs)
+        sweep = rate_sweep(recommended, request.slo, trace_rate(request.requests),
+                           lambda rate: figures(simulate(request, shape, at_rate(
+                               request.requests, rate)), request.slo))
     return {"schema": SCHEMA, "model": request.decode_profile.model,
             "slo": request.slo.as_dict(),
             "rate_rps": trace_rate(request.requests), "num_requests": len(request.requests),
-            "recommended": recommended, "deploy": deploy, "configs": configs}
+            "recommended": recommended, "deploy": deploy, "configs": configs,
+            "pareto": pareto_front(configs, recommended), "rate_sweep": sweep}
+
+
+def sweepable(requests: Sequence[TraceRequest]) -> bool:
+    """Whether the trace's arrivals can be rescaled (two or more, not all at once)."""
+    return len(requests) > 1 and bool(np.isfinite(trace_rate(requests)))
 
 
 def shape_entry(shape: ClusterShape, threads_per_worker: int) -> dict[str, Any]:

@@ -92,3 +92,73 @@ def plot_plan(doc: dict[str, Any], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def print_front(doc: dict[str, Any]) -> None:
+    """The goodput-per-dollar Pareto front and the recommended configuration's rate
+    sweep, as rich tables (`planner.frontier`)."""
+    from rich.table import Table
+
+    if doc.get("pareto"):
+        table = Table(title="Pareto front: cost per hour against the highest rate meeting "
+                            "the SLO")
+        for column in ("config", "$/h", "sustained req/s", "requests per $", "SLO at plan"):
+            table.add_column(column)
+        for p in doc["pareto"]:
+            per_dollar = p["requests_per_dollar"]
+            table.add_row(p["config"] + (" [bold green](recommended)[/]"
+                                         if p["recommended"] else ""),
+                          f"{p['cost_per_hour']:g}", f"{p['max_rate_rps']:.3g}",
+                          "-" if per_dollar is None else f"{per_dollar:.4g}",
+                          "yes" if p["meets_slo"] else "no")
+        console.print(table)
+    if (sweep := doc.get("rate_sweep")) is not None:
+        table = Table(title=f"rate sweep · {sweep['config']}")
+        for column in ("rate req/s", "attainment", "goodput req/s", "TTFT p90 ms",
+                       "TPOT p90 ms", "SLO"):
+            table.add_column(column)
+        for p in sweep["points"]:
+            table.add_row(f"{p['rate_rps']:.3g}", f"{p['attainment']:.1%}",
+                          f"{p['goodput_rps']:.3g}", _ms(p["ttft_p90_ms"]),
+                          _ms(p["tpot_p90_ms"]), "yes" if p["meets_slo"] else "[red]no[/]")
+        console.print(table)
+
+
+def plot_front(doc: dict[str, Any], path: Path) -> None:
+    """Two panels: every configuration's cost per hour against its sustained rate, the
+    Pareto front joined; the recommended configuration's attainment and p90 latencies
+    against the rate."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    cost, sweep = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    configs = [c for c in doc["configs"] if c["predicted"].get("max_rate_rps") is not None]
+    cost.scatter([c["cost_per_hour"] for c in configs],
+                 [c["predicted"]["max_rate_rps"] for c in configs], color="tab:gray",
+                 label="simulated")
+    front = doc.get("pareto") or []
+    cost.plot([p["cost_per_hour"] for p in front], [p["max_rate_rps"] for p in front],
+              "o-", color="tab:green", label="Pareto front")
+    for p in front:
+        cost.annotate(p["config"], (p["cost_per_hour"], p["max_rate_rps"]), fontsize=7)
+    cost.set_xlabel("cost per hour")
+    cost.set_ylabel("highest rate meeting the SLO (req/s)")
+    cost.legend()
+    if (rs := doc.get("rate_sweep")) is not None:
+        rates = [p["rate_rps"] for p in rs["points"]]
+        sweep.plot(rates, [p["attainment"] for p in rs["points"]], "o-", color="tab:blue",
+                   label="attainment")
+        sweep.axhline(doc["slo"]["attainment"], color="tab:blue", linestyle=":")
+        sweep.set_ylim(0, 1.05)
+        sweep.set_xlabel("arrival rate (req/s)")
+        sweep.set_ylabel("attainment")
+        latency = sweep.twinx()
+        for key, color in (("ttft_p90_ms", "tab:red"), ("tpot_p90_ms", "tab:orange")):
+            latency.plot(rates, [p[key] if p[key] is not None else float("nan")
+                                 for p in rs["points"]], "s--", color=color, label=key)
+        latency.set_yscale("log")
+        latency.set_ylabel("p90 (ms)")
+        latency.legend(loc="center right")
+        sweep.set_title(f"rate sweep · {rs['config']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -16,7 +16,8 @@ is out of reach at 64 accelerators (thousands of candidates, seconds each), so:
   that meets has every dearer level meeting too, and that a level's most balanced
   candidates are its best: a level can be missed where neither holds;
 - the pick's highest sustainable rate is found by **bisection on the rate** between the
-  planned rate and its throughput bound (`sustained_rate`).
+  planned rate and its throughput bound (`sustained_rate`); with `front`, that of every
+  simulated candidate not shown dominated first (`_front_rates`), for the Pareto front.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from engine import defaults
 from planner.deploy import deployment, tensor_parallel
+from planner.frontier import pareto_front, rate_sweep
 from planner.plan import (
     SCHEMA,
     PlanRequest,
@@ -39,6 +41,7 @@ from planner.plan import (
     predict,
     shape_entry,
     simulate,
+    sweepable,
     trace_rate,
 )
 from planner.profile import Profile, check_same_model
@@ -64,6 +67,9 @@ class BudgetRequest:
         local_prefill_threshold: the disaggregated threshold.
         per_level: candidates simulated per cost level the bisection visits (the most
             balanced: the largest headroom over their throughput bounds).
+        front: find the sustained rate of every simulated candidate that may lie on
+            the Pareto front (`_front_rates`); else only the pick's, and `pareto` is
+            null.
     """
 
     prefill_profiles: tuple[Profile, ...]
@@ -77,6 +83,7 @@ class BudgetRequest:
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD
     per_level: int = 2
+    front: bool = True
 
     def __post_init__(self) -> None:
         if not self.prefill_profiles or not self.decode_profiles:
@@ -245,8 +252,9 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
     Returns:
         A `pdcluster.plan/1` document: `configs` holds the simulated candidates (with
         `prefill_tp`, `decode_tp`, `accelerators`), `search` the bounds' counts, the
-        simulations, and the wall and CPU seconds taken (the pick's sustained rate
-        included).
+        simulations, and the wall and CPU seconds taken (`search_seconds` to the pick,
+        `seconds` with the sustained rates and the rate sweep); `pareto` and `rate_sweep`
+        (`planner.frontier`).
     """
     start, cpu = time.perf_counter(), time.process_time()
     found, counts = candidates(request)
@@ -281,17 +289,30 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
             low = mid + 1
     configs = sorted(simulated.values(), key=lambda e: (e["cost_per_hour"], e["accelerators"]))
     recommended = simulated[pick.key] if pick is not None else None
+    searched = time.perf_counter() - start
     if pick is not None and recommended is not None:
         recommended["predicted"]["max_rate_rps"] = float(sustained_rate(request, pick))
+    if request.front:
+        _front_rates(request, [c for c in found if c.key in simulated], simulated,
+                     getattr(pick, "key", None), load)
     deploy = None if pick is None or recommended is None else deployment(
         recommended, pick.prefill_profile, pick.decode_profile, request.max_num_seqs)
+    sweep = None
+    if pick is not None and recommended is not None and sweepable(request.requests):
+        planned, pick_shape = plan_request(request, pick), shape(request, pick)
+        sweep = rate_sweep(recommended, request.slo, trace_rate(request.requests),
+                           lambda rate: figures(simulate(planned, pick_shape, at_rate(
+                               request.requests, rate)), request.slo))
     return {"schema": SCHEMA, "model": request.decode_profiles[0].model,
             "slo": request.slo.as_dict(), "rate_rps": trace_rate(request.requests),
             "num_requests": len(request.requests), "recommended": recommended,
             "deploy": deploy, "configs": configs,
+            "pareto": pareto_front(configs, recommended) if request.front else None,
+            "rate_sweep": sweep,
             "search": {**counts, "candidates": len(found), "cost_levels": len(costs),
                        "simulated": len(configs),
                        "max_accelerators": request.max_accelerators,
+                       "search_seconds": searched,
                        "seconds": time.perf_counter() - start,
                        "cpu_seconds": time.process_time() - cpu}}
 
@@ -305,22 +326,55 @@ def throughput_bound(request: BudgetRequest, c: Candidate, load: Load | None = N
                            c.decode / need_d if need_d else np.inf)
 
 
-def sustained_rate(request: BudgetRequest, c: Candidate, iterations: int = 5) -> float:
+def sustained_rate(request: BudgetRequest, c: Candidate, iterations: int = 5,
+                   meets: bool = True, floor: float = 0.0) -> float | None:
     """The highest rate at which `c` meets the SLO: bisection between the planned rate
-    (which it meets) and its throughput bound, to 2^-iterations of that bracket."""
+    and its throughput bound when it meets the SLO at the planned rate (`meets`), else
+    between 0 and the planned rate, to 2^-iterations of that bracket; 0 when even the
+    lowest rate tried misses. With a `floor` inside the bracket, one simulation there
+    first: None when `c` misses at it (it sustains less), else the bracket starts there."""
     planned = plan_request(request, c)
     low, high = trace_rate(request.requests), throughput_bound(request, c)
-    if not high > low or len(request.requests) < 2:
+    if not sweepable(request.requests):
+        return low if meets else 0.0
+    if not meets:
+        low, high = 0.0, low
+    elif not high > low:
         return low
 
     def ok(rate: float) -> bool:
         result = simulate(planned, shape(request, c), at_rate(request.requests, rate))
         return request.slo.meets(figures(result, request.slo))
 
+    if low < floor < high:
+        if not ok(floor):
+            return None
+        low = floor
     for _ in range(iterations):
         mid = (low + high) / 2
         low, high = (mid, high) if ok(mid) else (low, mid)
     return low
+
+
+def _front_rates(request: BudgetRequest, found: list[Candidate],
+                 simulated: dict[tuple[Any, ...], dict[str, Any]], pick: Any, load: Load
+                 ) -> None:
+    """Set `max_rate_rps` on each simulated entry that may lie on the Pareto front, the
+    cheapest first: one whose throughput bound, or whose SLO at the best rate a cheaper
+    (or as cheap) one sustains, shows it sustains no more is dominated and left without
+    (`docs/planner.md`), saving its bisection."""
+    best = 0.0
+    for c in sorted(found, key=lambda c: (c.cost_per_hour, -throughput_bound(request, c,
+                                                                              load))):
+        predicted = simulated[c.key]["predicted"]
+        if c.key != pick:
+            if throughput_bound(request, c, load) <= best:
+                continue
+            rate = sustained_rate(request, c, 4, simulated[c.key]["meets_slo"], best)
+            if rate is None:
+                continue
+            predicted["max_rate_rps"] = float(rate)
+        best = max(best, predicted["max_rate_rps"])
 
 
 def _entry(request: BudgetRequest, c: Candidate, predicted: dict[str, Any]) -> dict[str, Any]:

@@ -163,6 +163,9 @@ class PrefillRole(WorkerRole):
         engine.abort_request(request_id)
         return []
 
+    def pending(self) -> set[str]:
+        return set(self._jobs)
+
     def load(self, engine: LLMEngine) -> dict[str, Any]:
         """Queued prefill work, for placement."""
         sched = engine.scheduler

@@ -53,6 +53,10 @@ class WorkerRole(ABC):
         """KV transfer events (`TransferDone` / `TransferFailed`), as replies."""
         return []
 
+    def pending(self) -> set[str]:
+        """Requests the role holds beyond the engine's (KV on its way in or out)."""
+        return set()
+
     def layer_hook(self, layer: int, schedule: Any) -> None:
         """Called after each layer of each step (layer-wise KV streaming)."""
         return

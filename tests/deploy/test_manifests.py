@@ -14,6 +14,7 @@ import functools
 import io
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -83,8 +84,21 @@ def frontend_service() -> dict[str, Any]:
     return k8s_object(KUBERAY / "raycluster.yaml", "Service")
 
 
-def rayjob() -> dict[str, Any]:
-    return k8s_object(KUBERAY / "rayjob.yaml", "RayJob")
+def launch_job() -> dict[str, Any]:
+    return k8s_object(KUBERAY / "launch.yaml", "Job")
+
+
+def launch_container() -> dict[str, Any]:
+    (container,) = launch_job()["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def launch_argv() -> list[str]:
+    """The launch Job's `pdcluster serve` arguments (the image's entrypoint adds
+    `pdcluster`)."""
+    args = launch_container()["args"]
+    assert args[0] == "serve", args
+    return args[1:]
 
 
 def worker_groups() -> dict[str, dict[str, Any]]:
@@ -201,7 +215,7 @@ def assert_cli_accepts(parser: argparse.ArgumentParser, argv: list[str], where: 
 
 def all_serve_commands() -> dict[str, list[str]]:
     """Every `pdcluster serve` command line the artefacts and the guide contain."""
-    commands = {"rayjob.yaml entrypoint": serve_argv(rayjob()["spec"]["entrypoint"])}
+    commands = {"launch.yaml args": launch_argv()}
     for instruction, rest in dockerfile_instructions():
         if instruction == "CMD" and json.loads(rest)[0] == "serve":
             commands["Dockerfile CMD"] = json.loads(rest)[1:]
@@ -403,7 +417,7 @@ def test_yaml_parses_into_mappings(path: Path):
 def test_expected_artefacts_exist():
     for path in (DOCKERFILE, DEPLOY / "Dockerfile.dockerignore", DEPLOY / "docker-entrypoint.sh",
                  DEPLOY / "ray-cluster.yaml", KUBERAY / "raycluster.yaml",
-                 KUBERAY / "rayjob.yaml", DASHBOARD, OPERATORS_GUIDE):
+                 KUBERAY / "launch.yaml", DASHBOARD, OPERATORS_GUIDE):
         assert path.is_file(), f"missing {path.relative_to(ROOT)}"
     assert json.loads(DASHBOARD.read_text())["panels"]
 
@@ -464,23 +478,77 @@ def test_ray_autoscaler_reads_the_raycluster():
         resources = node_types[name]["resources"]
         assert resources.get("GPU", 0) >= 1, f"autoscaler sees no GPU in the {name} group"
         assert resources.get(resource, 0) > 0, f"autoscaler sees no {resource} in {name}"
-    # The head's cores belong to the router; no worker may be scheduled there.
+    # Neither the head nor the front door's pod takes workers: their cores are the GCS's
+    # and the router's.
     assert node_types["headgroup"]["resources"]["CPU"] == 0
+    assert node_types["frontdoor"]["resources"]["CPU"] == 0
+    assert node_types["frontdoor"]["max_workers"] == node_types["frontdoor"]["min_workers"] == 1
 
 
-def test_head_exposes_grpc_and_http_ports_through_the_frontend_service():
+def test_frontdoor_pod_exposes_grpc_and_http_ports_through_the_frontend_service():
     cluster, service = raycluster(), frontend_service()
-    head = ray_container(cluster["spec"]["headGroupSpec"])
-    container_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    door = ray_container(worker_groups()["frontdoor"])
+    container_ports = {p["name"]: p["containerPort"] for p in door["ports"]}
     assert {GRPC_PORT, HTTP_PORT} <= set(container_ports.values())
     exposed = {}
     for port in service["spec"]["ports"]:
         target = port.get("targetPort", port["port"])
         exposed[port["port"]] = container_ports[target] if isinstance(target, str) else target
     assert exposed.get(GRPC_PORT) == GRPC_PORT and exposed.get(HTTP_PORT) == HTTP_PORT, exposed
-    # KubeRay labels the head pod with these; the Service must find exactly that pod.
+    # KubeRay labels each worker pod with its cluster and group; the Service must find
+    # exactly the front door's pod.
     assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"],
-                                           "ray.io/node-type": "head"}
+                                           "ray.io/group": "frontdoor"}
+
+
+def test_frontdoor_group_hosts_the_front_door_actor():
+    from cluster.frontdoor import FRONTDOOR_RESOURCE
+
+    group = worker_groups()["frontdoor"]
+    assert group["minReplicas"] == group["maxReplicas"] == group.get("replicas", 1) == 1
+    assert group["rayStartParams"]["num-cpus"] == "0", "no worker may land on it"
+    (word,) = shlex.split(group["rayStartParams"]["resources"])
+    assert json.loads(word) == {FRONTDOOR_RESOURCE: 1}
+
+
+def test_frontdoor_probes_ask_the_front_door():
+    """Readiness (and startup) on `/health`: 200 only while a decode worker is ready and
+    nothing drains. Liveness on an endpoint that answers whatever the workers' state, with
+    a window well beyond Ray's own restart of the actor (seconds) and a startup allowance
+    for the launch and the model loads; the head keeps KubeRay's probes."""
+    door = ray_container(worker_groups()["frontdoor"])
+    ports = {p["name"]: p["containerPort"] for p in door["ports"]}
+    startup, ready, live = (door[k] for k in ("startupProbe", "readinessProbe",
+                                              "livenessProbe"))
+    for probe in (startup, ready, live):
+        assert ports[probe["httpGet"]["port"]] == HTTP_PORT
+    assert startup["httpGet"]["path"] == ready["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert live["httpGet"]["path"] == "/version"
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60
+    assert live["timeoutSeconds"] >= 2
+    head = ray_container(raycluster()["spec"]["headGroupSpec"])
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & head.keys()
+
+
+@pytest.mark.server
+def test_liveness_path_answers_without_a_key_or_a_worker_and_health_does_not(tiny_dir):
+    """What the probes see of an unhealthy front door behind an API key: `/version`
+    answers 200, `/health` 503 (so the pod leaves the Service but is not restarted)."""
+    from fastapi.testclient import TestClient
+
+    from router.auth import SecurityConfig
+    from router.backend import ModelInfo
+    from router.frontend import Router
+    from router.http_server import build_app
+
+    info = ModelInfo("tiny", tiny_dir, max_model_len=1024, vocab_size=1024)
+    backend = SimpleNamespace(healthy=lambda: False, model_info=lambda: info)
+    app = build_app(Router(backend), SecurityConfig(api_key="k"))
+    door = ray_container(worker_groups()["frontdoor"])
+    with TestClient(app) as client:
+        assert client.get(door["livenessProbe"]["httpGet"]["path"]).status_code == 200
+        assert client.get(door["readinessProbe"]["httpGet"]["path"]).status_code == 503
 
 
 def test_one_image_and_ray_version_everywhere():
@@ -502,16 +570,20 @@ def test_pods_run_as_non_root():
         assert security.get("runAsUser", 0) != 0
 
 
-# ================================================================ RayJob and friends
+# ================================================================ launch Job and friends
 
 
-def test_rayjob_serves_on_the_raycluster():
-    job = rayjob()["spec"]
-    assert job["clusterSelector"] == {"ray.io/cluster": raycluster()["metadata"]["name"]}
-    assert "rayClusterSpec" not in job, "clusterSelector and rayClusterSpec exclude each other"
-    assert job.get("submissionMode", "K8sJobMode") in ("K8sJobMode", "HTTPMode")
-    flags = parse_flags(serve_argv(job["entrypoint"]), "serve", "rayjob entrypoint")
-    assert flags.get("--address") == "auto", "the job's driver joins the cluster it runs on"
+def test_launch_job_starts_a_detached_cluster_on_the_raycluster():
+    job = launch_job()["spec"]
+    assert job["template"]["spec"]["restartPolicy"] == "OnFailure"
+    assert job.get("backoffLimit", 6) >= 6, "retries while the RayCluster starts"
+    assert launch_container()["image"] == ray_container(worker_groups()["frontdoor"])["image"]
+    flags = parse_flags(launch_argv(), "serve", "launch.yaml")
+    assert "--detach" in flags, "the launcher exits; the front door must outlive it"
+    head_client = f"ray://{raycluster()['metadata']['name']}-head-svc:10001"
+    assert flags.get("--address") == head_client, "the Ray client port of KubeRay's head Service"
+    head = ray_container(raycluster()["spec"]["headGroupSpec"])
+    assert 10001 in {p["containerPort"] for p in head["ports"]}
     # The Service reaches the router through the pod IP, not loopback.
     assert flags.get("--host") == "0.0.0.0"
     assert int(flags.get("--grpc-port", GRPC_PORT)) == GRPC_PORT
@@ -524,8 +596,8 @@ def test_rayjob_serves_on_the_raycluster():
     assert flags.get("--internal-auth", "auto") in ("auto", "curve")
 
 
-def test_rayjob_pools_fit_in_their_worker_groups():
-    flags = parse_flags(serve_argv(rayjob()["spec"]["entrypoint"]), "serve", "rayjob")
+def test_launched_pools_fit_in_their_worker_groups():
+    flags = parse_flags(launch_argv(), "serve", "launch.yaml")
     per_worker = {"nvidia.com/gpu": float(flags["--num-gpus-per-worker"]),
                   "cpu": float(flags["--num-cpus-per-worker"])}
     for name in POOLS:
@@ -542,11 +614,10 @@ def test_rayjob_pools_fit_in_their_worker_groups():
         assert int(flags.get("--torch-threads", 1)) <= float(flags["--num-cpus-per-worker"])
 
 
-
-def test_rayjob_gpu_workers_get_a_gpu_dtype_and_a_share_of_its_memory():
+def test_launched_gpu_workers_get_a_gpu_dtype_and_a_share_of_its_memory():
     """On a GPU the KV pool is a share of the device (not an absolute CPU-sized GB), the
     shares of the workers on one GPU fit in it, and the dtype is one FlashInfer takes."""
-    flags = parse_flags(serve_argv(rayjob()["spec"]["entrypoint"]), "serve", "rayjob")
+    flags = parse_flags(launch_argv(), "serve", "launch.yaml")
     gpus = float(flags["--num-gpus-per-worker"])
     assert gpus > 0
     assert flags.get("--dtype", "auto") in ("auto", "bfloat16", "float16")
@@ -559,7 +630,7 @@ def test_kustomization_lists_existing_files():
     (kustomization,) = load_docs(KUBERAY / "kustomization.yaml")
     for resource in kustomization["resources"]:
         assert (KUBERAY / resource).is_file(), resource
-    assert {"raycluster.yaml", "rayjob.yaml"} <= set(kustomization["resources"])
+    assert {"raycluster.yaml", "launch.yaml"} <= set(kustomization["resources"])
 
 
 def test_servicemonitor_scrapes_the_frontend_metrics():
@@ -663,8 +734,7 @@ def test_image_serves_on_every_interface_whatever_the_serve_arguments(monkeypatc
     environment, not its CMD, must make serve bind 0.0.0.0."""
     from cluster.cli import HOST_ENV, parse_args
 
-    env = dict(rest.split("=", 1) for instruction, rest in dockerfile_instructions()
-               if instruction == "ENV" for rest in shlex.split(rest))
+    env = dockerfile_env()
     assert env[HOST_ENV] == "0.0.0.0"
     monkeypatch.setenv(HOST_ENV, env[HOST_ENV])
     args = parse_args(["serve", "--prefill", "1", "--decode", "1"])
@@ -692,6 +762,65 @@ def test_dockerfile_requirements_snippet_reads_pyproject():
                                 capture_output=True, text=True,
                                 env={**os.environ, "EXTRAS": extras})
         assert result.stdout.split("\n")[:-1] == expected
+
+
+def dockerfile_env() -> dict[str, str]:
+    return dict(rest.split("=", 1) for instruction, rest in dockerfile_instructions()
+                if instruction == "ENV" for rest in shlex.split(rest))
+
+
+def kernel_step() -> str:
+    """The Dockerfile's python command that builds the CPU kernels."""
+    (snippet,) = [s for run in runs() for s in python_snippets(run) if "cpu_kernels" in s]
+    return snippet
+
+
+def test_dockerfile_builds_the_cpu_kernels_where_containers_load_them():
+    """Built after the package is installed, by the user the containers run as, into a
+    folder of the image that no later step or HOME changes."""
+    env = dockerfile_env()
+    assert env["TORCH_EXTENSIONS_DIR"].startswith(env["PDCLUSTER_CACHE"] + "/")
+    steps = dockerfile_instructions()
+    build = next(i for i, (ins, rest) in enumerate(steps)
+                 if ins == "RUN" and "cpu_kernels" in rest)
+    install = next(i for i, (ins, rest) in enumerate(steps)
+                   if ins == "RUN" and "/opt/pdcluster/src" in rest and "--no-deps" in rest)
+    users = [i for i, (ins, _) in enumerate(steps) if ins == "USER"]
+    assert install < build and users and users[-1] < build
+    assert not [rest for ins, rest in steps[build:] if ins == "ENV"
+                and "TORCH_EXTENSIONS_DIR" in rest], "the folder must not change after it"
+    # The pods run as the user that built them and leave the folder where it is.
+    pods = [g["template"]["spec"] for g in [raycluster()["spec"]["headGroupSpec"],
+                                            *worker_groups().values()]]
+    pods.append(launch_job()["spec"]["template"]["spec"])
+    for pod in pods:
+        assert pod["securityContext"]["runAsUser"] == int(dockerfile_args()["UID"])
+        for container in pod["containers"]:
+            names = {e["name"] for e in container.get("env", [])}
+            assert not names & {"TORCH_EXTENSIONS_DIR", "PDCLUSTER_CACHE", "HOME"}
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_dockerfile_kernel_step_leaves_a_build_that_loads_without_a_compiler(tmp_path: Path):
+    """The step's own command in a fresh HOME and extensions folder (a C++ build: minutes
+    on two cores), then a process with no compiler on PATH loads that build. The build is
+    portable: no -march flag, one variant per ISA."""
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    subprocess.run([sys.executable, "-c", kernel_step()], cwd=ROOT, env=env, check=True,
+                   timeout=1800)
+    (ninja,) = (tmp_path / "torch_extensions").rglob("build.ninja")
+    assert "-march" not in ninja.read_text()
+    no_compiler = tmp_path / "no-compiler"
+    no_compiler.mkdir()
+    load = ("from engine.kernels import cpu_kernels; m = cpu_kernels(); "
+            "assert m is not None, 'not loaded'; print(','.join(m.isas()))")
+    result = subprocess.run([sys.executable, "-c", load], cwd=ROOT, capture_output=True,
+                            text=True, env={**env, "PATH": str(no_compiler)}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    variants = "generic,avx2,avx512,avx512_bf16" if platform.machine() == "x86_64" else "generic"
+    assert result.stdout.split()[-1] == variants
 
 
 def test_dockerignore_lets_every_package_in():

@@ -160,12 +160,11 @@ def test_a_quick_profile_of_the_tiny_model(tmp_path: Path) -> None:
     # Steps timed alone and beside a stepping neighbour engine, at every neighbour point.
     neighbour = profile.samples["neighbour"]
     assert len(neighbour) == 4 and all(p["alone"] and p["beside"] for p in neighbour)
-    # The raw ratios (the profile clamps their median's excess at 0): beside a neighbour
-    # engine stepping on another core a step is neither much faster than alone (nothing
-    # shared can speed it up) nor several times slower (it keeps a core of its own).
+    # The slowdown is the median excess of beside over alone, clamped at 0. How large it
+    # is depends on the machine's load (a benchmark's business, not this test's).
     ratios = [float(np.median(p["beside"]) / np.median(p["alone"])) for p in neighbour]
-    assert all(0.8 < ratio < 3.0 for ratio in ratios), ratios
-    assert 0 <= profile.neighbour_slowdown < 2.0
+    assert all(np.isfinite(ratio) and ratio > 0 for ratio in ratios), ratios
+    assert profile.neighbour_slowdown == max(float(np.median([r - 1 for r in ratios])), 0.0)
     assert profile.workers_per_host == max(cpu_features().cores // profile.torch_threads, 1)
     profile.save(tmp_path / "tiny.json")
     assert Profile.load(tmp_path / "tiny.json") == profile

@@ -104,3 +104,38 @@ def test_kv_cache_dtype_reaches_every_worker(captured: list[Any],
         main(["serve", "--model", "tiny", "--kv-cache-dtype", "int4"])
     assert exit_info.value.code == 2
     assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_detach_needs_a_ray_cluster_and_starts_nothing_without_one(
+        captured: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    assert main(["serve", "--model", "tiny", "--detach"]) == 2
+    assert "--detach needs a running Ray cluster" in capsys.readouterr().err
+    assert captured == [] and not ray.is_initialized()
+
+
+def test_detach_hands_the_options_to_the_front_door(
+        captured: list[Any], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """What the detached front door actor gets (`cluster.frontdoor.launch`, captured
+    before Ray is joined), and the ready line the launcher prints from its answer."""
+    import cluster.frontdoor
+
+    launched: list[Any] = []
+
+    def launch(options: Any, name: str, log_settings: tuple[str, str]) -> dict[str, Any]:
+        launched.append((options, name, log_settings))
+        return {"grpc_port": 50061, "http_port": 8001, "existing": True}
+
+    monkeypatch.setattr(cluster.frontdoor, "launch", launch)
+    monkeypatch.setenv("PDCLUSTER_CACHE", str(tmp_path))  # the endpoint file goes there
+    assert main(["serve", "--model", "tiny", "--detach", "--address", "auto", "--name", "c1",
+                 "--decode", "2", "--log-format", "json", "--log-level", "debug"]) == 0
+    ((options, name, log_settings),) = launched
+    assert (options.address, options.cluster.num_decode, name) == ("auto", 2, "c1")
+    assert log_settings == ("DEBUG", "json")
+    out = capsys.readouterr().out
+    assert "'c1' already runs" in out
+    assert "pdcluster ready: gRPC 127.0.0.1:50061  OpenAI http://127.0.0.1:8001/v1" in out
+    assert captured == []  # nothing served in this process

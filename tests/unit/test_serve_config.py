@@ -286,13 +286,15 @@ def test_one_entry_with_a_bad_pool_is_refused_naming_the_model(
     assert captured == []
 
 
-def test_autoscaling_serves_one_model(captured: list[Any], tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flags", "flag"), [
+    (["--autoscale", "--profile", "profile.json", "--slo", "ttft=500"], "--autoscale"),
+    (["--detach"], "--detach")])
+def test_autoscaling_and_detach_serve_one_model(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        flags: list[str], flag: str) -> None:
     path = write(tmp_path, "models:\n  - model: tiny\n  - model: smollm2\n")
-    profile = tmp_path / "profile.json"
-    assert main(["serve", "--config", str(path), "--autoscale", "--profile", str(profile),
-                 "--slo", "ttft=500"]) == 2
-    assert "--autoscale serves one model; this config serves 2" in capsys.readouterr().err
+    assert main(["serve", "--config", str(path), *flags]) == 2
+    assert f"{flag} serves one model; this config serves 2" in capsys.readouterr().err
     assert captured == []
 
 
