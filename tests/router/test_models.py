@@ -21,6 +21,8 @@ from router.servers import Servers, start_servers
 from tests.conftest import assert_pool_free
 from tests.router.conftest import LoopThread, engine_stalled, wait_for
 
+pytestmark = pytest.mark.server  # starts the servers in-process
+
 PROMPT = "The quick brown fox"
 
 
