@@ -32,6 +32,11 @@ def _serve(args: argparse.Namespace) -> int:
                               "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
                               "policy": args.policy, "max_model_len": args.max_model_len,
                               "enable_prefix_caching": not args.no_prefix_caching}
+    if args.speculative_config is not None:
+        from engine.spec_decode import SpeculativeConfig
+
+        SpeculativeConfig.parse(args.speculative_config)  # a bad key fails here, not in a worker
+        worker["speculative_config"] = args.speculative_config
     if args.transport == "mooncake":
         from kv_transfer.transports.mooncake import check_installed
 
@@ -227,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", choices=["continuous", "static"], default="continuous",
                        help="batching policy of every worker (static: for comparison)")
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding on decode and colocated workers, vLLM's keys: "
+                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                            "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft\", "
+                            "\"model\": \"self\", \"draft_layers\": 8, "
+                            "\"num_speculative_tokens\": 3}'")
     serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING)
     serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE)
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
