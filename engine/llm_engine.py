@@ -21,7 +21,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import SpeculativeConfig, Speculator, speculates
+from engine.spec_decode import SpecCounters, SpeculativeConfig, Speculator, speculates
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
 from engine.validation import check_request
@@ -98,7 +98,7 @@ class LLMEngine:
                  num_threads: int | None = None,
                  speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
                  ) -> None:
-        self.speculative_config = SpeculativeConfig.parse(speculative_config)
+        self.speculative_config = SpeculativeConfig.parse(speculative_config)  # fail early
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig()
         self.device = _pick_device(device)
@@ -124,10 +124,10 @@ class LLMEngine:
         attn = get_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            attention_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device)
-        self.speculator = None if self.speculative_config is None else \
-            Speculator(self.speculative_config, self.runner)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager,
-                                   None if self.speculator is None else self._num_lookahead)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.speculator: Speculator | None = None
+        self.spec_counters = SpecCounters()
+        self.set_speculative_config(self.speculative_config)
         self.max_model_len = min(cfg.max_model_len, num_blocks * bs)
         if not self.scheduler_config.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len,
@@ -136,6 +136,20 @@ class LLMEngine:
         # What the last step computed (`SchedulerOutput.items`), for step-time accounting.
         self.last_step: list[tuple[int, int, bool]] = []
         self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+
+    def set_speculative_config(
+            self, config: str | dict[str, Any] | SpeculativeConfig | None) -> None:
+        """Decode speculatively as `config` says from the next step on (None: plainly).
+
+        Drafts live for one step only, so running requests simply go on the new way.
+
+        Raises:
+            ValueError: a bad configuration (the message names the key).
+        """
+        self.speculative_config = SpeculativeConfig.parse(config)
+        self.speculator = None if self.speculative_config is None else \
+            Speculator(self.speculative_config, self.runner)
+        self.scheduler.num_lookahead = None if self.speculator is None else self._num_lookahead
 
     def _num_lookahead(self, request: Request) -> int:
         if not speculates(request):
@@ -228,7 +242,7 @@ class LLMEngine:
             rid = request.request_id
             new_tokens = request.output_token_ids[before[rid]:]
             if rid in drafted:
-                self.speculator.record(drafted[rid], len(new_tokens))  # type: ignore[union-attr]
+                self.spec_counters.record(drafted[rid], len(new_tokens))
             logprobs = result.logprobs.get(rid)
             if logprobs is not None:
                 logprobs = logprobs[:len(new_tokens)]
@@ -325,7 +339,7 @@ class LLMEngine:
             "num_waiting_for_kv": sum(1 for r in self.scheduler.parked.values()
                                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
             **self.runner.counters,
-            **({} if self.speculator is None else self.speculator.stats()),
+            **self.spec_counters.stats(),
         }
 
 

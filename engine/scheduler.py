@@ -132,14 +132,14 @@ class Scheduler:
         return budget
 
     def _lookahead(self, request: Request, num_new: int, budget: int, num_after: int) -> int:
-        """Draft slots reserved for a decoding request: within the budget and the tokens it
-        may still emit, and only while a block stays free for each of the `num_after`
-        running requests behind it (drafts never cause a preemption); 0 (decode plainly)
-        otherwise."""
+        """Draft slots reserved for a decoding request: within the tokens it may still emit,
+        and only while a token of budget and a block stay for each of the `num_after`
+        running requests behind it (drafts never starve or preempt another request);
+        0 (decode plainly) otherwise."""
         if self.num_lookahead is None or num_new != 1 or self.config.role == "prefill":
             return 0
         left = request.max_output_tokens - len(request.output_token_ids) - 1
-        lookahead = min(self.num_lookahead(request), budget - 1, left)
+        lookahead = min(self.num_lookahead(request), budget - 1 - num_after, left)
         if lookahead <= 0 or self.kv.blocks_needed(request, 1 + lookahead) + num_after > \
                 self.kv.pool.num_free_blocks:
             return 0

@@ -75,12 +75,13 @@ class SpeculativeConfig:
     def _check_ngram(self) -> None:
         _forbid(self, ("model", "draft_layers"), "ngram")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for key, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:
+                _check_int(key, value, 1, 1024)
         if lo is None and hi is None:
             lo = hi = _DEFAULT_LOOKUP
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
-        _check_int("prompt_lookup_min", lo, 1, 1024)
-        _check_int("prompt_lookup_max", hi, 1, 1024)
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                              f"prompt_lookup_max ({hi})")
@@ -171,8 +172,7 @@ def ngram_propose(token_ids: Sequence[int], k: int, lookup_min: int, lookup_max:
 
 
 class Speculator:
-    """Drafts tokens for the scheduled speculative requests of a step, and keeps the
-    acceptance counters.
+    """Drafts tokens for the scheduled speculative requests of a step.
 
     Args:
         config: the speculative configuration.
@@ -186,8 +186,6 @@ class Speculator:
         if config.method == "draft" and config.draft_layers >= num_layers:  # type: ignore[operator]
             raise ValueError(f"speculative_config.draft_layers: must be below the target's "
                              f"{num_layers} layers, got {config.draft_layers}")
-        self.counters = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                         "spec_emitted_tokens": 0, "spec_verify_steps": 0}
 
     def propose(self, schedule: SchedulerOutput) -> None:
         """Set `spec_token_ids` (at most the reserved lookahead) and `num_new_tokens` of
@@ -228,23 +226,33 @@ class Speculator:
                 requests[i].spec_token_ids.append(token)
                 last[i] = token
 
+
+
+class SpecCounters:
+    """Running totals of verification: drafted, accepted and emitted tokens, and the
+    request-steps that verified drafts."""
+
+    def __init__(self) -> None:
+        self.draft_tokens = self.accepted_tokens = self.emitted_tokens = self.verify_steps = 0
+
     def record(self, num_drafted: int, num_emitted: int) -> None:
         """Count one verified request-step: drafts offered, tokens it emitted."""
-        c = self.counters
-        c["spec_draft_tokens"] += num_drafted
-        c["spec_accepted_tokens"] += num_emitted - 1
-        c["spec_emitted_tokens"] += num_emitted
-        c["spec_verify_steps"] += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_emitted - 1
+        self.emitted_tokens += num_emitted
+        self.verify_steps += 1
 
     def stats(self) -> dict[str, Any]:
-        """The counters plus acceptance rate (accepted / drafted) and tokens per verify
-        step (emitted / request-steps)."""
-        c = self.counters
-        return {**c,
-                "spec_acceptance_rate": c["spec_accepted_tokens"] / c["spec_draft_tokens"]
-                if c["spec_draft_tokens"] else 0.0,
-                "spec_tokens_per_step": c["spec_emitted_tokens"] / c["spec_verify_steps"]
-                if c["spec_verify_steps"] else 0.0}
+        """The totals, the acceptance rate (accepted / drafted) and tokens per verify step
+        (emitted / request-steps; 1 to K + 1)."""
+        return {"spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens,
+                "spec_emitted_tokens": self.emitted_tokens,
+                "spec_verify_steps": self.verify_steps,
+                "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens
+                if self.draft_tokens else 0.0,
+                "spec_tokens_per_step": self.emitted_tokens / self.verify_steps
+                if self.verify_steps else 0.0}
 
 
 # ---- verification ----------------------------------------------------------------------
