@@ -76,3 +76,15 @@ def test_refusals_start_nothing(captured: list[Any], capsys: pytest.CaptureFixtu
     assert main(["serve", "--model", "tiny", *flags]) == 2
     assert message in capsys.readouterr().err
     assert captured == []
+
+
+def test_speculative_config_reaches_the_workers_and_a_bad_key_is_named(
+        captured: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    assert main(["serve", "--model", "tiny", "--speculative-config", config]) == 0
+    (options,) = captured
+    assert options.cluster.worker["speculative_config"] == config
+    assert main(["serve", "--model", "tiny", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 4, "lookup_max": 4}']) == 2
+    assert "speculative_config: unknown key 'lookup_max'" in capsys.readouterr().err
+    assert len(captured) == 1  # nothing started
