@@ -111,8 +111,10 @@ class ModelRunner:
         input_ids, positions, layout = self._prepare(batch)
         self.attn.begin_step(layout)
         hidden = self.model(input_ids, positions, self.kv_cache, self.attn, layer_hook)
-        self._count(layout, sum(s.num_new_tokens if s.request.spec_token_ids else 1
-                                for s in batch if s.samples))
+        # Verified drafts are decode tokens, with logits at every position.
+        spec_tokens = sum(s.num_new_tokens for s in batch if s.request.spec_token_ids)
+        self._count(layout, sum(1 for s in batch if s.samples and not s.request.spec_token_ids)
+                    + spec_tokens, spec_tokens)
         ends = torch.tensor(layout.query_lens).cumsum(0).tolist()
         plain, spec, rows, spec_rows = [], [], [], []
         for i, s in enumerate(batch):
@@ -177,9 +179,9 @@ class ModelRunner:
             tables[i, :len(r.block_ids)] = torch.tensor(r.block_ids)
         return tables
 
-    def _count(self, layout: BatchLayout, num_sampled: int) -> None:
-        prefill = layout.num_prefill_tokens
-        decode = len(layout.query_lens) - layout.num_prefills
+    def _count(self, layout: BatchLayout, num_sampled: int, num_spec_tokens: int) -> None:
+        prefill = layout.num_prefill_tokens - num_spec_tokens
+        decode = len(layout.query_lens) - layout.num_prefills + num_spec_tokens
         flops, nbytes = self.costs.estimate(layout, num_sampled)
         c = self.counters
         c["prefill_tokens"] += prefill
