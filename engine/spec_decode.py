@@ -30,7 +30,7 @@ from engine.sampler import filtered_probs, process_row, top_logprobs
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
     from engine.request import Request
-    from engine.scheduler import SchedulerOutput
+    from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 Method = Literal["ngram", "draft"]
 
@@ -204,7 +204,7 @@ class Speculator:
         for s in items:
             s.num_new_tokens = 1 + len(s.request.spec_token_ids)
 
-    def _self_draft(self, items: list[Any]) -> None:
+    def _self_draft(self, items: list[ScheduledRequest]) -> None:
         """Early exit: the first L layers, the final norm and the LM head, greedily, one
         token per request per pass. Layers < L of the target compute the same KV for the
         same tokens, so the draft writes straight into the target's pages (the slots the
