@@ -1,15 +1,16 @@
 """Speculative decoding against plain decoding on SmolLM2, in one process on one engine.
 
-    python -m experiments.spec_decode [--runs 3] [--max-tokens 64]
+    python -m experiments.spec_decode [--runs 3] [--max-tokens 32] [--batch1-prompts 1]
         [--self-draft-layers 28] [--out experiments/results/spec_decode.json]
 
 Two workloads of chat prompts: `repetitive` (repeat, correct or lightly edit a given text,
 where the answer copies the prompt and n-gram drafting shines) and `chat` (open questions
-whose answers copy nothing). Each at batch 1 (each prompt alone, one after the other) and
-batch 8 (all together). Three modes on the same engine and weights, switched with
-`LLMEngine.set_speculative_config`: plain, ngram (K = 4, lookup 1-3) and self-draft (the
-first L layers of the target, K = 2). Runs are interleaved (every run measures every mode
-of a cell back to back, the order rotating between runs) and all of them are reported.
+whose answers copy nothing). Each at batch 1 (the first `--batch1-prompts` prompts alone,
+one after the other) and batch 8 (all together). Three modes on the same engine and
+weights, switched with `LLMEngine.set_speculative_config`: plain, ngram (K = 4, lookup 1-3)
+and self-draft (the first L layers of the target, K = 2). Runs are interleaved (every run
+measures every mode of a cell back to back, the order rotating between runs) and all of
+them are reported.
 
 Per cell and mode: TPOT (first to last token of each request, over its tokens after the
 first, averaged over requests), tokens per verify step and acceptance rate (from the
@@ -111,7 +112,8 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int
             if delta["spec_verify_steps"] else None}
 
 
-def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int) -> dict[str, Any]:
+def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: Path
+        ) -> dict[str, Any]:
     llm = LLM("smollm2", cache=CacheConfig(num_blocks=1024))
     modes = {"plain": None, "ngram": NGRAM,
              "self_draft": {"method": "draft", "model": "self", "draft_layers": self_layers,
@@ -143,10 +145,14 @@ def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int) -> di
                     row[mode]["tpot_vs_plain"] = r["tpot_ms"] / plain["tpot_ms"]
                 cells.setdefault(f"{name}/batch{batch}", []).append(row)
                 print(json.dumps({"cell": f"{name}/batch{batch}", **row}), flush=True)
-    return {"cpu": cpu_features().describe(), "model": "smollm2", "dtype": "float32",
-            "max_tokens": max_tokens, "runs": runs, "greedy_identical": True,
-            "modes": {k: v for k, v in modes.items() if v is not None},
-            "batch1_prompts": batch1_prompts, "cells": cells, "summary": summarize(cells)}
+        report = {"cpu": cpu_features().describe(), "model": "smollm2", "dtype": "float32",
+                  "max_tokens": max_tokens, "runs": run_index + 1, "greedy_identical": True,
+                  "modes": {k: v for k, v in modes.items() if v is not None},
+                  "batch1_prompts": batch1_prompts, "cells": cells,
+                  "summary": summarize(cells)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))  # after every run: a cut run keeps them
+    return report
 
 
 def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -168,15 +174,14 @@ def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--self-draft-layers", type=int, default=28)
-    parser.add_argument("--batch1-prompts", type=int, default=2,
+    parser.add_argument("--batch1-prompts", type=int, default=1,
                         help="prompts run alone, one after the other, in the batch-1 cells")
     parser.add_argument("--out", type=Path, default=RESULTS / "spec_decode.json")
     args = parser.parse_args()
-    report = run(args.runs, args.max_tokens, args.self_draft_layers, args.batch1_prompts)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    report = run(args.runs, args.max_tokens, args.self_draft_layers, args.batch1_prompts,
+                 args.out)
     print(json.dumps(report["summary"], indent=2))
 
 
