@@ -13,7 +13,8 @@ measures every mode of a cell back to back, the order rotating between runs) and
 them are reported.
 
 Per cell and mode: TPOT (first to last token of each request, over its tokens after the
-first, averaged over requests), tokens per verify step and acceptance rate (from the
+first, averaged over requests) by the wall clock and by this process's CPU time (the
+robust one on a shared machine), tokens per verify step and acceptance rate (from the
 engine's counters), and TPOT relative to plain in the same run. Greedy output must be
 identical to plain decoding in every run: the driver asserts it.
 """
@@ -71,41 +72,47 @@ def workloads(llm: LLM) -> dict[str, list[list[int]]]:
 
 
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int
-             ) -> tuple[list[list[int]], list[float]]:
-    """Greedy tokens and per-request TPOT (seconds), all prompts in one batch."""
+             ) -> tuple[list[list[int]], list[float], list[float]]:
+    """Greedy tokens and per-request TPOT, wall and CPU seconds (this process's CPU time:
+    what other work on a shared machine takes away from the wall clock does not count), all
+    prompts in one batch."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     tokens: dict[str, list[int]] = {}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
+    first: dict[str, tuple[float, float]] = {}
+    last: dict[str, tuple[float, float]] = {}
     for i, prompt in enumerate(prompts):
         engine.add_request(f"x{i}", prompt, params)
         tokens[f"x{i}"] = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         for out in outputs:
             if out.new_token_ids and out.request_id not in first:
                 first[out.request_id] = now
             tokens[out.request_id] += out.new_token_ids
             last[out.request_id] = now
-    tpot = [(last[r] - first[r]) / (len(t) - 1) for r, t in tokens.items() if len(t) > 1]
-    return list(tokens.values()), tpot
+    done = [r for r, t in tokens.items() if len(t) > 1]
+    wall = [(last[r][0] - first[r][0]) / (len(tokens[r]) - 1) for r in done]
+    cpu = [(last[r][1] - first[r][1]) / (len(tokens[r]) - 1) for r in done]
+    return list(tokens.values()), wall, cpu
 
 
 def measure(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int
             ) -> dict[str, Any]:
     """One mode on one cell: tokens, TPOT and the verification counters' change."""
     before = llm.engine.spec_counters.stats()
-    outs, tpots = [], []
+    outs, tpots, cpus = [], [], []
     for start in range(0, len(prompts), batch):
-        o, t = generate(llm, prompts[start:start + batch], max_tokens)
+        o, t, c = generate(llm, prompts[start:start + batch], max_tokens)
         outs += o
         tpots += t
+        cpus += c
     after = llm.engine.spec_counters.stats()
     delta = {k: after[k] - before[k] for k in ("spec_draft_tokens", "spec_accepted_tokens",
                                                "spec_emitted_tokens", "spec_verify_steps")}
     return {"tokens": outs, "tpot_ms": 1e3 * statistics.mean(tpots),
+            "cpu_tpot_ms": 1e3 * statistics.mean(cpus),
             "acceptance_rate": delta["spec_accepted_tokens"] / delta["spec_draft_tokens"]
             if delta["spec_draft_tokens"] else None,
             "tokens_per_step": delta["spec_emitted_tokens"] / delta["spec_verify_steps"]
@@ -143,6 +150,7 @@ def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: 
                 for mode, r in results.items():
                     row[mode] = {k: v for k, v in r.items() if k != "tokens"}
                     row[mode]["tpot_vs_plain"] = r["tpot_ms"] / plain["tpot_ms"]
+                    row[mode]["cpu_tpot_vs_plain"] = r["cpu_tpot_ms"] / plain["cpu_tpot_ms"]
                 cells.setdefault(f"{name}/batch{batch}", []).append(row)
                 print(json.dumps({"cell": f"{name}/batch{batch}", **row}), flush=True)
         report = {"cpu": cpu_features().describe(), "model": "smollm2", "dtype": "float32",
@@ -162,9 +170,12 @@ def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for cell, rows in cells.items():
         for mode in ("ngram", "self_draft"):
             ratios = [r[mode]["tpot_vs_plain"] for r in rows]
+            cpu = [r[mode]["cpu_tpot_vs_plain"] for r in rows]
             out.setdefault(cell, {})[mode] = {
                 "tpot_vs_plain_median": round(statistics.median(ratios), 3),
                 "tpot_vs_plain_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                "cpu_tpot_vs_plain_median": round(statistics.median(cpu), 3),
+                "cpu_tpot_vs_plain_range": [round(min(cpu), 3), round(max(cpu), 3)],
                 "tokens_per_step": rows[0][mode]["tokens_per_step"],
                 "acceptance_rate": rows[0][mode]["acceptance_rate"]}
         out[cell]["plain_tpot_ms"] = [round(r["plain"]["tpot_ms"], 1) for r in rows]
