@@ -126,10 +126,6 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{key}: required")
         return SpeculativeConfig(**value)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) is not None}
-
 
 def _check_int(key: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
