@@ -61,6 +61,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def speculative_arg(text: str) -> str:
+    """`--speculative-config`, checked as it is parsed (a bad key fails here, not in a
+    worker)."""
+    from engine.spec_decode import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _per_model(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The flags of each model served: `args` itself, or with a config file's `models:`,
     one copy per entry with the entry's values and pool sections over the shared ones."""
@@ -374,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV pages: auto (the model's dtype) or int8 (a scale per token "
                              "and KV head: about 2x the blocks of bf16 per GB, half the bytes "
                              "per transfer; CPU/torch attention); both pools must match")
+    worker.add_argument("--speculative-config", type=speculative_arg, default=None,
+                        metavar="JSON",
+                        help="speculative decoding on decode and colocated workers, vLLM's "
+                             "keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                             "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft\", "
+                             "\"model\": \"self\", \"draft_layers\": 8, "
+                             "\"num_speculative_tokens\": 3}'; prefill workers ignore it")
     worker.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                         help="share of the GPU's memory a worker may hold (weights + KV); "
                              "the KV pool gets what the weights leave (None: "

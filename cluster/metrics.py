@@ -20,6 +20,10 @@ _GAUGES = {
     "worker_running_requests": ("num_running", "Requests in the worker's running batch."),
     "worker_waiting_requests": ("num_waiting", "Requests queued inside the worker."),
     "worker_prefix_cache_hit_rate": ("prefix_hit_rate", "Prompt tokens served from cache."),
+    "worker_spec_acceptance_rate": ("spec_acceptance_rate",
+                                    "Speculative decoding: drafted tokens accepted, as a share."),
+    "worker_spec_tokens_per_step": ("spec_tokens_per_step",
+                                    "Speculative decoding: tokens emitted per verify step."),
 }
 _UTILIZATION = {
     "worker_busy_fraction": ("busy", "Share of time the engine was computing."),
@@ -38,6 +42,10 @@ _COUNTERS = {
                                     "Prompt tokens looked up in the prefix cache."),
     "worker_prefix_cache_hits": ("prefix_cache_hits",
                                  "Prompt tokens found in the prefix cache."),
+    "worker_spec_draft_tokens": ("spec_draft_tokens", "Speculative tokens drafted."),
+    "worker_spec_accepted_tokens": ("spec_accepted_tokens", "Speculative tokens accepted."),
+    "worker_spec_verify_steps": ("spec_verify_steps",
+                                 "Request-steps that verified speculative tokens."),
 }
 # `--metrics-compat vllm`: vLLM's names for the same quantities, so dashboards, KEDA rules
 # and llm-d's scheduler written for vLLM read pdcluster unchanged. Worker series carry
@@ -52,6 +60,10 @@ _VLLM_WORKER_COUNTERS = {
     "vllm:prefix_cache_queries": ("prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache."),
     "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "vllm:spec_decode_num_drafts": ("spec_verify_steps", "Speculative drafts verified."),
+    "vllm:spec_decode_num_draft_tokens": ("spec_draft_tokens", "Speculative tokens drafted."),
+    "vllm:spec_decode_num_accepted_tokens": ("spec_accepted_tokens",
+                                             "Speculative tokens accepted."),
 }
 # Router series re-exported under vLLM's names (same values, same buckets).
 _VLLM_ROUTER_NAMES = {

@@ -104,6 +104,7 @@ class WorkerSpec:
     cluster_key: ClusterKey | None = None
     mooncake_protocol: str = "auto"
     tracing: TracingConfig | None = None
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
@@ -161,7 +162,7 @@ class Worker:
                                       max_num_seqs=spec.max_num_seqs, role=str(spec.role),
                                       policy=spec.policy),
             num_threads=spec.torch_threads, kv_allocator=self.shm_pool,
-            max_model_len=spec.max_model_len)
+            max_model_len=spec.max_model_len, speculative_config=spec.speculative_config)
 
     def _build_role(self) -> WorkerRole:
         spec = self.spec

@@ -1,10 +1,10 @@
 """pdcluster's model runtime: paged KV cache, continuous batching, one Llama implementation.
 
 The public surface other packages may use: `LLM`, `LLMEngine`, `SamplingParams`,
-`RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs, the tokenizer helpers,
-`check_request`, `hash_blocks` (the prefix cache's chained block hash, which the router's
-prefix affinity shares) and `defaults`. Names load on first use, so reading `engine.defaults`
-(the CLI does, for its help text) does not import torch.
+`RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs (`SpeculativeConfig`
+too), the tokenizer helpers, `check_request`, `hash_blocks` (the prefix cache's chained
+block hash, which the router's prefix affinity shares) and `defaults`. Names load on first
+use, so reading `engine.defaults` (the CLI does, for its help text) does not import torch.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, LLMEngine
     from engine.request import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
+    from engine.spec_decode import SpeculativeConfig
     from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
     from engine.validation import check_request, fit_context
 
@@ -28,7 +29,7 @@ _WHERE = {
     "EngineOutput": "engine.llm_engine", "EngineStepError": "engine.llm_engine",
     "KVCacheFullError": "engine.llm_engine", "LLMEngine": "engine.llm_engine",
     "CompletionOutput": "engine.request", "RequestOutput": "engine.request",
-    "SamplingParams": "engine.sampling_params",
+    "SamplingParams": "engine.sampling_params", "SpeculativeConfig": "engine.spec_decode",
     "IncrementalDetokenizer": "engine.tokenizer", "apply_chat_template": "engine.tokenizer",
     "load_tokenizer": "engine.tokenizer", "check_request": "engine.validation",
     "fit_context": "engine.validation", "hash_blocks": "engine.block_pool",
@@ -47,6 +48,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "apply_chat_template",
     "check_request",
     "fit_context",

@@ -87,6 +87,14 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(missing))
         return True
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the request's computed tokens (slots reserved for drafts
+        that verification rejected); they were never registered in the prefix cache."""
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if len(request.block_ids) > keep:
+            self.pool.free(reversed(request.block_ids[keep:]))
+            del request.block_ids[keep:]
+
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache (new ones only)."""
         done = self._num_registered.get(request.request_id, 0)

@@ -110,15 +110,17 @@ class _Collector:
 
     def add(self, out: EngineOutput) -> bool:
         """Take a step's output; True when a stop string ended the text."""
-        self.token_ids.extend(out.new_token_ids)
-        self.logprobs.extend(out.new_logprobs or [])
-        self.num_cached_tokens = out.num_cached_tokens
+        taken = self.detok.num_tokens
         self.detok.add(out.new_token_ids)
-        if out.finish_reason is not None:
+        taken = self.detok.num_tokens - taken  # fewer when a stop string ended the text
+        self.token_ids.extend(out.new_token_ids[:taken])
+        self.logprobs.extend((out.new_logprobs or [])[:taken])
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason is not None and taken == len(out.new_token_ids):
             self.finish_reason = out.finish_reason
         elif self.detok.stopped:
             self.finish_reason = "stop"
-            return True
+            return out.finish_reason is None  # still running: end it
         return False
 
     def output(self) -> RequestOutput:

@@ -21,6 +21,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import SpecCounters, SpeculativeConfig, Speculator, speculates
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
 from engine.validation import check_request
@@ -86,13 +87,18 @@ class LLMEngine:
         num_threads: torch and BLAS compute threads; None: on CPU torch gets all cores but
             one (`CpuFeatures.compute_threads`) and BLAS all of them,
             elsewhere torch's default.
+        speculative_config: speculative decoding (`SpeculativeConfig`, its JSON text or a
+            mapping with vLLM's keys); used by the decode and mixed roles, ignored by prefill.
     """
 
     def __init__(self, model: str = "tiny", dtype: str | torch.dtype = "float32", *,
                  cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
                  device: str = "auto", max_model_len: int | None = None,
                  attention_backend: str = "auto", kv_allocator: BufferAllocator | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None,
+                 speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
+                 ) -> None:
+        self.speculative_config = SpeculativeConfig.parse(speculative_config)  # fail early
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig()
         self.device = _pick_device(device)
@@ -122,8 +128,11 @@ class LLMEngine:
                                 self.dtype, self.device, kv_allocator, kv_dtype)
         self.block_pool = BlockPool(num_blocks, self.cache_config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, bs)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.speculator: Speculator | None = None
+        self.spec_counters = SpecCounters()
+        self.set_speculative_config(self.speculative_config)
         self.max_model_len = min(cfg.max_model_len, num_blocks * bs)
         if not self.scheduler_config.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len,
@@ -132,6 +141,25 @@ class LLMEngine:
         # What the last step computed (`SchedulerOutput.items`), for step-time accounting.
         self.last_step: list[tuple[int, int, bool]] = []
         self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+
+    def set_speculative_config(
+            self, config: str | dict[str, Any] | SpeculativeConfig | None) -> None:
+        """Decode speculatively as `config` says from the next step on (None: plainly).
+
+        Drafts live for one step only, so running requests simply go on the new way.
+
+        Raises:
+            ValueError: a bad configuration (the message names the key).
+        """
+        self.speculative_config = SpeculativeConfig.parse(config)
+        self.speculator = None if self.speculative_config is None else \
+            Speculator(self.speculative_config, self.runner)
+        self.scheduler.num_lookahead = None if self.speculator is None else self._num_lookahead
+
+    def _num_lookahead(self, request: Request) -> int:
+        if not speculates(request):
+            return 0
+        return self.speculative_config.num_speculative_tokens  # type: ignore[union-attr]
 
     def _blocks_for_memory(self) -> int:
         cfg = self.model_config
@@ -201,25 +229,36 @@ class LLMEngine:
     def step(self, layer_hook: StepLayerHook | None = None) -> list[EngineOutput]:
         """Schedule, run the model once, and report what changed."""
         schedule = self.scheduler.schedule()
-        self.last_step = schedule.items()
         if not schedule.scheduled:
+            self.last_step = []
             return []
         hook = None if layer_hook is None else (lambda i: layer_hook(i, schedule))
         try:
+            if self.speculator is not None:
+                self.speculator.propose(schedule)
+            self.last_step = schedule.items()
             result = self.runner.execute(schedule, hook)
         except Exception as e:
             ended = [self.abort_request(item.request.request_id, "error")
                      for item in schedule.scheduled]
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}",
                                   [out for out in ended if out is not None]) from e
+        drafted = {s.request.request_id: len(s.request.spec_token_ids)
+                   for s in schedule.scheduled if s.request.spec_token_ids}
+        before = {s.request.request_id: len(s.request.output_token_ids)
+                  for s in schedule.scheduled}
         changed = self.scheduler.postprocess(schedule, result.tokens)
         outputs = []
         for request in changed:
-            logprobs = result.logprobs.get(request.request_id)
+            rid = request.request_id
+            new_tokens = request.output_token_ids[before[rid]:]
+            if rid in drafted:
+                self.spec_counters.record(drafted[rid], len(new_tokens))
+            logprobs = result.logprobs.get(rid)
             if logprobs is not None:
-                request.logprobs.append(logprobs)
-            outputs.append(self._output(request, [request.output_token_ids[-1]],
-                                        None if logprobs is None else [logprobs]))
+                logprobs = logprobs[:len(new_tokens)]
+                request.logprobs.extend(logprobs)
+            outputs.append(self._output(request, new_tokens, logprobs))
         return outputs
 
     def _output(self, request: Request, new_tokens: list[int],
@@ -312,6 +351,7 @@ class LLMEngine:
             "num_waiting_for_kv": sum(1 for r in self.scheduler.parked.values()
                                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
             **self.runner.counters,
+            **self.spec_counters.stats(),
         }
 
 

@@ -12,18 +12,21 @@ from engine.hardware import cpu_features
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode import verify
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class StepResult:
-    """request id -> sampled token (and logprobs), for requests that reached their end."""
+    """request id -> new tokens (and their logprobs), for requests that reached their end:
+    one token, or after a speculative verification the accepted drafts and one more."""
 
-    tokens: dict[str, int]
-    logprobs: dict[str, dict[int, float]]
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -100,28 +103,84 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput, layer_hook: LayerHook | None = None
                 ) -> StepResult:
-        """Compute the scheduled tokens; sample for requests whose last token was computed."""
+        """Compute the scheduled tokens; sample for requests whose last token was computed,
+        and verify the drafts of speculative ones (logits at each of their positions)."""
         # Prefill-type sequences first, single-token ones after: the backends batch the latter.
         batch = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens == 1)
         input_ids, positions, layout = self._prepare(batch)
         self.attn.begin_step(layout)
         hidden = self.model(input_ids, positions, self.kv_cache, self.attn, layer_hook)
-        self._count(layout, sum(1 for s in batch if s.samples))
-        ends = torch.tensor(layout.query_lens, device=self.device).cumsum(0) - 1
-        sampling = [i for i, s in enumerate(batch) if s.samples]
-        if not sampling:
+        # Verified drafts are decode tokens, with logits at every position.
+        spec_tokens = sum(s.num_new_tokens for s in batch if s.request.spec_token_ids)
+        self._count(layout, sum(1 for s in batch if s.samples and not s.request.spec_token_ids)
+                    + spec_tokens, spec_tokens)
+        ends = torch.tensor(layout.query_lens).cumsum(0).tolist()
+        plain, spec, rows, spec_rows = [], [], [], []
+        for i, s in enumerate(batch):
+            if not s.samples:
+                continue
+            if s.request.spec_token_ids:
+                spec.append(s.request)
+                spec_rows.append(list(range(ends[i] - s.num_new_tokens, ends[i])))
+            else:
+                plain.append(s.request)
+                rows.append(ends[i] - 1)
+        num_plain = len(rows)
+        rows += [r for group in spec_rows for r in group]
+        if not rows:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[ends[sampling]])
-        requests = [batch[i].request for i in sampling]
-        result = sample(logits, requests)
-        tokens = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
-        logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs, strict=True)
-                    if lp is not None}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] = {}
+        if plain:
+            result = sample(logits[:num_plain], plain)
+            for r, t, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
+                tokens[r.request_id] = [t]
+                if lp is not None:
+                    logprobs[r.request_id] = [lp]
+        start = num_plain
+        for r, group in zip(spec, spec_rows, strict=True):
+            emitted, lps = verify(logits[start:start + len(group)], r, r.spec_token_ids)
+            start += len(group)
+            tokens[r.request_id] = emitted
+            if lps is not None:
+                logprobs[r.request_id] = lps
         return StepResult(tokens, logprobs)
 
-    def _count(self, layout: BatchLayout, num_sampled: int) -> None:
-        prefill = layout.num_prefill_tokens
-        decode = len(layout.query_lens) - layout.num_prefills
+    @torch.inference_mode()
+    def draft_step(self, requests: list[Request], token_ids: list[int], positions: list[int],
+                   num_layers: int) -> torch.Tensor:
+        """One early-exit pass: each request's token at its position through the first
+        `num_layers` layers (their KV written into the request's reserved slots), then the
+        final norm and LM head.
+
+        Returns:
+            Logits `[len(requests), vocab]`.
+        """
+        pos = torch.tensor(positions)
+        tables = self._block_tables(requests)
+        slots = tables[torch.arange(len(requests)), pos // self.block_size] * \
+            self.block_size + pos % self.block_size
+        layout = BatchLayout(query_lens=[1] * len(requests), context_lens=(pos + 1).tolist(),
+                             block_tables=tables.to(self.device),
+                             slot_mapping=slots.to(self.device), num_prefills=0,
+                             block_size=self.block_size)
+        self.attn.begin_step(layout)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos.to(self.device), self.kv_cache, self.attn,
+                            num_layers=num_layers)
+        return self.model.compute_logits(hidden)
+
+    def _block_tables(self, requests: list[Request]) -> torch.Tensor:
+        max_blocks = max(len(r.block_ids) for r in requests)
+        tables = torch.zeros(len(requests), max_blocks, dtype=torch.long)
+        for i, r in enumerate(requests):
+            tables[i, :len(r.block_ids)] = torch.tensor(r.block_ids)
+        return tables
+
+    def _count(self, layout: BatchLayout, num_sampled: int, num_spec_tokens: int) -> None:
+        prefill = layout.num_prefill_tokens - num_spec_tokens
+        decode = len(layout.query_lens) - layout.num_prefills + num_spec_tokens
         flops, nbytes = self.costs.estimate(layout, num_sampled)
         c = self.counters
         c["prefill_tokens"] += prefill
@@ -136,12 +195,10 @@ class ModelRunner:
         for s in batch:
             end = s.start + s.num_new_tokens
             token_ids.extend(s.request.token_ids(s.start, end))
+            token_ids.extend(s.request.spec_token_ids)  # past the request's tokens
             pos_ranges.append(torch.arange(s.start, end))
         positions = torch.cat(pos_ranges)
-        max_blocks = max(len(s.request.block_ids) for s in batch)
-        tables = torch.zeros(len(batch), max_blocks, dtype=torch.long)
-        for i, s in enumerate(batch):
-            tables[i, :len(s.request.block_ids)] = torch.tensor(s.request.block_ids)
+        tables = self._block_tables([s.request for s in batch])
         rows = torch.repeat_interleave(torch.arange(len(batch)),
                                        torch.tensor([s.num_new_tokens for s in batch]))
         slots = tables[rows, positions // self.block_size] * self.block_size + \

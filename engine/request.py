@@ -47,6 +47,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
+        # Drafted tokens this step verifies (speculative decoding); never part of the output.
+        self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -48,7 +48,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingState]) -> SampleRes
     params = [r.params for r in requests]
     for i, r in enumerate(requests):
         if not r.params.greedy:
-            probs = _filtered_probs(logits[i], r.params)
+            probs = filtered_probs(logits[i], r.params)
             token_ids[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
     tokens = token_ids.tolist()
     logprobs: list[dict[int, float] | None] = [None] * len(params)
@@ -56,7 +56,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingState]) -> SampleRes
     if wanted:
         all_logprobs = torch.log_softmax(raw[wanted], dim=-1)
         for row, i in enumerate(wanted):
-            logprobs[i] = _top_logprobs(all_logprobs[row], params[i].logprobs or 0, tokens[i])
+            logprobs[i] = top_logprobs(all_logprobs[row], params[i].logprobs or 0, tokens[i])
     return SampleResult(tokens, logprobs)
 
 
@@ -85,11 +85,11 @@ def _processed(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch
         return logits
     logits = logits.clone()
     for i in rows:
-        _process_row(logits[i], requests[i])
+        process_row(logits[i], requests[i])
     return logits
 
 
-def _process_row(row: torch.Tensor, r: SamplingState) -> None:
+def process_row(row: torch.Tensor, r: SamplingState) -> None:
     """Apply one request's logits processing to its row `[vocab]`, in place."""
     p = r.params
     if p.logit_bias:
@@ -107,7 +107,7 @@ def _process_row(row: torch.Tensor, r: SamplingState) -> None:
         row.masked_fill_(~r.grammar.allowed(r.output_token_ids), float("-inf"))
 
 
-def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Probabilities `[vocab]` after temperature, top-k, top-p and min-p."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.numel():
@@ -124,7 +124,8 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def _top_logprobs(logprobs: torch.Tensor, n: int, sampled: int) -> dict[int, float]:
+def top_logprobs(logprobs: torch.Tensor, n: int, sampled: int) -> dict[int, float]:
+    """The sampled token's and the top-`n` tokens' log-probabilities from a row `[vocab]`."""
     out = {sampled: logprobs[sampled].item()}
     if n:
         values, ids = torch.topk(logprobs, n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -12,10 +13,16 @@ from engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    """A request and the tokens it computes this step."""
+    """A request and the tokens it computes this step.
+
+    `num_lookahead` KV slots past the request's last token are reserved for drafted tokens
+    (speculative decoding); the proposer then sets `request.spec_token_ids` and grows
+    `num_new_tokens` by as many as it drafted.
+    """
 
     request: Request
     num_new_tokens: int
+    num_lookahead: int = 0
 
     @property
     def start(self) -> int:
@@ -25,7 +32,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last token and so samples one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens >= self.request.num_tokens
 
 
 @dataclass
@@ -61,14 +68,21 @@ class Scheduler:
     allow. Role `prefill` parks a request once its first token is sampled; role `decode`
     also holds requests whose KV is arriving from a remote prefill.
 
+    A decoding request for which `num_lookahead(request)` is positive also gets that many
+    more tokens of budget and KV slots for drafts when both are there (speculative
+    decoding); what verification rejects is rolled back in `postprocess`.
+
     Args:
         config: budgets, role and policy.
         kv_manager: the KV cache manager.
+        num_lookahead: most tokens to draft for a request this step (None: no drafts).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 num_lookahead: Callable[[Request], int] | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.num_lookahead = num_lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Requests holding blocks outside the batch: remote KV in flight, or prefilled KV
@@ -101,6 +115,12 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            lookahead = self._lookahead(request, num_new, budget, len(self.running) - i - 1)
+            if lookahead:
+                out.scheduled.append(ScheduledRequest(request, num_new, lookahead))
+                budget -= num_new + lookahead
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -110,6 +130,21 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _lookahead(self, request: Request, num_new: int, budget: int, num_after: int) -> int:
+        """Draft slots reserved for a decoding request: within the tokens it may still emit,
+        and only while a token of budget and a block stay for each of the `num_after`
+        running requests behind it (drafts never starve or preempt another request);
+        0 (decode plainly) otherwise."""
+        if self.num_lookahead is None or num_new != 1 or self.config.role == "prefill":
+            return 0
+        left = request.max_output_tokens - len(request.output_token_ids) - 1
+        lookahead = min(self.num_lookahead(request), budget - 1 - num_after, left)
+        if lookahead <= 0 or self.kv.blocks_needed(request, 1 + lookahead) + num_after > \
+                self.kv.pool.num_free_blocks:
+            return 0
+        self.kv.allocate_slots(request, 1 + lookahead)
+        return lookahead
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -138,25 +173,35 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, list[int]]
+                    ) -> list[Request]:
         """Advance the scheduled requests by what the step computed.
 
         Args:
             out: the step's schedule.
-            sampled: request id -> sampled token, for requests whose last token was computed.
+            sampled: request id -> new tokens (one, or with speculative decoding the
+                accepted drafts and one more), for requests whose last token was computed.
 
         Returns:
-            The requests that changed: got a token, finished, or were parked.
+            The requests that changed: got tokens, finished, or were parked.
         """
         changed = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
+            tokens = sampled.get(request.request_id)
+            if tokens is None:
+                request.num_computed_tokens += item.num_new_tokens
+                self.kv.cache_blocks(request)
                 continue
-            request.append_token(token)
+            num_kept = self._append(request, tokens)
+            # Valid KV after a verification: the token before the step's and the kept
+            # drafts, as many as the tokens kept.
+            request.num_computed_tokens += num_kept if request.spec_token_ids \
+                else item.num_new_tokens
+            request.spec_token_ids = []
+            self.kv.cache_blocks(request)
+            if item.num_lookahead:
+                self.kv.trim(request)
             changed.append(request)
             if self.config.role == "prefill":
                 # The KV stays until shipped, even when the first token already ends it.
@@ -168,6 +213,15 @@ class Scheduler:
                 self._remove_running(request)
                 self.kv.free(request)
         return changed
+
+    @staticmethod
+    def _append(request: Request, tokens: list[int]) -> int:
+        """Append tokens until the request finishes; how many were kept."""
+        for i, token in enumerate(tokens):
+            request.append_token(token)
+            if request.is_finished:
+                return i + 1
+        return len(tokens)
 
     def reserve_remote(self, request: Request) -> bool:
         """Decode role: hold blocks for a prompt whose KV another engine computes."""

@@ -49,7 +49,9 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas, never splitting a UTF-8 character.
 
     Text that could be the start of a stop string is held back until it is known not
-    to be; a matched stop string ends the text (and is not included).
+    to be; a matched stop string ends the text (and is not included), and the tokens after
+    the one that completed it are not taken (`num_tokens`), so a step that brings several
+    tokens (speculative decoding) ends where one token a step would have.
 
     Args:
         tokenizer: the model's tokenizer.
@@ -67,17 +69,21 @@ class IncrementalDetokenizer:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        self.num_tokens = 0  # tokens taken, up to the one that completed a stop string
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that is now safe to show."""
         if self.stopped:
             return ""
-        start = max(len(self.text) - self._hold, 0)
         for token_id in token_ids:
+            start = max(len(self.text) - self._hold, 0)
             chunk = self._stream.step(self._backend, token_id)
+            self.num_tokens += 1
             if chunk:
                 self.text += chunk
-        self._find_stop(start)
+                self._find_stop(start)
+                if self.stopped:
+                    break
         safe = len(self.text) if self.stopped else len(self.text) - self._held_back()
         return self._release(safe)
 

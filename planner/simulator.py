@@ -382,7 +382,7 @@ class Simulation:
         return self._normals.pop()
 
     def _step_done(self, worker: _Worker, out: SchedulerOutput) -> None:
-        sampled = {s.request.request_id: _TOKEN for s in out.scheduled if s.samples}
+        sampled = {s.request.request_id: [_TOKEN] for s in out.scheduled if s.samples}
         for request in worker.scheduler.postprocess(out, sampled):
             if worker.role == "prefill":
                 self._prefilled(worker, request)

@@ -69,6 +69,12 @@ class WorkerStats(msgspec.Struct, kw_only=True):
         kv_cache_dtype: what its KV pages hold (`int8`, or `dtype` with `--kv-cache-dtype
             auto`).
         hardware: its device and the kernel paths it took there.
+        spec_draft_tokens: speculative decoding: tokens drafted (cumulative).
+        spec_accepted_tokens: of them, accepted by verification (cumulative).
+        spec_emitted_tokens: tokens emitted by verification steps (cumulative).
+        spec_verify_steps: request-steps that verified drafts (cumulative).
+        spec_acceptance_rate: accepted / drafted, since start.
+        spec_tokens_per_step: emitted / verify steps, since start (1 to K + 1).
     """
 
     num_running: int = 0
@@ -97,6 +103,12 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     dtype: str = ""
     kv_cache_dtype: str = ""
     hardware: str = ""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_tokens_per_step: float = 0.0
 
 
 class WorkerStatus(WorkerStats, kw_only=True):

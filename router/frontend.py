@@ -419,13 +419,19 @@ class _Stream:
 
     def take(self, delta: TokenDelta) -> GenerateOutput | None:
         """Fold in one backend delta; the output to send, if any."""
+        taken = self.detok.num_tokens
+        text = self.detok.add(delta.token_ids)
+        if self.output_text is not None:
+            self.output_text.append(text)
+        # Fewer when a stop string ended the text within a step of several tokens.
+        taken = self.detok.num_tokens - taken
+        if taken < len(delta.token_ids):
+            delta = replace(delta, token_ids=delta.token_ids[:taken], finish_reason=None,
+                            logprobs=None if delta.logprobs is None else delta.logprobs[:taken])
         self._clock(len(delta.token_ids))
         self.num_cached_tokens = delta.num_cached_tokens
         self.backend_timings.update(delta.timings)
         self.workers += [w for w in delta.workers if w not in self.workers]
-        text = self.detok.add(delta.token_ids)
-        if self.output_text is not None:
-            self.output_text.append(text)
         reason = delta.finish_reason
         if reason is None and self.detok.stopped:
             reason, self.stop_matched = "stop", True

@@ -183,15 +183,17 @@ class LlamaForCausalLM(nn.Module):
             self._tied_head = OneDnnLinear(embedding)  # a packed copy (57 MB for SmolLM2)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                attn: AttentionBackend, layer_hook: LayerHook | None = None) -> torch.Tensor:
+                attn: AttentionBackend, layer_hook: LayerHook | None = None,
+                num_layers: int | None = None) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the new tokens; their KV lands in `kv_cache`.
 
         `layer_hook(i)` runs once layer i has written its KV, so a transfer of that layer
-        can overlap the compute of the next ones.
+        can overlap the compute of the next ones. `num_layers` stops after the first layers
+        (an early-exit draft).
         """
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, rope, attn, kv_cache.layers[i])
             if layer_hook is not None:
                 layer_hook(i)

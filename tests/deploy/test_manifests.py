@@ -541,10 +541,11 @@ def test_liveness_path_answers_without_a_key_or_a_worker_and_health_does_not(tin
     from router.backend import ModelInfo
     from router.frontend import Router
     from router.http_server import build_app
+    from router.models import Routers
 
     info = ModelInfo("tiny", tiny_dir, max_model_len=1024, vocab_size=1024)
     backend = SimpleNamespace(healthy=lambda: False, model_info=lambda: info)
-    app = build_app(Router(backend), SecurityConfig(api_key="k"))
+    app = build_app(Routers([Router(backend)]), SecurityConfig(api_key="k"))
     door = ray_container(worker_groups()["frontdoor"])
     with TestClient(app) as client:
         assert client.get(door["livenessProbe"]["httpGet"]["path"]).status_code == 200

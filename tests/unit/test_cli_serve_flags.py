@@ -139,3 +139,17 @@ def test_detach_hands_the_options_to_the_front_door(
     assert "'c1' already runs" in out
     assert "pdcluster ready: gRPC 127.0.0.1:50061  OpenAI http://127.0.0.1:8001/v1" in out
     assert captured == []  # nothing served in this process
+
+
+def test_speculative_config_reaches_the_decode_pool_and_a_bad_key_is_named(
+        captured: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    assert main(["serve", "--model", "tiny", "--speculative-config", config]) == 0
+    (options,) = captured
+    assert options.cluster.decode.engine["speculative_config"] == config
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "tiny", "--speculative-config",
+              '{"method": "ngram", "num_speculative_tokens": 4, "lookup_max": 4}'])
+    assert exit_info.value.code == 2
+    assert "speculative_config: unknown key 'lookup_max'" in capsys.readouterr().err
+    assert len(captured) == 1  # nothing started

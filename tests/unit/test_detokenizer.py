@@ -44,3 +44,19 @@ def test_possible_stop_prefix_is_held_back_until_resolved():
     assert shown == "ok " and not detok.stopped
     shown += detok.add(tok.encode("D?", add_special_tokens=False))
     assert shown == "ok END?" and not detok.stopped
+
+
+def test_several_tokens_at_once_stop_at_the_token_that_completed_the_stop():
+    tok = _tokenizer()
+    ids = tok.encode("one two three four five", add_special_tokens=False)
+    one_by_one = IncrementalDetokenizer(tok, [], SamplingParams(stop=["thr"]))
+    for i in ids:
+        one_by_one.add([i])
+        if one_by_one.stopped:
+            break
+    at_once = IncrementalDetokenizer(tok, [], SamplingParams(stop=["thr"]))
+    at_once.add(ids[:1])
+    at_once.add(ids[1:])  # a speculative step: every remaining token in one call
+    assert at_once.stopped and at_once.text == one_by_one.text == "one two "
+    assert at_once.num_tokens == one_by_one.num_tokens < len(ids)
+    assert at_once.add(ids) == "" and at_once.num_tokens == one_by_one.num_tokens

@@ -22,7 +22,7 @@ def _add(s: Scheduler, rid: str, n: int, max_tokens: int = 8) -> Request:
 def _step(s: Scheduler, token: int = 7) -> dict[str, int]:
     out = s.schedule()
     plan = {item.request.request_id: item.num_new_tokens for item in out.scheduled}
-    sampled = {i.request.request_id: token for i in out.scheduled if i.samples}
+    sampled = {i.request.request_id: [token] for i in out.scheduled if i.samples}
     s.postprocess(out, sampled)
     return plan
 

@@ -1,0 +1,323 @@
+"""Speculative decoding: configuration, draft proposers and the verification rule.
+
+A speculative decode step of one request: a proposer drafts up to K tokens after its last
+token; one batched forward of the target model computes the last token and the K drafts
+(K + 1 query positions over the paged cache, with every other request of the batch); the
+verifier accepts a prefix of the drafts and adds one token of its own, so a step emits 1 to
+K + 1 tokens. KV slots of rejected drafts are rolled back by the scheduler (blocks past the
+accepted length freed; only verified tokens ever reach the prefix cache).
+
+Drafts are deterministic (the n-gram continuation, the draft model's argmax), so the draft
+distribution is a point mass and the rejection-sampling rule is: accept draft x with
+probability p(x), else sample from p with x removed and renormalised; p is the target's
+distribution after the request's own processing (bias, penalties with the drafted prefix as
+history) and filtering (temperature, top-k, top-p, min-p). Greedy requests accept a draft
+exactly when it is the argmax, so their output equals plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from engine.sampler import filtered_probs, process_row, top_logprobs
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.request import Request
+    from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+Method = Literal["ngram", "draft"]
+
+# vLLM's default n-gram window when neither bound is given.
+_DEFAULT_LOOKUP = 5
+_MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, with vLLM's key names.
+
+    Args:
+        method: `ngram` (prompt lookup over prompt + output, no second model) or `draft`.
+        num_speculative_tokens: K, the most tokens drafted per step.
+        prompt_lookup_max: ngram: the longest suffix matched (vLLM: both bounds default to
+            5; one given sets the other).
+        prompt_lookup_min: ngram: the shortest suffix matched.
+        model: draft: the draft model; `self` is an early-exit draft of the target.
+        draft_layers: draft `self`: the first L target layers the draft runs (then the
+            target's final norm and LM head).
+    """
+
+    method: Method
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    draft_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative_config.method: must be 'ngram' or 'draft', got "
+                             f"{self.method!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1,
+                   _MAX_SPECULATIVE_TOKENS)
+        if self.method == "ngram":
+            self._check_ngram()
+        else:
+            self._check_draft()
+
+    def _check_ngram(self) -> None:
+        _forbid(self, ("model", "draft_layers"), "ngram")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for key, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:
+                _check_int(key, value, 1, 1024)
+        if lo is None and hi is None:
+            lo = hi = _DEFAULT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
+                             f"prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    def _check_draft(self) -> None:
+        _forbid(self, ("prompt_lookup_max", "prompt_lookup_min"), "draft")
+        if self.model != "self":
+            raise ValueError(
+                f"speculative_config.model: only 'self' (an early-exit draft of the target, "
+                f"with draft_layers) is supported, got {self.model!r}")
+        if self.draft_layers is None:
+            raise ValueError("speculative_config.draft_layers: required with model 'self'")
+        _check_int("draft_layers", self.draft_layers, 1, 10**6)
+
+    @staticmethod
+    def parse(value: str | Mapping[str, Any] | SpeculativeConfig | None
+              ) -> SpeculativeConfig | None:
+        """Build from JSON text or a mapping (None stays None).
+
+        Raises:
+            ValueError: bad JSON, an unknown or missing key, or a bad value; the message
+                names the key.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("speculative_config: must be a JSON object")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known keys: "
+                             f"{', '.join(sorted(known))}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config.{key}: required")
+        return SpeculativeConfig(**value)
+
+
+def _check_int(key: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"speculative_config.{key}: must be an integer in [{low}, {high}], "
+                         f"got {value!r}")
+
+
+def _forbid(config: SpeculativeConfig, keys: Sequence[str], method: str) -> None:
+    for key in keys:
+        if getattr(config, key) is not None:
+            raise ValueError(f"speculative_config.{key}: not a key of method {method!r}")
+
+
+def speculates(request: Request) -> bool:
+    """Whether a request may decode speculatively; the others decode plainly in the same
+    batch. Grammars (`json_schema`) would need the matcher rolled back past rejected drafts;
+    seeded sampling must stay the exact sample plain decoding draws (a migrated or
+    disaggregated request's generator is advanced by one draw per token, `skip_draws`)."""
+    p = request.params
+    return request.grammar is None and (p.greedy or p.seed is None)
+
+
+# ---- proposers -------------------------------------------------------------------------
+
+
+def ngram_propose(token_ids: Sequence[int], k: int, lookup_min: int, lookup_max: int
+                  ) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n from `lookup_max` down to `lookup_min`) and propose the up to `k` tokens after it."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        pattern = tokens[-n:]
+        # Windows that start early enough to have at least one token after them.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class Speculator:
+    """Drafts tokens for the scheduled speculative requests of a step.
+
+    Args:
+        config: the speculative configuration.
+        runner: the target's model runner (the self-draft runs its first layers).
+    """
+
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.runner = runner
+        num_layers = runner.model.cfg.num_layers
+        if config.method == "draft" and config.draft_layers >= num_layers:  # type: ignore[operator]
+            raise ValueError(f"speculative_config.draft_layers: must be below the target's "
+                             f"{num_layers} layers, got {config.draft_layers}")
+
+    def propose(self, schedule: SchedulerOutput) -> None:
+        """Set `spec_token_ids` (at most the reserved lookahead) and `num_new_tokens` of
+        every scheduled item that reserved a lookahead."""
+        items = [s for s in schedule.scheduled if s.num_lookahead]
+        if not items:
+            return
+        if self.config.method == "ngram":
+            c = self.config
+            for s in items:
+                s.request.spec_token_ids = ngram_propose(
+                    s.request.all_token_ids, s.num_lookahead, c.prompt_lookup_min or 1,
+                    c.prompt_lookup_max or 1)
+        else:
+            self._self_draft(items)
+        for s in items:
+            s.num_new_tokens = 1 + len(s.request.spec_token_ids)
+
+    def _self_draft(self, items: list[ScheduledRequest]) -> None:
+        """Early exit: the first L layers, the final norm and the LM head, greedily, one
+        token per request per pass. Layers < L of the target compute the same KV for the
+        same tokens, so the draft writes straight into the target's pages (the slots the
+        scheduler reserved); verification rewrites them, and rolled-back slots are simply
+        overwritten later."""
+        num_layers = self.config.draft_layers or 0
+        requests = [s.request for s in items]
+        for r in requests:
+            r.spec_token_ids = []
+        last = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                for r in requests]
+        for step in range(max(s.num_lookahead for s in items)):
+            active = [i for i, s in enumerate(items) if s.num_lookahead > step]
+            positions = [requests[i].num_tokens - 1 + step for i in active]
+            logits = self.runner.draft_step([requests[i] for i in active],
+                                            [last[i] for i in active], positions, num_layers)
+            drafted = logits.argmax(dim=-1).tolist()
+            for i, token in zip(active, drafted, strict=True):
+                requests[i].spec_token_ids.append(token)
+                last[i] = token
+
+
+
+class SpecCounters:
+    """Running totals of verification: drafted, accepted and emitted tokens, and the
+    request-steps that verified drafts."""
+
+    def __init__(self) -> None:
+        self.draft_tokens = self.accepted_tokens = self.emitted_tokens = self.verify_steps = 0
+
+    def record(self, num_drafted: int, num_emitted: int) -> None:
+        """Count one verified request-step: drafts offered, tokens it emitted."""
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_emitted - 1
+        self.emitted_tokens += num_emitted
+        self.verify_steps += 1
+
+    def stats(self) -> dict[str, Any]:
+        """The totals, the acceptance rate (accepted / drafted) and tokens per verify step
+        (emitted / request-steps; 1 to K + 1)."""
+        return {"spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens,
+                "spec_emitted_tokens": self.emitted_tokens,
+                "spec_verify_steps": self.verify_steps,
+                "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens
+                if self.draft_tokens else 0.0,
+                "spec_tokens_per_step": self.emitted_tokens / self.verify_steps
+                if self.verify_steps else 0.0}
+
+
+# ---- verification ----------------------------------------------------------------------
+
+
+class _Prefix:
+    """A request seen with some drafted tokens appended to its output: the history that
+    penalties read at a verified position."""
+
+    def __init__(self, request: Request, drafted: list[int]) -> None:
+        self.params = request.params
+        self.generator = request.generator
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_token_ids = request.output_token_ids + drafted
+        self.grammar = None
+
+
+def verify(logits: torch.Tensor, request: Request, draft: list[int]
+           ) -> tuple[list[int], list[dict[int, float]] | None]:
+    """Accept a prefix of `draft` and add one token.
+
+    Args:
+        logits: `[len(draft) + 1, vocab]`, row j the target's logits after the request's
+            tokens and `draft[:j]`.
+        request: the request (its params, output so far and generator).
+        draft: the drafted tokens.
+
+    Returns:
+        The emitted tokens (the accepted drafts, then the correction or bonus token) and,
+        when asked for, their logprobs (of the raw logits, as plain sampling reports them).
+    """
+    raw = logits.float()
+    p = request.params
+    processed = raw
+    if p.logit_bias or p.has_penalties:
+        processed = raw.clone()
+        for j in range(len(draft) + 1):
+            process_row(processed[j], _Prefix(request, draft[:j]))
+    tokens = _accept_greedy(processed, draft) if p.greedy else \
+        _accept_sampled(processed, draft, request)
+    logprobs = None
+    if p.logprobs is not None:
+        rows = torch.log_softmax(raw[:len(tokens)], dim=-1)
+        logprobs = [top_logprobs(rows[j], p.logprobs, t) for j, t in enumerate(tokens)]
+    return tokens, logprobs
+
+
+def _accept_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
+    best = logits.argmax(dim=-1).tolist()
+    out = []
+    for j, x in enumerate(draft):
+        out.append(best[j])
+        if best[j] != x:
+            return out
+    out.append(best[len(draft)])
+    return out
+
+
+def _accept_sampled(logits: torch.Tensor, draft: list[int], request: Request) -> list[int]:
+    gen = request.generator
+    out = []
+    for j, x in enumerate(draft):
+        probs = filtered_probs(logits[j], request.params)
+        if torch.rand(1, generator=gen).item() < probs[x].item():
+            out.append(x)
+            continue
+        probs[x] = 0.0
+        out.append(int(torch.multinomial(probs / probs.sum(), 1, generator=gen)[0]))
+        return out
+    probs = filtered_probs(logits[len(draft)], request.params)
+    out.append(int(torch.multinomial(probs, 1, generator=gen)[0]))
+    return out

@@ -1,0 +1,63 @@
+"""Speculative decoding on a disaggregated cluster: the decode worker drafts and verifies,
+the prefill worker ignores the setting, output equals the offline engine's and the
+acceptance figures reach the status and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.metrics import WorkerCollector
+from engine import SamplingParams
+from tests.integration.conftest import collect, start_cluster, wait_pools_free
+
+pytestmark = pytest.mark.cluster
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2,
+                    "prompt_lookup_min": 1})
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def test_decode_worker_speculates_and_reports_it(ray_local, loop_thread, reference):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(8, 30))] * 3
+               for _ in range(4)]
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
+    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1,
+                            worker={"speculative_config": NGRAM})
+    try:
+        async def go():
+            return await asyncio.gather(*(collect(backend, f"s{i}", p, GREEDY)
+                                          for i, p in enumerate(prompts)))
+        got = loop_thread.run(go())
+        assert [tokens for tokens, _ in got] == expected
+        assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
+        done = time.monotonic()
+
+        async def stats_after_run():
+            while not all(h.stats_at > done and h.stats is not None
+                          for h in backend.workers.values()):
+                await asyncio.sleep(0.05)
+        loop_thread.run(stats_after_run(), timeout=60)
+        status = loop_thread.run(backend.status())
+        (decode,), (prefill,) = status["pools"]["decode"], status["pools"]["prefill"]
+        assert decode["spec_verify_steps"] > 0 and decode["spec_draft_tokens"] > 0
+        assert decode["spec_tokens_per_step"] == pytest.approx(
+            decode["spec_emitted_tokens"] / decode["spec_verify_steps"])
+        assert prefill["spec_verify_steps"] == 0
+        registry = CollectorRegistry()
+        registry.register(WorkerCollector(backend, "tiny"))
+        families = {f.name: f for f in text_string_to_metric_families(
+            generate_latest(registry).decode())}
+        drafted = {s.labels["role"]: s.value
+                   for s in families["pdcluster:worker_spec_draft_tokens"].samples}
+        assert drafted == {"decode": decode["spec_draft_tokens"], "prefill": 0}
+        wait_pools_free(loop_thread, backend)
+    finally:
+        loop_thread.run(backend.close())
