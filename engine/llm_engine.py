@@ -21,7 +21,14 @@ from engine.request import Request, RequestStatus
 from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import SpecCounters, SpeculativeConfig, Speculator, speculates
+from engine.spec_decode import (
+    SpecCounters,
+    SpeculativeConfig,
+    Speculator,
+    draft_allowed,
+    record_verified,
+    speculates,
+)
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
 from engine.validation import check_request
@@ -157,7 +164,7 @@ class LLMEngine:
         self.scheduler.num_lookahead = None if self.speculator is None else self._num_lookahead
 
     def _num_lookahead(self, request: Request) -> int:
-        if not speculates(request):
+        if not speculates(request) or not draft_allowed(request):
             return 0
         return self.speculative_config.num_speculative_tokens  # type: ignore[union-attr]
 
@@ -254,6 +261,7 @@ class LLMEngine:
             new_tokens = request.output_token_ids[before[rid]:]
             if rid in drafted:
                 self.spec_counters.record(drafted[rid], len(new_tokens))
+                record_verified(request, len(new_tokens) - 1)
             logprobs = result.logprobs.get(rid)
             if logprobs is not None:
                 logprobs = logprobs[:len(new_tokens)]

@@ -148,6 +148,32 @@ def speculates(request: Request) -> bool:
     return request.grammar is None and (p.greedy or p.seed is None)
 
 
+# The most plain steps a request waits before drafting again after its drafts missed.
+MAX_DRAFT_BACKOFF = 16
+
+
+def draft_allowed(request: Request) -> bool:
+    """Whether the request drafts this step: not while it waits out a back-off (one plain
+    step is counted off per call)."""
+    if request.spec_skip > 0:
+        request.spec_skip -= 1
+        return False
+    return True
+
+
+def record_verified(request: Request, num_accepted: int) -> None:
+    """Back off from drafting where drafts miss: a verify step costs more than a plain one
+    (K + 1 query positions through the prompt attention path), so a request whose drafts
+    were all rejected decodes plainly for 1, 2, 4 ... up to `MAX_DRAFT_BACKOFF` steps
+    before drafting again; an accepted draft resets the wait. Output is unchanged either
+    way: verification alone decides the tokens."""
+    if num_accepted > 0:
+        request.spec_backoff = 0
+        return
+    request.spec_backoff = min(max(2 * request.spec_backoff, 1), MAX_DRAFT_BACKOFF)
+    request.spec_skip = request.spec_backoff
+
+
 # ---- proposers -------------------------------------------------------------------------
 
 

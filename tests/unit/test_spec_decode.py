@@ -17,7 +17,14 @@ from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler import Scheduler
-from engine.spec_decode import SpeculativeConfig, ngram_propose, verify
+from engine.spec_decode import (
+    MAX_DRAFT_BACKOFF,
+    SpeculativeConfig,
+    draft_allowed,
+    ngram_propose,
+    record_verified,
+    verify,
+)
 from engine.tokenizer import apply_chat_template
 from tests.conftest import SMOL_CHATS, assert_pool_free, hf_greedy
 
@@ -196,6 +203,25 @@ def test_tiny_greedy_matches_hf_in_a_mixed_batch(config):
     assert [o.outputs[0].token_ids for o in outputs[-2:]] == \
         [o.outputs[0].token_ids for o in plain]
     assert llm.engine.stats()["spec_verify_steps"] == stats["spec_verify_steps"]
+
+
+def test_drafts_that_miss_back_off_and_a_hit_resets_the_wait():
+    """Steps a request drafts in while every draft misses: 0, 2, 5, 10, 19, then every 17th
+    (waits of 1, 2, 4, 8, 16, 16 plain steps); one accepted draft makes the next step draft."""
+    r = Request("r", [1, 2, 3], GREEDY)
+    drafted_at = []
+    for step in range(80):
+        if draft_allowed(r):
+            drafted_at.append(step)
+            record_verified(r, 0)
+    assert drafted_at == [0, 2, 5, 10, 19, 36, 53, 70]
+    assert r.spec_backoff == MAX_DRAFT_BACKOFF
+    while not draft_allowed(r):
+        pass
+    record_verified(r, 2)
+    assert draft_allowed(r) and draft_allowed(r)  # no wait after a hit
+    record_verified(r, 0)
+    assert not draft_allowed(r) and draft_allowed(r)  # and the next miss waits 1 again
 
 
 @pytest.fixture
