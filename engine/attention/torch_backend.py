@@ -11,11 +11,18 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kernels import cpu_kernels
 from engine.kv_quant import dequantize, quantize
 
+# A prompt of at most this many new tokens over cached context (a speculative verify step:
+# the last token and its drafts; a short uncached suffix) attends on CPU as that many
+# decode queries through the paged-decode kernel, each seeing up to its own position:
+# no gathered copy of the context, no masked SDPA.
+SHORT_QUERY = 16
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Prefills attend with SDPA; decodes on CPU with one kernel call per layer that reads
     the KV pages in place (`engine/csrc/paged_decode.cpp`), elsewhere with SDPA per sequence over
-    exactly its gathered pages (the reference the kernel is tested against).
+    exactly its gathered pages (the reference the kernel is tested against). Short prompts
+    over cached context (`SHORT_QUERY`) take the kernel too, one query per token.
 
     int8 pages (`engine/kv_quant.py`) are written quantized; the kernel dequantizes rows as
     it reads them, and a prefill over cached blocks dequantizes only that sequence's
@@ -36,14 +43,28 @@ class TorchAttentionBackend(AttentionBackend):
         self.slot_blocks = layout.slot_mapping // bs
         self.slot_offsets = layout.slot_mapping % bs
         device = layout.block_tables.device
+        in_place = device.type == "cpu" and cpu_kernels() is not None
         self.prefills = []
+        rows: list[int] = []
+        tables, lens = [], []
         start = 0
         for i in range(layout.num_prefills):
             q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
-            num_blocks = -(-ctx_len // bs)
-            self.prefills.append((start, q_len, ctx_len, layout.block_tables[i, :num_blocks],
-                                  _causal_mask(q_len, ctx_len, device)))
+            if in_place and q_len < ctx_len and q_len <= SHORT_QUERY:
+                # Query j sees the context up to its own position: a decode query over
+                # ctx_len - q_len + j + 1 tokens of the same pages.
+                rows += range(start, start + q_len)
+                tables.append(layout.block_tables[i].expand(q_len, -1))
+                lens += range(ctx_len - q_len + 1, ctx_len + 1)
+            else:
+                num_blocks = -(-ctx_len // bs)
+                self.prefills.append((start, q_len, ctx_len,
+                                      layout.block_tables[i, :num_blocks],
+                                      _causal_mask(q_len, ctx_len, device)))
             start += q_len
+        self.short = None if not rows else (
+            torch.tensor(rows, dtype=torch.long), torch.cat(tables).contiguous(),
+            torch.tensor(lens, dtype=torch.long))
         self.decode_start = start
         self._begin_decode(layout)
 
@@ -74,6 +95,9 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 keys, values = _gather(kv_layer, table, ctx_len, q.dtype)
                 out[start:end] = self._attend(q[start:end], keys, values, mask)
+        if self.short is not None:
+            rows, tables, lens = self.short
+            out[rows] = paged_decode(q[rows], kv_layer, tables, lens)
         if self.decodes:
             q_dec = q[self.decode_start:]
             in_place = kv_layer.device.type == "cpu" and cpu_kernels() is not None

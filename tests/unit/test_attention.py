@@ -22,11 +22,13 @@ def _dense(q, k, v, ctx_len):
 
 
 def _case(device):
-    """Prefill with cached context, fresh prefill, and two decodes of different lengths."""
+    """A short and a long prompt over cached context (the short one attends through the
+    decode kernel on CPU, `SHORT_QUERY`), a fresh prefill, and two decodes."""
     gen = torch.Generator().manual_seed(0)
-    seqs = [(5, 13), (7, 7), (1, 10), (1, 3)]  # (query_len, context_len)
-    tables = [[9, 2, 7, 4], [0, 5, 0, 0], [3, 8, 1, 0], [6, 0, 0, 0]]
-    kv = torch.zeros(10, 2, BS, KV_HEADS, DIM)
+    seqs = [(5, 13), (18, 27), (7, 7), (1, 10), (1, 3)]  # (query_len, context_len)
+    tables = [[9, 2, 7, 4, 0, 0, 0], [10, 17, 11, 16, 12, 15, 13], [0, 5, 0, 0, 0, 0, 0],
+              [3, 8, 1, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0, 0]]
+    kv = torch.zeros(18, 2, BS, KV_HEADS, DIM)
     full_k, full_v, qs = [], [], []
     for (q_len, ctx), table in zip(seqs, tables, strict=True):
         k = torch.randn(ctx, KV_HEADS, DIM, generator=gen)
@@ -42,7 +44,7 @@ def _case(device):
              for p in range(ctx - q_len, ctx)]
     layout = BatchLayout([s[0] for s in seqs], [s[1] for s in seqs],
                          torch.tensor(tables, device=device),
-                         torch.tensor(slots, device=device), num_prefills=2, block_size=BS)
+                         torch.tensor(slots, device=device), num_prefills=3, block_size=BS)
     new_k = torch.cat([k[ctx - q:] for k, (q, ctx) in zip(full_k, seqs, strict=True)])
     new_v = torch.cat([v[ctx - q:] for v, (q, ctx) in zip(full_v, seqs, strict=True)])
     expected = torch.cat([_dense(q, k, v, ctx) for q, k, v, (_, ctx)
@@ -60,6 +62,10 @@ def test_backend_matches_dense_reference(name):
     layout, q, k, v, kv, expected, full_k, tables, seqs, _ = _case(device)
     backend = get_backend(device, HEADS, KV_HEADS, DIM, name)
     backend.begin_step(layout)
+    if name == "torch":  # the 5 short-prompt tokens as decode queries, the rest by SDPA
+        assert backend.short[0].tolist() == [0, 1, 2, 3, 4]
+        assert backend.short[2].tolist() == [9, 10, 11, 12, 13]
+        assert [(q_len, ctx) for _, q_len, ctx, *_ in backend.prefills] == [(18, 27), (7, 7)]
     kv = kv.to(device)
     out = backend.forward(q.to(device), k.to(device), v.to(device), kv)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
