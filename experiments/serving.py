@@ -760,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--rate", type=_positive, default=0.3, help="req/s (default 0.3)")
     steps.add_argument("--steps", type=lambda text: text.split(","), metavar="A,B",
                        help="run only these steps (static, continuous, admission, "
-                            "prefix-caching, disaggregation)")
+                            "prefix-caching, disaggregation, int8-kv, speculative)")
     steps.add_argument("--max-running", type=int, default=8,
                        help="bounded steps: serve --max-running (default 8)")
     steps.add_argument("--max-queue", type=int, default=8,
