@@ -64,6 +64,11 @@ class EngineLoop:
         """Run `command(engine)` on the loop thread before its next step (fire and forget)."""
         self._commands.put((command, None))
 
+    @property
+    def num_pending(self) -> int:
+        """Commands waiting for the loop thread (they run, in order, before its next step)."""
+        return self._commands.qsize()
+
     def call(self, command: Command, timeout: float = 60.0) -> Any:
         """Run `command(engine)` on the loop thread and return its result (or raise)."""
         result: Future = Future()

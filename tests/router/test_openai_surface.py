@@ -41,9 +41,11 @@ def _events(lines: list[str]) -> list[dict]:
 
 
 def _abort(pool: ThreadPoolExecutor, grpc_client: PdClusterClient, servers: Servers,
-           wait_until) -> Future:
-    """Abort `abort-me` through the gRPC API; returns once the router took the abort (its
-    backend part waits for the stalled engine)."""
+           backend, wait_until) -> Future:
+    """Abort `abort-me` through the gRPC API once its add waits in the stalled engine's
+    queue (so the abort runs after it, before any step); returns once the router took the
+    abort (its backend part waits for the stalled engine)."""
+    wait_until(lambda: backend.loop.num_pending == 1)
     aborted = pool.submit(grpc_client.abort, "abort-me")
     wait_until(lambda: servers.router.metrics.registry.get_sample_value(
         "pdcluster:requests_aborted_total", {"model_name": "tiny", "cause": "api"}) == 1)
@@ -66,7 +68,7 @@ def test_an_aborted_request_is_an_error_not_a_finish_reason(make_servers, backen
                                      "/v1/completions", json=body,
                                      headers={"X-Request-Id": "abort-me"}, timeout=60)
             wait_until(lambda: servers.router.admission.num_running == 1)
-            aborted = _abort(pool, grpc_client, servers, wait_until)
+            aborted = _abort(pool, grpc_client, servers, backend, wait_until)
         aborted.result(timeout=60)
         result = answer.result(timeout=60)
     expected = {"message": "request 'abort-me' was aborted after 0 tokens",
@@ -93,7 +95,7 @@ def test_the_openai_client_raises_on_an_aborted_stream(make_servers, backend, wa
                 model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=50,
                 stream=True, extra_headers={"X-Request-Id": "abort-me"})
             wait_until(lambda: servers.router.admission.num_running == 1)
-            aborted = _abort(pool, grpc_client, servers, wait_until)
+            aborted = _abort(pool, grpc_client, servers, backend, wait_until)
         aborted.result(timeout=60)
         with pytest.raises(openai.APIError, match="was aborted"):
             for _ in chunks:
