@@ -21,18 +21,15 @@ from kv_peer import (
 
 from kv_transfer import KVReceiver, SharedKVPool, TransferDone
 
-
-@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
-def test_received_kv_is_bit_identical(transport: str) -> None:
-    _check_round_trip(transport, "auto")
-
-
-@pytest.mark.parametrize("transport", ["shm", "zmq"])
-def test_int8_pages_and_their_scales_arrive_bit_identical(transport: str) -> None:
-    _check_round_trip(transport, "int8")
+# Every transport with pages of the model's dtype; int8 pages (their scales inside each
+# row) on the two transports that carry them in CI.
+ROUND_TRIPS = [pytest.param(*p.values, "auto", marks=p.marks, id=f"{p.values[0]}-auto")
+               for p in TRANSPORT_PARAMS] + \
+    [pytest.param(t, "int8", id=f"{t}-int8") for t in ("shm", "zmq")]
 
 
-def _check_round_trip(transport: str, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize(("transport", "kv_cache_dtype"), ROUND_TRIPS)
+def test_received_kv_is_bit_identical(transport: str, kv_cache_dtype: str) -> None:
     # Blocks travel whole, so a partly filled last block arrives with its unused slots too.
     pool = SharedKVPool() if transport == "shm" else None
     kv = make_kv(RECEIVER_BLOCKS, allocator=pool, kv_cache_dtype=kv_cache_dtype)

@@ -125,6 +125,21 @@ decode:
     ("decode:\n  max-num-seqs: null\n", "decode.max-num-seqs: Input should be a valid integer"),
     ("- port: 1\n", "expected a mapping of flag names to values, got list"),
     ("port: [1\n", "while parsing a flow sequence"),
+    # several models (`models:`)
+    ("models:\n  - model: tiny\n  - model: tiny\n    mode: colocated\n",
+     "models.1.served-model-name: 'tiny' is already served by models.0 (names must differ)"),
+    ("models:\n  - model: tiny\n    served-model-name: a\n  - model: smollm2\n"
+     "    served-model-name: a\n",
+     "models.1.served-model-name: 'a' is already served by models.0"),
+    ("models:\n  - mode: colocated\n", "models.0.model: required"),
+    ("models:\n  - model: tiny\n    port: 9000\n", "models.0.port: unknown key"),
+    ("models:\n  - model: tiny\n    mode: mixed\n", "models.0.mode: Input should be"),
+    ("models:\n  - model: tiny\n    decode:\n      replicas: -1\n",
+     "models.0.decode.replicas: Input should be greater than or equal to 0"),
+    ("models: []\n", "models: list at least one model"),
+    ("model: tiny\nmodels:\n  - model: smollm2\n",
+     "model: give it in each entry of models:, not beside it"),
+    ("models:\n  model: tiny\n", "models: Input should be a valid list"),
 ])
 def test_a_bad_file_is_refused_naming_file_and_key(
         captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -247,33 +262,6 @@ def test_without_models_the_file_means_one_model(captured: list[Any], tmp_path: 
     assert main(["serve", "--config", str(path)]) == 0
     (only,) = captured[-1].models
     assert (only.name, only.cluster.mode) == ("tiny", "colocated")
-
-
-@pytest.mark.parametrize(("text", "message"), [
-    ("models:\n  - model: tiny\n  - model: tiny\n    mode: colocated\n",
-     "models.1.served-model-name: 'tiny' is already served by models.0 (names must differ)"),
-    ("models:\n  - model: tiny\n    served-model-name: a\n  - model: smollm2\n"
-     "    served-model-name: a\n",
-     "models.1.served-model-name: 'a' is already served by models.0"),
-    ("models:\n  - mode: colocated\n", "models.0.model: required"),
-    ("models:\n  - model: tiny\n    port: 9000\n", "models.0.port: unknown key"),
-    ("models:\n  - model: tiny\n    mode: mixed\n", "models.0.mode: Input should be"),
-    ("models:\n  - model: tiny\n    decode:\n      replicas: -1\n",
-     "models.0.decode.replicas: Input should be greater than or equal to 0"),
-    ("models: []\n", "models: list at least one model"),
-    ("model: tiny\nmodels:\n  - model: smollm2\n",
-     "model: give it in each entry of models:, not beside it"),
-    ("models:\n  model: tiny\n", "models: Input should be a valid list"),
-])
-def test_a_bad_models_list_is_refused_naming_file_and_key(
-        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        text: str, message: str) -> None:
-    path = write(tmp_path, text)
-    with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--config", str(path)])
-    assert exit_.value.code == 2
-    assert f"{path}: {message}" in capsys.readouterr().err
-    assert captured == []
 
 
 def test_one_entry_with_a_bad_pool_is_refused_naming_the_model(
