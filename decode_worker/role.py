@@ -97,12 +97,13 @@ class DecodeRole(WorkerRole):
         for event in events:
             rid = event.request_id
             reserved = self._expecting.pop(rid, time.monotonic())
+            trace = self._traces.pop(rid, (None, None))  # whatever the ending
             if rid in self._aborting:
                 self._aborting.discard(rid)
                 out = engine.abort_request(rid, "abort")
                 records.extend([token_record(out)] if out else [])
             elif isinstance(event, TransferDone):
-                records.append(self._landed(engine, rid, event, reserved))
+                records.append(self._landed(engine, rid, event, reserved, trace))
             else:
                 out = engine.abort_request(rid, "error")
                 if out is not None:
@@ -110,8 +111,8 @@ class DecodeRole(WorkerRole):
                                                 transfer_failed=True))
         return [self._step(records)] if records else []
 
-    def _landed(self, engine: LLMEngine, rid: str, event: TransferDone,
-                reserved: float) -> TokenRecord:
+    def _landed(self, engine: LLMEngine, rid: str, event: TransferDone, reserved: float,
+                trace: tuple[str | None, int | None]) -> TokenRecord:
         """The request joins the batch; its first record carries the prefill's timings.
 
         Timings travel with the token, so they can never arrive after the stream ended.
@@ -119,10 +120,9 @@ class DecodeRole(WorkerRole):
         """
         payload: dict[str, Any] = event.payload
         out = engine.complete_remote(rid, payload["first_token"])
-        if self.tracer.enabled:
-            traceparent, prompt_tokens = self._traces.pop(rid, (None, None))
-            self._start_span(rid, traceparent, local_prefill=False,
-                             prompt_tokens=prompt_tokens, transport=event.transport)
+        traceparent, prompt_tokens = trace
+        self._start_span(rid, traceparent, local_prefill=False, prompt_tokens=prompt_tokens,
+                         transport=event.transport)
         if payload.get("logprobs"):
             out.new_logprobs = [payload["logprobs"]]
         prefill_s = float(payload.get("prefill_s", 0.0))
@@ -161,8 +161,8 @@ class DecodeRole(WorkerRole):
                "gen_ai.usage.prompt_tokens": prompt_tokens, "pdcluster.kv.transport": transport})
 
     def _end_span(self, record: TokenRecord) -> None:
-        """Every ending of a request passes here: finished, aborted, failed."""
-        self._traces.pop(record.request_id, None)
+        """Every ending of a request that joined the batch passes here: finished, aborted,
+        failed (a reservation's trace is dropped when its transfer ends, `on_events`)."""
         span = self._spans.pop(record.request_id, None)
         if span is not None:
             span.end(record.error if record.finish_reason == "error" else None,
