@@ -1,7 +1,8 @@
 """Speculative decoding against plain decoding on SmolLM2, in one process on one engine.
 
     python -m experiments.spec_decode [--runs 3] [--max-tokens 32] [--batch1-prompts 1]
-        [--self-draft-layers 28] [--out experiments/results/spec_decode.json]
+        [--self-draft-layers 28] [--dtype float32|bfloat16]
+        [--out experiments/results/spec_decode.json]
 
 Two workloads of chat prompts: `repetitive` (repeat, correct or lightly edit a given text,
 where the answer copies the prompt and n-gram drafting shines) and `chat` (open questions
@@ -119,9 +120,9 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int
             if delta["spec_verify_steps"] else None}
 
 
-def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: Path
-        ) -> dict[str, Any]:
-    llm = LLM("smollm2", cache=CacheConfig(num_blocks=1024))
+def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: Path,
+        dtype: str = "float32") -> dict[str, Any]:
+    llm = LLM("smollm2", dtype=dtype, cache=CacheConfig(num_blocks=1024))
     modes = {"plain": None, "ngram": NGRAM,
              "self_draft": {"method": "draft", "model": "self", "draft_layers": self_layers,
                             "num_speculative_tokens": 2}}
@@ -153,7 +154,7 @@ def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: 
                     row[mode]["cpu_tpot_vs_plain"] = r["cpu_tpot_ms"] / plain["cpu_tpot_ms"]
                 cells.setdefault(f"{name}/batch{batch}", []).append(row)
                 print(json.dumps({"cell": f"{name}/batch{batch}", **row}), flush=True)
-        report = {"cpu": cpu_features().describe(), "model": "smollm2", "dtype": "float32",
+        report = {"cpu": cpu_features().describe(), "model": "smollm2", "dtype": dtype,
                   "max_tokens": max_tokens, "runs": run_index + 1, "greedy_identical": True,
                   "modes": {k: v for k, v in modes.items() if v is not None},
                   "batch1_prompts": batch1_prompts, "cells": cells,
@@ -189,10 +190,11 @@ def main() -> None:
     parser.add_argument("--self-draft-layers", type=int, default=28)
     parser.add_argument("--batch1-prompts", type=int, default=1,
                         help="prompts run alone, one after the other, in the batch-1 cells")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", type=Path, default=RESULTS / "spec_decode.json")
     args = parser.parse_args()
     report = run(args.runs, args.max_tokens, args.self_draft_layers, args.batch1_prompts,
-                 args.out)
+                 args.out, args.dtype)
     print(json.dumps(report["summary"], indent=2))
 
 

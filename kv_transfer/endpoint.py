@@ -203,6 +203,11 @@ class Endpoint(ABC):
         if now >= self._next_tick:
             self._next_tick = now + self._tick_s
             self._guarded(self._on_tick, now)
+        self._guarded(self._end_turn)
+
+    @abstractmethod
+    def _end_turn(self) -> None:
+        """Runs at the end of each turn of the IO loop, before it waits again."""
 
     def _abandon(self, reason: str) -> None:
         """Without an IO thread nothing can end normally: fail every live request now."""

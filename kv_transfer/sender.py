@@ -353,21 +353,39 @@ class KVSender(Endpoint):
         the cluster's key) for good, and a blocking send would then stall every transfer.
         That peer is dropped.
         """
+        if not self._flush(peer):
+            return
         try:
             peer.sock.send(pack(msg), zmq.NOBLOCK)
         except zmq.Again:
             self._drop_peer(peer, "no connection to the decode side (its handshake failed)")
+
+    def _flush(self, peer: _Peer) -> bool:
+        """Complete the peer's writes in flight and send their headers: any message to a
+        peer leaves after them. False when that failed and the peer was dropped."""
+        if peer.channel is None:
+            return True
+        try:
+            peer.channel.flush(peer.sock)
+        except Exception as exc:
+            self._drop_peer(peer, f"transport error: {exc!r}")
+            return False
+        return True
+
+    def _end_turn(self) -> None:
+        for peer in list(self._peers.values()):
+            self._flush(peer)
 
     def _drop_peer(self, peer: _Peer, reason: str) -> None:
         peer.alive = False
         self._peers.pop(peer.peer_id, None)
         self._by_sock.pop(peer.sock, None)
         self._poller.unregister(peer.sock)
+        if peer.channel is not None:
+            peer.channel.close()  # shm: unmaps the peer's pool; mooncake: writes end first
         with contextlib.suppress(zmq.Again):  # no connection left: nobody to say it to
             peer.sock.send(pack({"op": "bye", "reason": reason}), zmq.NOBLOCK)
         peer.sock.close(linger=100)
-        if peer.channel is not None:
-            peer.channel.close()  # shm: unmaps the peer's pool
         if not peer.welcome.done():
             peer.welcome.set_exception(ConnectionError(f"lost the decode peer: {reason}"))
         for req in list(self._requests.values()):

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
+from engine.hardware import cpu_features
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryEmbedding, apply_rope
@@ -20,26 +21,44 @@ LayerHook = Callable[[int], None]
 
 
 class BlasLinear:
-    """A CPU fp32 linear through numpy's BLAS (OpenBLAS) on a row-major `[in, out]` weight.
+    """A CPU fp32 linear on a row-major `[in, out]` weight: numpy's BLAS (OpenBLAS) at one
+    row and, where `prepacked`, oneDNN's fp32 GEMM on a copy re-laid once at load at two
+    rows or more.
 
-    On AVX2 CPUs OpenBLAS on this layout beats MKL's and oneDNN's fp32 kernels at every batch
-    size a step has, 1 to 512+ rows (docs/benchmarks.md), so it is the one layout kept: the
-    weight parameter becomes a `[out, in]` view of the transposed storage (no second copy).
+    OpenBLAS on this layout is the fastest fp32 kernel at one row on the CPUs measured, and
+    on AVX2 at every row count; on AVX-512 CPUs its small-row GEMM is slow (5 rows cost 3-4x
+    one row on a Xeon with AVX-512), where oneDNN's prepacked GEMM costs 1.2-1.5x one row
+    and is 1.2-2.5x faster than OpenBLAS from 2 to 512 rows (docs/benchmarks.md). The
+    parameter becomes a `[out, in]` view of the transposed storage (no second copy of it);
+    the prepacked copy is a second one, opaque to torch.
 
     Args:
         weight: a CPU float32 `[out, in]` parameter, re-laid in place.
         bias: optional `[out]`.
+        prepacked: also keep oneDNN's prepacked copy for steps of two rows or more.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: nn.Parameter, bias: torch.Tensor | None = None,
+                 prepacked: bool = False) -> None:
         transposed = weight.data.T.contiguous()  # [in, out]
         weight.data = transposed.T
         self.weight_t = transposed.numpy()
         self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            transposed.T.contiguous(), None) if prepacked else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] > 1:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
+                                                      "none", [], "")
         out = torch.from_numpy(np.matmul(x.contiguous().numpy(), self.weight_t))
         return out if self.bias is None else out.add_(self.bias)
+
+
+def fp32_prepacked() -> bool:
+    """Whether CPU fp32 linears of two rows or more run on oneDNN's prepacked GEMM (AVX-512
+    CPUs, where it beats OpenBLAS's small-row GEMM) rather than OpenBLAS."""
+    return cpu_features().avx512 and torch.backends.mkldnn.is_available()
 
 
 class OneDnnLinear:
@@ -164,9 +183,10 @@ class LlamaForCausalLM(nn.Module):
         (where they could be built)."""
         linears = [proj for layer in self.layers for proj in (
             layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        prepacked = fp32_prepacked()
         for linear in linears + ([self.lm_head] if self.lm_head is not None else []):
             if _is_cpu_fp32(linear.weight):
-                linear.forward = BlasLinear(linear.weight, linear.bias)
+                linear.forward = BlasLinear(linear.weight, linear.bias, prepacked)
             elif _is_cpu_bf16(linear.weight):
                 linear.forward = OneDnnLinear(linear.weight, linear.bias)
         embedding = self.embed_tokens.weight
@@ -176,9 +196,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.kernels = kernels
         if self.lm_head is None and _is_cpu_fp32(embedding):
             # A tied LM head shares the embedding's storage: gathering embedding rows from
-            # the transposed layout costs microseconds, a second 113 MB copy would cost
-            # every step.
-            self._tied_head = BlasLinear(embedding)
+            # the transposed layout costs microseconds (its prepacked copy, where kept, is
+            # a second one: 113 MB for SmolLM2).
+            self._tied_head = BlasLinear(embedding, prepacked=prepacked)
         elif self.lm_head is None and _is_cpu_bf16(embedding):
             self._tied_head = OneDnnLinear(embedding)  # a packed copy (57 MB for SmolLM2)
 

@@ -30,9 +30,23 @@ class SendChannel(Protocol):
         """
         ...
 
-    def close(self) -> None:
-        """Release what the connection holds (mappings, process groups)."""
+    def flush(self, sock: zmq.Socket) -> None:
+        """Complete every write `send_layer` left in flight and send their headers, in
+        order; raise `ConnectionError` (after all of them ended) if any failed. The sender
+        calls it before any other message to the peer and at the end of each loop turn."""
         ...
+
+    def close(self) -> None:
+        """Release what the connection holds (mappings, process groups); a write still in
+        flight ends first."""
+        ...
+
+
+class Immediate:
+    """For send channels whose `send_layer` finishes the layer, header included."""
+
+    def flush(self, sock: zmq.Socket) -> None:
+        """Nothing is ever left in flight."""
 
 
 class RecvChannel(Protocol):

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from kv_transfer.blocks import Run, copy_runs
-from kv_transfer.transports.base import Landed
+from kv_transfer.transports.base import Immediate, Landed
 from kv_transfer.wire import pack
 
 
@@ -88,7 +88,7 @@ def map_peer_pool(handle: dict[str, int], shape: tuple[int, ...],
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
-class ShmSendChannel:
+class ShmSendChannel(Immediate):
     """Copies each layer's runs straight into the receiver's reserved blocks."""
 
     def __init__(self, peer_pool: torch.Tensor) -> None:

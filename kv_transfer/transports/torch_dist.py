@@ -20,7 +20,7 @@ import torch.distributed as dist
 import zmq
 
 from kv_transfer.blocks import Run
-from kv_transfer.transports.base import Landed
+from kv_transfer.transports.base import Immediate, Landed
 from kv_transfer.wire import pack
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
@@ -88,7 +88,7 @@ class _WorkWaiter:
         return None
 
 
-class DistSendChannel:
+class DistSendChannel(Immediate):
     """Posts one send per run after the header that tells the receiver the tags."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:

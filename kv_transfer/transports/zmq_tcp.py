@@ -8,7 +8,7 @@ import torch
 import zmq
 
 from kv_transfer.blocks import Run, as_bytes
-from kv_transfer.transports.base import Landed
+from kv_transfer.transports.base import Immediate, Landed
 from kv_transfer.wire import pack
 
 # Frames of about 1 MiB measured fastest: smaller ones pay per-frame overhead, larger ones
@@ -21,7 +21,7 @@ def frame_slices(runs: list[tuple[int, int]], step: int) -> list[tuple[int, int]
     return [(start + i, min(step, n - i)) for start, n in runs for i in range(0, n, step)]
 
 
-class ZmqSendChannel:
+class ZmqSendChannel(Immediate):
     """Frames are views of the sender's pool; ZMQ keeps them alive until sent."""
 
     def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from kv_peer import (
     NEEDS_MOONCAKE,
     NUM_LAYERS,
@@ -28,7 +29,8 @@ from kv_peer import (
 )
 
 from kv_transfer import KVReceiver, KVSender, TransferDone
-from kv_transfer.transports.mooncake import engine
+from kv_transfer.transports.mooncake import MooncakePool, MooncakeSendChannel, engine
+from kv_transfer.wire import unpack
 
 
 @NEEDS_MOONCAKE
@@ -121,3 +123,39 @@ def test_without_the_extra_the_transport_and_serve_say_what_to_install() -> None
     assert serve.returncode == 2
     assert serve.stderr.startswith("error: the mooncake transport needs pip install "
                                    "'pdcluster[mooncake]'")
+
+
+@NEEDS_MOONCAKE
+def test_layers_in_flight_together_send_their_headers_only_once_all_landed() -> None:
+    """`send_layer` submits; the channel's `flush` waits for the writes in order, then sends
+    the headers, and a failed write sends none of them."""
+    src, dst = make_kv(SENDER_BLOCKS, seed=SEED), make_kv(RECEIVER_BLOCKS)
+    pool = MooncakePool(dst.buffer, "127.0.0.1", "tcp")
+    channel = MooncakeSendChannel(src.buffer, pool.handle(), RECEIVER_BLOCKS, "127.0.0.1",
+                                  "tcp")
+    ctx = zmq.Context.instance()
+    out, into = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    into.bind("inproc://mooncake-headers")
+    out.connect("inproc://mooncake-headers")
+    keys = pool.admit([(10, 3)])
+    try:
+        for layer in range(NUM_LAYERS):
+            channel.send_layer(out, {"op": "layer", "rid": "r1", "layer": layer},
+                               src.layers[layer], [(5, 10, 3)])
+        assert into.poll(0) == 0  # submitted, no header yet
+        channel.flush(out)
+        assert [unpack(into.recv())["layer"] for _ in range(NUM_LAYERS)] == \
+            list(range(NUM_LAYERS))
+        for layer in range(NUM_LAYERS):
+            assert torch.equal(dst.layers[layer][10:13], src.layers[layer][5:8])
+        # Block 40 is not admitted: the engine refuses the write, no header leaves.
+        channel.send_layer(out, {"op": "layer", "rid": "r2", "layer": 0}, src.layers[0],
+                           [(1, 40, 1)])
+        with pytest.raises(ConnectionError, match="mooncake write"):
+            channel.flush(out)
+        assert into.poll(0) == 0
+    finally:
+        pool.revoke(keys)
+        channel.close()
+        out.close(linger=0)
+        into.close(linger=0)
