@@ -220,9 +220,6 @@ class Speculator:
         self.config = config
         self.runner = runner
         self.draft_runner = draft_runner
-        if (config.draft_model is not None) != (draft_runner is not None):
-            raise ValueError("Speculator: a draft runner goes with a draft model path, and "
-                             "only with one")
         num_layers = runner.model.cfg.num_layers
         if config.model == "self" and config.draft_layers >= num_layers:  # type: ignore[operator]
             raise ValueError(f"speculative_config.draft_layers: must be below the target's "
