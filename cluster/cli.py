@@ -392,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                              "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft\", "
                              "\"model\": \"self\", \"draft_layers\": 8, "
-                             "\"num_speculative_tokens\": 3}'; prefill workers ignore it")
+                             "\"num_speculative_tokens\": 3}' (or \"model\": a draft model "
+                             "directory sharing the target's tokenizer, without "
+                             "draft_layers); prefill workers ignore it")
     worker.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                         help="share of the GPU's memory a worker may hold (weights + KV); "
                              "the KV pool gets what the weights leave (None: "

@@ -119,4 +119,5 @@ class KVCacheManager:
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.draft_num_computed = 0
         self._num_registered.pop(request.request_id, None)

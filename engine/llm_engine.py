@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -12,11 +13,13 @@ from threadpoolctl import threadpool_limits
 from engine.attention import get_backend
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig, kv_pool_bytes, parse_dtype
+from engine.draft_model import draft_block_bytes, draft_kv_cache, load_draft_model
 from engine.hardware import cpu_features
 from engine.kv_cache import BufferAllocator, KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
 from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
 from engine.request import Request, RequestStatus
 from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
@@ -28,10 +31,13 @@ from engine.spec_decode import (
     draft_allowed,
     record_verified,
     speculates,
+    trim_draft,
 )
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
 from engine.validation import check_request
+
+log = logging.getLogger(__name__)
 
 # Called after layer i wrote its KV for the step's schedule (used to stream KV out).
 StepLayerHook = Callable[[int, SchedulerOutput], None]
@@ -96,6 +102,7 @@ class LLMEngine:
             elsewhere torch's default.
         speculative_config: speculative decoding (`SpeculativeConfig`, its JSON text or a
             mapping with vLLM's keys); used by the decode and mixed roles, ignored by prefill.
+            A draft model's KV pages share the pool's budget: the pool gets fewer blocks.
     """
 
     def __init__(self, model: str = "tiny", dtype: str | torch.dtype = "float32", *,
@@ -122,7 +129,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.model_config
         self.model = load_model(self.model_dir, cfg, hf_config, self.dtype, self.device)
-        num_blocks = self.cache_config.num_blocks or self._blocks_for_memory()
+        # A draft model is loaded before the pool is sized: its pages take part of the budget.
+        draft = self._load_draft(self.speculative_config)
+        num_blocks = self.cache_config.num_blocks or self._blocks_for_memory(draft)
         bs = self.cache_config.block_size
         kv_dtype = self.cache_config.kv_cache_dtype
         attn = get_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -137,6 +146,12 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.block_pool, bs)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        # The draft model's path and runner (`speculative_config.model`), while one is set.
+        self._draft: tuple[str, ModelRunner] | None = None
+        if draft is not None:
+            self._draft = (self.speculative_config.model, self._draft_runner_for(draft))
+            log.info("draft model: its KV takes %d of the %d bytes of a block; %d blocks",
+                     self.draft_kv_block_bytes, self.kv_block_bytes, num_blocks)
         self.speculator: Speculator | None = None
         self.spec_counters = SpecCounters()
         self.set_speculative_config(self.speculative_config)
@@ -153,26 +168,68 @@ class LLMEngine:
             self, config: str | dict[str, Any] | SpeculativeConfig | None) -> None:
         """Decode speculatively as `config` says from the next step on (None: plainly).
 
-        Drafts live for one step only, so running requests simply go on the new way.
+        Drafts live for one step only, so running requests simply go on the new way. A
+        draft model set here after start-up gets pages for the whole pool beside the budget
+        the pool was sized with (set at construction, it shares that budget).
 
         Raises:
-            ValueError: a bad configuration (the message names the key).
+            ValueError: a bad configuration or a draft model that cannot serve this target
+                (the message names the key).
         """
-        self.speculative_config = SpeculativeConfig.parse(config)
-        self.speculator = None if self.speculative_config is None else \
-            Speculator(self.speculative_config, self.runner)
+        config = SpeculativeConfig.parse(config)
+        path = None if config is None else config.draft_model
+        if path is None:
+            self._draft = None
+        elif self._draft is None or self._draft[0] != path:
+            draft = self._load_draft(config)
+            self._draft = (path, self._draft_runner_for(draft))  # type: ignore[arg-type]
+        self.speculator = None if config is None else \
+            Speculator(config, self.runner, None if self._draft is None else self._draft[1])
+        self.speculative_config = config
         self.scheduler.num_lookahead = None if self.speculator is None else self._num_lookahead
+
+    def _load_draft(self, config: SpeculativeConfig | None) -> LlamaForCausalLM | None:
+        if config is None or config.draft_model is None:
+            return None
+        return load_draft_model(config.draft_model, self.model_config, self.tokenizer,
+                                self.dtype, self.device)
+
+    def _draft_runner_for(self, draft: LlamaForCausalLM) -> ModelRunner:
+        """The draft's runner: its pages as many blocks as the pool, the target's KV dtype
+        (int8 pages included: the torch backend reads them for any model)."""
+        cfg = draft.cfg
+        kv = draft_kv_cache(draft, self.kv_cache.num_blocks, self.kv_cache.block_size,
+                            self.dtype, self.device, self.cache_config.kv_cache_dtype)
+        attn = get_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           self.runner.attn.name)
+        return ModelRunner(draft, kv, attn, self.device)
+
+    @property
+    def draft_kv_block_bytes(self) -> int:
+        """Bytes one block of the draft model's pages costs (0: no draft model)."""
+        if self._draft is None:
+            return 0
+        kv = self._draft[1].kv_cache
+        return kv.block_bytes * kv.num_layers
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block costs across the target's layers and the draft model's."""
+        return self.kv_cache.block_bytes * self.kv_cache.num_layers + self.draft_kv_block_bytes
 
     def _num_lookahead(self, request: Request) -> int:
         if not speculates(request) or not draft_allowed(request):
             return 0
         return self.speculative_config.num_speculative_tokens  # type: ignore[union-attr]
 
-    def _blocks_for_memory(self) -> int:
-        cfg = self.model_config
-        per_block = KVCache.bytes_per_block(cfg.num_layers, self.cache_config.block_size,
-                                            cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                            self.cache_config.kv_cache_dtype)
+    def _blocks_for_memory(self, draft: LlamaForCausalLM | None) -> int:
+        """Blocks the budget holds, each with the target's pages and the draft model's."""
+        cfg, cache = self.model_config, self.cache_config
+        per_block = KVCache.bytes_per_block(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
+                                            cfg.head_dim, self.dtype, cache.kv_cache_dtype)
+        if draft is not None:
+            per_block += draft_block_bytes(draft, cache.block_size, self.dtype,
+                                           cache.kv_cache_dtype)
         total = held = 0
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1]
@@ -255,6 +312,8 @@ class LLMEngine:
         before = {s.request.request_id: len(s.request.output_token_ids)
                   for s in schedule.scheduled}
         changed = self.scheduler.postprocess(schedule, result.tokens)
+        for s in schedule.scheduled:
+            trim_draft(s.request)
         outputs = []
         for request in changed:
             rid = request.request_id
@@ -346,6 +405,8 @@ class LLMEngine:
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": self.kv_cache.kv_cache_dtype,
+            "kv_block_bytes": self.kv_block_bytes,
+            "draft_kv_block_bytes": self.draft_kv_block_bytes,
             "hardware": self.runner.hardware,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -151,28 +151,28 @@ class ModelRunner:
         return StepResult(tokens, logprobs)
 
     @torch.inference_mode()
-    def draft_step(self, requests: list[Request], token_ids: list[int], positions: list[int],
-                   num_layers: int) -> torch.Tensor:
-        """One early-exit pass: each request's token at its position through the first
-        `num_layers` layers (their KV written into the request's reserved slots), then the
-        final norm and LM head.
+    def draft_step(self, requests: list[Request], starts: list[int],
+                   token_ids: list[list[int]], num_layers: int | None = None) -> torch.Tensor:
+        """One drafting pass: each request's tokens from its position `start` on (one token,
+        or a catch-up over the tokens a draft model has not seen), their KV written into
+        the request's slots, through the first `num_layers` layers (an early exit; None:
+        all), then the final norm and LM head at each request's last token.
 
         Returns:
             Logits `[len(requests), vocab]`.
         """
-        pos = torch.tensor(positions)
-        tables = self._block_tables(requests)
-        slots = tables[torch.arange(len(requests)), pos // self.block_size] * \
-            self.block_size + pos % self.block_size
-        layout = BatchLayout(query_lens=[1] * len(requests), context_lens=(pos + 1).tolist(),
-                             block_tables=tables.to(self.device),
-                             slot_mapping=slots.to(self.device), num_prefills=0,
-                             block_size=self.block_size)
+        # Multi-token queries first, as in `execute`: the backends batch the single ones.
+        order = sorted(range(len(requests)), key=lambda i: len(token_ids[i]) == 1)
+        lens = [len(token_ids[i]) for i in order]
+        positions, layout = self._layout([requests[i] for i in order],
+                                         [starts[i] for i in order], lens)
         self.attn.begin_step(layout)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos.to(self.device), self.kv_cache, self.attn,
-                            num_layers=num_layers)
-        return self.model.compute_logits(hidden)
+        ids = torch.tensor([t for i in order for t in token_ids[i]], dtype=torch.long,
+                           device=self.device)
+        hidden = self.model(ids, positions, self.kv_cache, self.attn, num_layers=num_layers)
+        last = torch.tensor(lens).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[last.to(self.device)])
+        return logits[torch.tensor(order).argsort().to(self.device)]
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
         max_blocks = max(len(r.block_ids) for r in requests)
@@ -194,23 +194,25 @@ class ModelRunner:
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
         token_ids: list[int] = []
-        pos_ranges = []
         for s in batch:
-            end = s.start + s.num_new_tokens
-            token_ids.extend(s.request.token_ids(s.start, end))
+            token_ids.extend(s.request.token_ids(s.start, s.start + s.num_new_tokens))
             token_ids.extend(s.request.spec_token_ids)  # past the request's tokens
-            pos_ranges.append(torch.arange(s.start, end))
-        positions = torch.cat(pos_ranges)
-        tables = self._block_tables([s.request for s in batch])
-        rows = torch.repeat_interleave(torch.arange(len(batch)),
-                                       torch.tensor([s.num_new_tokens for s in batch]))
+        positions, layout = self._layout([s.request for s in batch], [s.start for s in batch],
+                                         [s.num_new_tokens for s in batch])
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return ids, positions, layout
+
+    def _layout(self, requests: list[Request], starts: list[int], lens: list[int]
+                ) -> tuple[torch.Tensor, BatchLayout]:
+        """Positions and batch layout of `lens[i]` new tokens of request i from `starts[i]`
+        on (multi-token queries must come first)."""
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+        tables = self._block_tables(requests)
+        rows = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(lens))
         slots = tables[rows, positions // self.block_size] * self.block_size + \
             positions % self.block_size
         layout = BatchLayout(
-            query_lens=[s.num_new_tokens for s in batch],
-            context_lens=[s.start + s.num_new_tokens for s in batch],
+            query_lens=list(lens), context_lens=[s + n for s, n in zip(starts, lens, strict=True)],
             block_tables=tables.to(self.device), slot_mapping=slots.to(self.device),
-            num_prefills=sum(1 for s in batch if s.num_new_tokens > 1),
-            block_size=self.block_size)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return ids, positions.to(self.device), layout
+            num_prefills=sum(1 for n in lens if n > 1), block_size=self.block_size)
+        return positions.to(self.device), layout

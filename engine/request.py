@@ -50,9 +50,11 @@ class Request:
         # Drafted tokens this step verifies (speculative decoding); never part of the output.
         self.spec_token_ids: list[int] = []
         # Plain steps left before drafting again, and the wait after the next miss
-        # (`spec_decode.DraftBackoff`).
+        # (`spec_decode.record_verified`).
         self.spec_skip = 0
         self.spec_backoff = 0
+        # Tokens whose KV a separate draft model has computed (`engine/draft_model.py`).
+        self.draft_num_computed = 0
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

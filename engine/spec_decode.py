@@ -49,9 +49,11 @@ class SpeculativeConfig:
         prompt_lookup_max: ngram: the longest suffix matched (vLLM: both bounds default to
             5; one given sets the other).
         prompt_lookup_min: ngram: the shortest suffix matched.
-        model: draft: the draft model; `self` is an early-exit draft of the target.
+        model: draft: `self`, an early-exit draft of the target, or the path of a smaller
+            model sharing the target's tokenizer (loaded like the target, with its own KV
+            pages: `engine/draft_model.py`).
         draft_layers: draft `self`: the first L target layers the draft runs (then the
-            target's final norm and LM head).
+            target's final norm and LM head); not a key of a draft model path.
     """
 
     method: Method
@@ -90,13 +92,23 @@ class SpeculativeConfig:
 
     def _check_draft(self) -> None:
         _forbid(self, ("prompt_lookup_max", "prompt_lookup_min"), "draft")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"speculative_config.model: required with method 'draft': 'self' "
+                             f"(an early-exit draft of the target, with draft_layers) or the "
+                             f"path of a draft model directory, got {self.model!r}")
         if self.model != "self":
-            raise ValueError(
-                f"speculative_config.model: only 'self' (an early-exit draft of the target, "
-                f"with draft_layers) is supported, got {self.model!r}")
+            if self.draft_layers is not None:
+                raise ValueError("speculative_config.draft_layers: only with model 'self' (a "
+                                 f"draft model at {self.model!r} runs all its layers)")
+            return
         if self.draft_layers is None:
             raise ValueError("speculative_config.draft_layers: required with model 'self'")
         _check_int("draft_layers", self.draft_layers, 1, 10**6)
+
+    @property
+    def draft_model(self) -> str | None:
+        """The path of a separate draft model, or None (n-gram, or the self-draft)."""
+        return self.model if self.method == "draft" and self.model != "self" else None
 
     @staticmethod
     def parse(value: str | Mapping[str, Any] | SpeculativeConfig | None
@@ -199,13 +211,17 @@ class Speculator:
     Args:
         config: the speculative configuration.
         runner: the target's model runner (the self-draft runs its first layers).
+        draft_runner: the draft model's runner (`config.draft_model`; its own KV pages,
+            indexed by the target's block ids).
     """
 
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner,
+                 draft_runner: ModelRunner | None = None) -> None:
         self.config = config
         self.runner = runner
+        self.draft_runner = draft_runner
         num_layers = runner.model.cfg.num_layers
-        if config.method == "draft" and config.draft_layers >= num_layers:  # type: ignore[operator]
+        if config.model == "self" and config.draft_layers >= num_layers:  # type: ignore[operator]
             raise ValueError(f"speculative_config.draft_layers: must be below the target's "
                              f"{num_layers} layers, got {config.draft_layers}")
 
@@ -222,32 +238,50 @@ class Speculator:
                     s.request.all_token_ids, s.num_lookahead, c.prompt_lookup_min or 1,
                     c.prompt_lookup_max or 1)
         else:
-            self._self_draft(items)
+            self._draft(items)
         for s in items:
             s.num_new_tokens = 1 + len(s.request.spec_token_ids)
 
-    def _self_draft(self, items: list[ScheduledRequest]) -> None:
-        """Early exit: the first L layers, the final norm and the LM head, greedily, one
-        token per request per pass. Layers < L of the target compute the same KV for the
-        same tokens, so the draft writes straight into the target's pages (the slots the
-        scheduler reserved); verification rewrites them, and rolled-back slots are simply
-        overwritten later."""
-        num_layers = self.config.draft_layers or 0
-        requests = [s.request for s in items]
+    def _draft(self, items: list[ScheduledRequest]) -> None:
+        """Greedy drafts, one token per request per pass.
+
+        The self-draft is an early exit: the first L layers, the final norm and the LM
+        head. Layers < L of the target compute the same KV for the same tokens, so it
+        writes straight into the target's pages (the slots the scheduler reserved);
+        verification rewrites them, and rolled-back slots are simply overwritten later.
+
+        A draft model first catches up, in the same pass as its first draft, on the tokens
+        it has not computed (the whole prompt after a transfer, a migration or a
+        preemption; the tokens of plain steps during a back-off; the last verified ones);
+        `trim_draft` keeps its count to the verified tokens after the step."""
+        requests = [r.request for r in items]
+        runner, num_layers = self.draft_runner, None
+        if runner is None:
+            runner, num_layers = self.runner, self.config.draft_layers
+            for r in requests:
+                r.draft_num_computed = r.num_tokens - 1
+        starts = [r.draft_num_computed for r in requests]
+        tokens = [r.token_ids(start, r.num_tokens) for r, start in zip(requests, starts,
+                                                                        strict=True)]
         for r in requests:
             r.spec_token_ids = []
-        last = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-                for r in requests]
         for step in range(max(s.num_lookahead for s in items)):
             active = [i for i, s in enumerate(items) if s.num_lookahead > step]
-            positions = [requests[i].num_tokens - 1 + step for i in active]
-            logits = self.runner.draft_step([requests[i] for i in active],
-                                            [last[i] for i in active], positions, num_layers)
-            drafted = logits.argmax(dim=-1).tolist()
-            for i, token in zip(active, drafted, strict=True):
+            logits = runner.draft_step([requests[i] for i in active],
+                                       [starts[i] for i in active],
+                                       [tokens[i] for i in active], num_layers)
+            for i, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
                 requests[i].spec_token_ids.append(token)
-                last[i] = token
+                starts[i] += len(tokens[i])
+                tokens[i] = [token]
+        for r, start in zip(requests, starts, strict=True):
+            r.draft_num_computed = start
 
+
+def trim_draft(request: Request) -> None:
+    """After a step: the draft model's KV stays valid only up to the verified tokens (the
+    slots of rejected drafts are overwritten by the next catch-up)."""
+    request.draft_num_computed = min(request.draft_num_computed, request.num_computed_tokens)
 
 
 class SpecCounters:

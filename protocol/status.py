@@ -69,6 +69,9 @@ class WorkerStats(msgspec.Struct, kw_only=True):
         kv_cache_dtype: what its KV pages hold (`int8`, or `dtype` with `--kv-cache-dtype
             auto`).
         hardware: its device and the kernel paths it took there.
+        kv_block_bytes: what one KV block costs across all layers (the target's pages and
+            a draft model's: the KV budget is divided by it).
+        draft_kv_block_bytes: of it, a speculative draft model's pages (0: none).
         spec_draft_tokens: speculative decoding: tokens drafted (cumulative).
         spec_accepted_tokens: of them, accepted by verification (cumulative).
         spec_emitted_tokens: tokens emitted by verification steps (cumulative).
@@ -103,6 +106,8 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     dtype: str = ""
     kv_cache_dtype: str = ""
     hardware: str = ""
+    kv_block_bytes: int = 0
+    draft_kv_block_bytes: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0

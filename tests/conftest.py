@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, CacheConfig, LLMEngine
 from engine.model_loader import resolve_model_dir
@@ -68,6 +72,24 @@ def assert_pool_free(engine: LLMEngine) -> None:
     assert not engine.scheduler.parked
     assert pool.num_free_blocks == pool.num_blocks
     assert all(count == 0 for count in pool.ref_cnt)
+
+
+def truncated_model(src: Path, dst: Path, num_layers: int) -> Path:
+    """A model directory holding `src`'s first `num_layers` layers: its config with fewer
+    layers, the embeddings, those layers, the final norm and the tokenizer (the LM head is
+    tied). It computes what an early exit of `src` after those layers computes."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    assert config["tie_word_embeddings"]
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config))
+    state = load_file(src / "model.safetensors")
+    save_file({name: t for name, t in state.items() if not name.startswith("model.layers.")
+               or int(name.split(".")[2]) < num_layers}, dst / "model.safetensors")
+    return dst
 
 
 @pytest.fixture(scope="session", autouse=True)

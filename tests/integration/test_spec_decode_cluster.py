@@ -1,6 +1,7 @@
-"""Speculative decoding on a disaggregated cluster: the decode worker drafts and verifies,
-the prefill worker ignores the setting, output equals the offline engine's and the
-acceptance figures reach the status and the metrics."""
+"""Speculative decoding on a disaggregated cluster: the decode worker drafts and verifies
+(by prompt lookup, or with a draft model that catches up on each prompt whose KV arrived by
+transfer), the prefill worker ignores the setting, output equals the offline engine's and
+the acceptance figures reach the status and the metrics."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import WorkerCollector
 from engine import SamplingParams
+from engine.model_loader import resolve_model_dir
+from tests.conftest import truncated_model
 from tests.integration.conftest import collect, start_cluster, wait_pools_free
 
 pytestmark = pytest.mark.cluster
@@ -24,13 +27,20 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_look
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def test_decode_worker_speculates_and_reports_it(ray_local, loop_thread, reference):
+@pytest.mark.parametrize("method", ["ngram", "draft-model"])
+def test_decode_worker_speculates_and_reports_it(ray_local, loop_thread, reference, tmp_path,
+                                                 method):
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(8, 30))] * 3
                for _ in range(4)]
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
+    config, draft_block_bytes = NGRAM, 0
+    if method == "draft-model":  # the tiny model's first 2 layers, 16-token blocks
+        draft = truncated_model(resolve_model_dir("tiny"), tmp_path / "draft", 2)
+        config = json.dumps({"method": "draft", "model": str(draft), "num_speculative_tokens": 3})
+        draft_block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1,
-                            worker={"speculative_config": NGRAM})
+                            worker={"speculative_config": config})
     try:
         async def go():
             return await asyncio.gather(*(collect(backend, f"s{i}", p, GREEDY)
@@ -48,6 +58,7 @@ def test_decode_worker_speculates_and_reports_it(ray_local, loop_thread, referen
         status = loop_thread.run(backend.status())
         (decode,), (prefill,) = status["pools"]["decode"], status["pools"]["prefill"]
         assert decode["spec_verify_steps"] > 0 and decode["spec_draft_tokens"] > 0
+        assert decode["draft_kv_block_bytes"] == draft_block_bytes
         assert decode["spec_tokens_per_step"] == pytest.approx(
             decode["spec_emitted_tokens"] / decode["spec_verify_steps"])
         assert prefill["spec_verify_steps"] == 0

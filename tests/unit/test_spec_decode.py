@@ -1,20 +1,26 @@
 """Speculative decoding: the configuration, the n-gram proposer, the scheduler's lookahead
-and rollback, greedy output equal to plain decoding and to `transformers`, and the
-rejection-sampling rule preserving the target distribution."""
+and rollback, greedy output equal to plain decoding and to `transformers` (n-gram, the
+self-draft, a separate draft model), and the rejection-sampling rule preserving the target
+distribution."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from engine import LLM, CacheConfig, SamplingParams
+from engine import LLM, CacheConfig, LLMEngine, SamplingParams
 from engine.block_pool import BlockPool, hash_blocks
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import resolve_model_dir
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.spec_decode import (
@@ -26,7 +32,8 @@ from engine.spec_decode import (
     verify,
 )
 from engine.tokenizer import apply_chat_template
-from tests.conftest import SMOL_CHATS, assert_pool_free, hf_greedy
+from tests.conftest import SMOL_CHATS, assert_pool_free, hf_greedy, truncated_model
+from tests.unit.test_roles import _prefill_then_hand_over, _run_until_idle
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -60,8 +67,12 @@ COPY = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
      "speculative_config.prompt_lookup_max: must be an integer"),
     ({"method": "draft", "num_speculative_tokens": 4, "model": "self"},
      "speculative_config.draft_layers: required"),
-    ({"method": "draft", "num_speculative_tokens": 4, "model": "/models/smaller"},
-     "speculative_config.model: only 'self'"),
+    ({"method": "draft", "num_speculative_tokens": 4},
+     "speculative_config.model: required with method 'draft'"),
+    ({"method": "draft", "num_speculative_tokens": 4, "model": 3},
+     "speculative_config.model: required with method 'draft'"),
+    ({"method": "draft", "num_speculative_tokens": 4, "model": "/models/smaller",
+      "draft_layers": 2}, "speculative_config.draft_layers: only with model 'self'"),
     ({"method": "draft", "num_speculative_tokens": 4, "model": "self", "draft_layers": 2,
       "prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max: not a key of method"),
 ])
@@ -180,11 +191,14 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft"])
-def test_tiny_greedy_matches_hf_in_a_mixed_batch(config):
+@pytest.mark.parametrize("mode", ["ngram", "self-draft", "draft-model"])
+def test_tiny_greedy_matches_hf_in_a_mixed_batch(mode, tiny_draft):
     """Speculative and plain requests in one continuous batch (a grammar request and a
     seeded sampled one decode plainly), on a small pool and a small budget that preempt
-    and chunk: greedy tokens equal `transformers`', the others equal a plain engine's."""
+    and chunk (a draft model catches up again after a preemption): greedy tokens equal
+    `transformers`', the others equal a plain engine's."""
+    config = {"ngram": NGRAM, "self-draft": SELF_DRAFT,
+              "draft-model": model_draft(tiny_draft)}[mode]
     prompts = _prompts(8, seed=11)
     cache = CacheConfig(block_size=4, num_blocks=96)
     sched = SchedulerConfig(max_num_batched_tokens=40)
@@ -233,9 +247,8 @@ def speculative(smollm2: LLM) -> Iterator[LLM]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [NGRAM, SMOL_SELF_DRAFT], ids=["ngram", "self-draft"])
-def test_smollm2_greedy_matches_hf_with_accepted_drafts(speculative, config):
-    speculative.engine.set_speculative_config(config)
+def test_smollm2_ngram_greedy_matches_hf_with_accepted_drafts(speculative):
+    speculative.engine.set_speculative_config(NGRAM)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     conversations = [COPY] + [[{"role": "user", "content": c}] for c in SMOL_CHATS]
     outputs = speculative.chat(conversations, params)
@@ -370,3 +383,181 @@ def test_a_draft_outside_the_filtered_support_is_always_rejected():
     request = _request(params)
     seen = {verify(logits, request, [3])[0][0] for _ in range(200)}
     assert seen == {0, 1}
+
+
+# ---- a separate draft model ------------------------------------------------------------
+
+def model_draft(path: str | Path) -> dict:
+    return {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's first 2 layers (of 3): what `SELF_DRAFT` runs."""
+    return truncated_model(resolve_model_dir("tiny"), tmp_path_factory.mktemp("draft") / "tiny",
+                           SELF_DRAFT["draft_layers"])
+
+
+def _figures(engine: LLMEngine) -> tuple[int, int, int]:
+    stats = engine.stats()
+    return stats["spec_draft_tokens"], stats["spec_accepted_tokens"], stats["spec_verify_steps"]
+
+
+def test_a_truncated_draft_model_drafts_what_the_self_draft_does(tiny_draft):
+    """The tiny model's first two layers as a model of their own compute what the
+    self-draft with draft_layers 2 computes: the same drafts (the draft model first catches
+    up on each prompt in the pass of its first draft, and again from scratch after a
+    preemption), so the same acceptance figures, and greedy tokens equal to
+    `transformers`'."""
+    prompts = _prompts(8, seed=11)
+    figures = []
+    for config in (SELF_DRAFT, model_draft(tiny_draft)):
+        engine = LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=64),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=40),
+                           speculative_config=config)
+        requests = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
+        _run_until_idle(engine)
+        assert sum(r.num_preemptions for r in requests) > 0
+        for prompt, request in zip(prompts, requests, strict=True):
+            assert request.output_token_ids == hf_greedy("tiny", prompt, GREEDY.max_tokens)
+        figures.append(_figures(engine))
+        assert_pool_free(engine)
+    assert figures[0] == figures[1]
+    assert figures[0][1] > 0  # some drafts were accepted
+
+
+# tiny: 3 layers, 2 KV heads of 16; a block of 16 tokens holds K and V.
+_TINY_LAYER_BLOCK = {"auto": 2 * 16 * 2 * 16 * 4, "int8": 2 * 16 * 2 * (16 + 4)}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_draft_models_pages_share_the_kv_budget(tiny_draft, kv_cache_dtype):
+    """A block costs the target's pages and the draft's (its 2 layers, in the target's KV
+    dtype), so one budget holds fewer blocks; the draft's pool has as many, and greedy
+    output stays the plain engine's."""
+    budget = 2**20
+    cache = CacheConfig(kv_cache_memory_gb=budget / 2**30, kv_cache_dtype=kv_cache_dtype)
+    plain = LLM("tiny", cache=cache)
+    llm = LLM("tiny", cache=cache, speculative_config=model_draft(tiny_draft))
+    engine = llm.engine
+    layer_block = _TINY_LAYER_BLOCK[kv_cache_dtype]
+    assert plain.engine.stats()["kv_block_bytes"] == 3 * layer_block
+    assert plain.engine.stats()["draft_kv_block_bytes"] == 0
+    stats = engine.stats()
+    assert (stats["kv_block_bytes"], stats["draft_kv_block_bytes"]) == \
+        (5 * layer_block, 2 * layer_block)
+    assert plain.engine.block_pool.num_blocks == budget // (3 * layer_block)
+    assert engine.block_pool.num_blocks == budget // (5 * layer_block)
+    draft_kv = engine.speculator.draft_runner.kv_cache
+    assert draft_kv.num_blocks == engine.block_pool.num_blocks
+    assert draft_kv.dtype == engine.kv_cache.dtype
+    prompts = _prompts(3, seed=5)
+    # (int8 pages round the KV: the reference is the plain engine on the same pages.)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+    assert _figures(engine)[0] > 0
+    assert_pool_free(engine)
+
+
+def test_a_decode_engine_drafts_after_the_prompt_kv_arrived(tiny_draft):
+    """Disaggregated: the prompts' KV is copied from a prefill engine into the decode
+    engine's pages (a draft model's pages are not shipped; one prompt also starts with
+    decode-side prefix-cache hits), so the draft model catches up on each whole prompt
+    before its first draft: its drafts, and the acceptance figures, equal those of the
+    self-draft reading the transferred KV, and greedy tokens equal `transformers`'."""
+    shared = list(range(300, 320))
+    prompts = {"a": [*shared, 11, 12, 13, 14, 15], "b": list(range(500, 537))}
+    figures = []
+    for config in (SELF_DRAFT, model_draft(tiny_draft)):
+        def engine(role: str, config: dict | None = None) -> LLMEngine:
+            return LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=64),
+                             scheduler=SchedulerConfig(role=role, max_num_batched_tokens=16),
+                             speculative_config=config)
+        prefill, decode = engine("prefill"), engine("decode", config)
+        decode.add_request("warm", [*shared, 7], GREEDY)
+        _run_until_idle(decode)
+        before = _figures(decode)
+        first = _prefill_then_hand_over(prefill, decode, prompts, GREEDY)
+        assert decode.requests["a"].num_cached_tokens == 20
+        assert [decode.requests[r].draft_num_computed for r in prompts] == [0, 0]
+        # One step: the draft catches up and drafts; after verification it counts the
+        # verified tokens (the self-draft, too, as it drafts from the last one).
+        tokens = {out.request_id: out.new_token_ids for out in decode.step()}
+        assert [decode.requests[r].draft_num_computed for r in prompts] == \
+            [decode.requests[r].num_computed_tokens for r in prompts]
+        for rid, more in _run_until_idle(decode).items():
+            tokens[rid] += more
+        for rid, prompt in prompts.items():
+            assert [first[rid], *tokens[rid]] == hf_greedy("tiny", prompt, GREEDY.max_tokens)
+        figures.append(tuple(a - b for a, b in zip(_figures(decode), before, strict=True)))
+        assert_pool_free(prefill)
+        assert_pool_free(decode)
+    assert figures[0] == figures[1]
+    assert figures[0][1] > 0
+
+
+def _unfit_draft(kind: str, tiny_draft: Path, root: Path) -> Path:
+    """A copy of the tiny draft that cannot serve the tiny target."""
+    path = root / kind
+    if kind == "missing":
+        return path
+    shutil.copytree(tiny_draft, path)
+    if kind == "vocab_size":  # one token fewer (the embedding too)
+        config = json.loads((path / "config.json").read_text())
+        config["vocab_size"] -= 1
+        (path / "config.json").write_text(json.dumps(config))
+        state = load_file(path / "model.safetensors")
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:-1].clone()
+        save_file(state, path / "model.safetensors")
+    elif kind == "tokenizer":  # as many tokens, two of them with each other's ids
+        data = json.loads((path / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+        (path / "tokenizer.json").write_text(json.dumps(data))
+    elif kind == "no_weights":
+        (path / "model.safetensors").unlink()
+    return path
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("missing", "cannot load the draft model .*missing.* is not 'smollm2', 'tiny', a .gguf"),
+    ("no_weights", "cannot load the draft model .*no_weights.* has no \\*.safetensors"),
+    ("vocab_size", "the draft model .* has a vocabulary of 49151 tokens, the target 49152: "
+                   "a draft must share the target's tokenizer"),
+    ("tokenizer", "the draft model .* has a tokenizer whose vocabulary differs from the "
+                  "target's"),
+], ids=["missing", "no_weights", "vocab_size", "tokenizer"])
+def test_a_draft_model_that_cannot_serve_the_target_is_refused(tiny_draft, tmp_path, kind,
+                                                              message):
+    """At start-up, and when set on a running engine (which then keeps its setting)."""
+    config = model_draft(_unfit_draft(kind, tiny_draft, tmp_path))
+    with pytest.raises(ValueError, match=f"^speculative_config.model: {message}"):
+        LLMEngine("tiny", speculative_config=config)
+    engine = LLMEngine("tiny", speculative_config=NGRAM)
+    with pytest.raises(ValueError, match=f"^speculative_config.model: {message}"):
+        engine.set_speculative_config(config)
+    assert engine.speculative_config.method == "ngram"
+
+
+@pytest.mark.slow
+def test_smollm2_draft_model_drafts_what_the_self_draft_does(speculative, tmp_path):
+    """SmolLM2's first 24 layers saved as a model of their own: greedy tokens equal
+    `transformers`', and the drafts equal the self-draft's with draft_layers 24, so the
+    acceptance figures do too (fp32; the same kernels on the same rows of weights). One
+    chat (its drafts are accepted about one time in five) keeps this test short."""
+    draft = truncated_model(resolve_model_dir("smollm2"), tmp_path / "smollm2-24",
+                            SMOL_SELF_DRAFT["draft_layers"])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    conversations = [[{"role": "user", "content": SMOL_CHATS[0]}]]
+    figures = []
+    for config in (SMOL_SELF_DRAFT, model_draft(draft)):
+        speculative.engine.set_speculative_config(config)
+        before = _figures(speculative.engine)
+        for out in speculative.chat(conversations, params):
+            assert out.outputs[0].token_ids == hf_greedy("smollm2", out.prompt_token_ids, 32)
+        figures.append(tuple(a - b for a, b in zip(_figures(speculative.engine), before,
+                                                   strict=True)))
+    assert figures[0] == figures[1]
+    drafted, accepted, verify_steps = figures[0]
+    assert accepted > 0
+    assert drafted > 0 and verify_steps > 0
