@@ -9,6 +9,7 @@ import pytest
 
 from cluster.validate import errors, role, serve_flags, served_configs
 from planner.plan import PlanRequest, label, plan
+from planner.report import print_validation
 from protocol.serving import Slo
 from tests.planner.synthetic import synthetic_profile
 from tests.planner.test_frontier import REQUESTS
@@ -74,3 +75,22 @@ def test_errors_are_relative_and_attainment_in_points() -> None:
         "ttft_p50_ms": pytest.approx(0.1), "ttft_p90_ms": pytest.approx(-0.1),
         "tpot_p50_ms": None, "tpot_p90_ms": None, "attainment": pytest.approx(-0.05),
         "goodput_rps": pytest.approx(-0.2)}
+
+
+def test_the_printed_table_gives_each_served_config_its_role_and_slo_verdict(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rec = {**config("disaggregated", 1, 1), "validation_role": "recommended"}
+    rejected = {**config("colocated", 0, 1, meets=False), "validation_role": "rejected"}
+    for c, met in ((rec, True), (rejected, False)):
+        c["predicted"] = {"ttft_p50_ms": 100.0, "ttft_p90_ms": 200.0, "tpot_p50_ms": 10.0,
+                          "tpot_p90_ms": 20.0, "attainment": 0.95, "goodput_rps": 0.5}
+        c["measured"] = {**c["predicted"], "ttft_p90_ms": 250.0, "meets_slo": met}
+        c["error"] = errors(c["predicted"], c["measured"])
+    print_validation({"configs": [rec, config("colocated", 0, 2), rejected]})
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert ["1P+1D", "recommended", "ttft_p90_ms", "200", "250", "-20.0%"] in rows
+    assert ["1 colocated", "rejected", "attainment", "95.0%", "95.0%", "+0.0 pt"] in rows
+    assert ["1P+1D", "recommended", "meets SLO", "yes", "yes", ""] in rows
+    assert ["1 colocated", "rejected", "meets SLO", "no", "no", ""] in rows
+    assert not any(row[0] == "2 colocated" for row in rows)  # not served
