@@ -43,10 +43,19 @@ def trace(num: int = NUM_REQUESTS, rate: float = RATE_RPS, seed: int = SEED
     return out
 
 
+def load_averages(path: Path) -> list[float] | None:
+    """The 1-minute load averages `uptime` wrote in RUN.load (before and after the run)."""
+    if not path.exists():
+        return None
+    return [float(line.split("load average:")[1].split(",")[0])
+            for line in path.read_text().splitlines() if "load average:" in line]
+
+
 def summary(paths: list[Path]) -> dict[str, Any]:
     """Per run and served configuration: predicted, measured and error of the four latency
-    figures, whether it met the SLO as predicted and measured; the run's median and worst
-    |error|."""
+    figures and the mean step, whether it met the SLO as predicted and measured; the run's
+    median and worst |error| over the four figures; the load average before and after
+    (RUN.load beside RUN.json, when there)."""
     runs = []
     for path in paths:
         doc = json.loads(path.read_text())
@@ -55,15 +64,17 @@ def summary(paths: list[Path]) -> dict[str, Any]:
                 if c["error"][k] is not None]
         runs.append({
             "file": path.name, "slo": doc["slo"], "rate_rps": doc["rate_rps"],
-            "calibration_factors": {role: doc["calibration"][role]["factors"]
-                                    for role in ("prefill", "decode")}
+            "load_average_1min_before_after": load_averages(path.with_suffix(".load")),
+            # one profile for both roles: the decode record holds the prompt-step factor too
+            "calibration_factors": {k: round(v, 3) for k, v in
+                                    doc["calibration"]["decode"]["factors"].items()}
             if doc["calibration"]["applied"] else None,
             "recommended": label(doc["recommended"]) if doc["recommended"] else None,
             "served": [{"config": label(c), "role": c["validation_role"],
                         "predicted_meets_slo": c["meets_slo"],
                         "measured_meets_slo": c["measured"]["meets_slo"],
-                        "attainment": {"predicted": c["predicted"]["attainment"],
-                                       "measured": c["measured"]["attainment"]},
+                        **{k: {"predicted": c["predicted"][k], "measured": c["measured"][k]}
+                           for k in ("attainment", "mean_step_ms")},
                         **{k: {"predicted": c["predicted"][k], "measured": c["measured"][k],
                                "error": c["error"][k]} for k in LATENCY}}
                        for c in served],
