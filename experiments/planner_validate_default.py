@@ -51,6 +51,19 @@ def load_averages(path: Path) -> list[float] | None:
             for line in path.read_text().splitlines() if "load average:" in line]
 
 
+def pilot(path: Path) -> dict[str, Any]:
+    """The plan without `--validate` the SLO was chosen from: its calibration and each
+    configuration's predicted TPOT p90 and verdict."""
+    doc = json.loads(path.read_text())
+    return {"file": path.name, "slo": doc["slo"],
+            "load_average_1min_before": (load_averages(path.with_suffix(".load")) or [None])[0],
+            "calibration_factors": {k: round(v, 3) for k, v in
+                                    doc["calibration"]["decode"]["factors"].items()},
+            "configs": [{"config": label(c), "meets_slo": c["meets_slo"],
+                         "tpot_p90_ms": c["predicted"]["tpot_p90_ms"]}
+                        for c in doc["configs"]]}
+
+
 def summary(paths: list[Path]) -> dict[str, Any]:
     """Per run and served configuration: predicted, measured and error of the four latency
     figures and the mean step, whether it met the SLO as predicted and measured; the run's
@@ -90,12 +103,17 @@ def main() -> None:
     t.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("summary")
     s.add_argument("plans", type=Path, nargs="+")
+    s.add_argument("--pilot", type=Path, default=None,
+                   help="the plan without --validate the SLO was chosen from")
     s.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.cmd == "trace":
         args.out.write_text("".join(json.dumps(r) + "\n" for r in trace()))
     else:
-        args.out.write_text(json.dumps(summary(args.plans), indent=1) + "\n")
+        doc = summary(args.plans)
+        if args.pilot is not None:
+            doc = {"pilot": pilot(args.pilot), **doc}
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":
