@@ -124,11 +124,13 @@ def add_parsers(sub: Any) -> None:
                       help="OUT.png: goodput by split; OUT.front.png beside it: the Pareto "
                            "front and the recommended configuration's rate sweep")
     plan.add_argument("--validate", action="store_true",
-                      help="serve the recommended config and its neighbours, replay the trace, "
-                           "and record measured figures beside the predicted ones")
+                      help="serve the recommended config, the closest one the plan rejects and "
+                           "their neighbours, replay the trace, and record measured "
+                           "figures beside the predicted ones")
     plan.add_argument("--address", default=None, help="with --validate: an existing Ray cluster")
     plan.add_argument("--validate-configs", type=int, default=3,
-                      help="with --validate: how many configs (recommended first)")
+                      help="with --validate: how many configs (the recommended and the closest "
+                           "rejected one first, both served whatever the count)")
     plan.set_defaults(func=run_plan)
 
 

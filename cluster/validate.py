@@ -129,26 +129,41 @@ def warmup_requests(config: dict[str, Any], profile: Profile) -> list[TraceReque
             for n in (16, 16, long, long)]
 
 
-def neighbours(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
-    """The recommended configuration, then the closest others (fewest workers moved, same
-    mode first); without a recommendation, the configurations with the best attainment."""
+def role(doc: dict[str, Any], config: dict[str, Any]) -> str:
+    """What a configuration is to the plan: `recommended`, `rejected` (predicted to miss
+    the SLO) or `other` (predicted to meet it, not the pick)."""
+    if doc["recommended"] is not None and config == doc["recommended"]:
+        return "recommended"
+    return "other" if config["meets_slo"] else "rejected"
+
+
+def served_configs(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """The configurations `--validate` serves: the recommended one, the closest one the plan
+    rejects (when one does), then the closest others up to `count` in all (fewest workers
+    moved, same mode first). Without a recommendation, the best attainments (all rejected).
+    """
     configs = doc["configs"]
     best = doc["recommended"]
     if best is None:
-        return sorted(configs, key=lambda c: -c["predicted"]["attainment"])[:count]
+        return sorted(configs, key=lambda c: -c["predicted"]["attainment"])[:max(count, 1)]
 
     def distance(c: dict[str, Any]) -> tuple[int, int]:
         return (abs(c["prefill"] - best["prefill"]) + abs(c["decode"] - best["decode"])
                 + (0 if c["mode"] == best["mode"] else 1), c["prefill"] + c["decode"])
 
-    return sorted(configs, key=distance)[:count]
+    by_distance = sorted((c for c in configs if c != best), key=distance)
+    rejected = [c for c in by_distance if role(doc, c) == "rejected"][:1]
+    rest = [c for c in by_distance if c not in rejected]
+    return [best, *rejected, *rest][:max(count, 1 + len(rejected))]
 
 
 def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str | None,
              out: Path) -> dict[str, Any]:
-    """Measure `count` configurations of the plan; adds `measured` and `error` to each."""
+    """Serve `served_configs(doc, count)` and replay the trace on each; adds
+    `validation_role`, `measured` and `error` to each served entry."""
     runs = [("trace", request.requests, request.slo)]
-    for config in neighbours(doc, count):
+    for config in served_configs(doc, count):
+        config["validation_role"] = role(doc, config)
         measured = run_config(config, request.decode_profile, lambda _target: runs, out,
                               request.max_num_seqs, address)["trace"]
         measured["meets_slo"] = measured["failed"] == 0 and request.slo.meets(measured)

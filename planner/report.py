@@ -19,6 +19,13 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
+def _figure(key: str, value: float | None) -> str:
+    """A plan figure as printed: milliseconds, attainment in %, goodput in req/s."""
+    if value is None or key.endswith("_ms"):
+        return _ms(value)
+    return f"{value:.1%}" if key == "attainment" else f"{value:.3g}"
+
+
 def print_plan(doc: dict[str, Any]) -> None:
     """The configurations as a rich table, the recommended one marked."""
     from rich.table import Table
@@ -59,19 +66,24 @@ def print_plan(doc: dict[str, Any]) -> None:
 
 
 def print_validation(doc: dict[str, Any]) -> None:
-    """Predicted beside measured for each validated configuration."""
+    """Predicted beside measured for each validated configuration, with its role
+    (recommended, rejected: predicted to miss the SLO, other) and whether it met the SLO."""
     from rich.table import Table
 
     table = Table(title="predicted vs measured")
-    for column in ("config", "figure", "predicted", "measured", "error"):
+    for column in ("config", "role", "figure", "predicted", "measured", "error"):
         table.add_column(column)
     for c in doc["configs"]:
         if "measured" not in c:
             continue
         for key, error in c["error"].items():
-            table.add_row(label(c), key, _ms(c["predicted"][key]), _ms(c["measured"][key]),
+            table.add_row(label(c), c.get("validation_role", "-"), key,
+                          _figure(key, c["predicted"][key]), _figure(key, c["measured"][key]),
                           "-" if error is None else f"{error:+.1%}" if key != "attainment"
                           else f"{error * 100:+.1f} pt")
+        table.add_row(label(c), c.get("validation_role", "-"), "meets SLO",
+                      "yes" if c["meets_slo"] else "no",
+                      "yes" if c["measured"]["meets_slo"] else "no", "")
     console.print(table)
 
 
