@@ -11,7 +11,7 @@ from engine.attention import AttentionBackend, BatchLayout
 from engine.hardware import cpu_features
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
-from engine.models.llama import LayerHook, LlamaForCausalLM, fp32_prepacked
+from engine.models.llama import BlasLinear, LayerHook, LlamaForCausalLM, fp32_small_rows
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -89,11 +89,11 @@ class ModelRunner:
 
     def _cpu_paths(self, dtype: torch.dtype) -> str:
         cpu = cpu_features()
-        # fp32 linears run on OpenBLAS (BlasLinear; oneDNN prepacked from 2 rows on AVX-512),
+        # fp32 linears run on OpenBLAS (BlasLinear; oneDNN prepacked for 2-16 rows on AVX-512),
         # bf16 ones on oneDNN's bf16 GEMM with prepacked weights (OneDnnLinear); fp16 takes
         # torch's kernels.
-        fp32 = "OpenBLAS fp32 at 1 row, oneDNN fp32 prepacked at 2+" if fp32_prepacked() \
-            else "OpenBLAS fp32"
+        fp32 = f"OpenBLAS fp32, oneDNN fp32 prepacked at 2-{BlasLinear.SMALL_ROWS} rows" \
+            if fp32_small_rows() else "OpenBLAS fp32"
         linears = {torch.float32: fp32,
                    torch.bfloat16: "oneDNN bf16, prepacked"}.get(dtype, "torch")
         kernels = cpu_kernels()

@@ -21,43 +21,49 @@ LayerHook = Callable[[int], None]
 
 
 class BlasLinear:
-    """A CPU fp32 linear on a row-major `[in, out]` weight: numpy's BLAS (OpenBLAS) at one
-    row and, where `prepacked`, oneDNN's fp32 GEMM on a copy re-laid once at load at two
-    rows or more.
+    """A CPU fp32 linear on a row-major `[in, out]` weight: numpy's BLAS (OpenBLAS) and,
+    where `small_rows`, oneDNN's fp32 GEMM on a copy prepacked at load for 2 to
+    `SMALL_ROWS` rows.
 
-    OpenBLAS on this layout is the fastest fp32 kernel at one row on the CPUs measured, and
-    on AVX2 at every row count; on AVX-512 CPUs its small-row GEMM is slow (5 rows cost 3-4x
-    one row on a Xeon with AVX-512), where oneDNN's prepacked GEMM costs 1.2-1.5x one row
-    and is 1.2-2.5x faster than OpenBLAS from 2 to 512 rows (docs/benchmarks.md). The
-    parameter becomes a `[out, in]` view of the transposed storage (no second copy of it);
-    the prepacked copy is a second one, opaque to torch.
+    OpenBLAS on this layout is the fastest fp32 kernel at one row (decode at batch 1) and
+    for large row counts (prefill chunks) at the engine's threads (BLAS on every core, torch
+    on one fewer). In between it is slow: 2 to 16 rows of a SmolLM2 layer cost 3-5x one row
+    on an Intel Xeon with AVX-512, and each call hands the work to BLAS threads that slept
+    since the last one. Those are a speculative verify step's rows (K + 1 per request) and
+    small batches'; oneDNN's prepacked GEMM on the compute thread takes them at 2.2-3x one
+    row, and decode steps of 8 sequences 0.75x OpenBLAS's time (docs/benchmarks.md). The
+    parameter becomes a `[out, in]` view of the transposed storage; the prepacked copy is a
+    second one, opaque to torch.
 
     Args:
         weight: a CPU float32 `[out, in]` parameter, re-laid in place.
         bias: optional `[out]`.
-        prepacked: also keep oneDNN's prepacked copy for steps of two rows or more.
+        small_rows: keep oneDNN's prepacked copy for 2 to `SMALL_ROWS` rows.
     """
 
+    SMALL_ROWS = 16
+
     def __init__(self, weight: nn.Parameter, bias: torch.Tensor | None = None,
-                 prepacked: bool = False) -> None:
+                 small_rows: bool = False) -> None:
         transposed = weight.data.T.contiguous()  # [in, out]
         weight.data = transposed.T
         self.weight_t = transposed.numpy()
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            transposed.T.contiguous(), None) if prepacked else None
+            transposed.T.contiguous(), None) if small_rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 1:
+        if self.packed is not None and 1 < x.shape[0] <= self.SMALL_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                       "none", [], "")
         out = torch.from_numpy(np.matmul(x.contiguous().numpy(), self.weight_t))
         return out if self.bias is None else out.add_(self.bias)
 
 
-def fp32_prepacked() -> bool:
-    """Whether CPU fp32 linears of two rows or more run on oneDNN's prepacked GEMM (AVX-512
-    CPUs, where it beats OpenBLAS's small-row GEMM) rather than OpenBLAS."""
+def fp32_small_rows() -> bool:
+    """Whether CPU fp32 linears of 2 to `BlasLinear.SMALL_ROWS` rows run on oneDNN's
+    prepacked fp32 GEMM: on CPUs with AVX-512 (measured on an Intel Xeon; on AVX2 CPUs
+    OpenBLAS was the faster at every row count)."""
     return cpu_features().avx512 and torch.backends.mkldnn.is_available()
 
 
@@ -183,10 +189,10 @@ class LlamaForCausalLM(nn.Module):
         (where they could be built)."""
         linears = [proj for layer in self.layers for proj in (
             layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        prepacked = fp32_prepacked()
+        small_rows = fp32_small_rows()
         for linear in linears + ([self.lm_head] if self.lm_head is not None else []):
             if _is_cpu_fp32(linear.weight):
-                linear.forward = BlasLinear(linear.weight, linear.bias, prepacked)
+                linear.forward = BlasLinear(linear.weight, linear.bias, small_rows)
             elif _is_cpu_bf16(linear.weight):
                 linear.forward = OneDnnLinear(linear.weight, linear.bias)
         embedding = self.embed_tokens.weight
@@ -196,9 +202,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.kernels = kernels
         if self.lm_head is None and _is_cpu_fp32(embedding):
             # A tied LM head shares the embedding's storage: gathering embedding rows from
-            # the transposed layout costs microseconds (its prepacked copy, where kept, is
-            # a second one: 113 MB for SmolLM2).
-            self._tied_head = BlasLinear(embedding, prepacked=prepacked)
+            # the transposed layout costs microseconds (the prepacked copy for small row
+            # counts, where kept, is a second one: 113 MB for SmolLM2).
+            self._tied_head = BlasLinear(embedding, small_rows=small_rows)
         elif self.lm_head is None and _is_cpu_bf16(embedding):
             self._tied_head = OneDnnLinear(embedding)  # a packed copy (57 MB for SmolLM2)
 

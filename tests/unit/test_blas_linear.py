@@ -1,6 +1,7 @@
 """CPU fp32 linears run through numpy's BLAS on one transposed weight layout (and oneDNN's
-prepacked GEMM from two rows on AVX-512 CPUs): same results as `F.linear`."""
+prepacked GEMM for small row counts on AVX-512 CPUs): `F.linear`'s results."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,16 +12,15 @@ from engine.hardware import cpu_features
 from engine.models.llama import BlasLinear, OneDnnLinear
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("prepacked", [False, True])
-def test_blas_linear_matches_torch_linear(rows, bias, prepacked):
+@pytest.mark.parametrize("small_rows", [False, True])
+def test_blas_linear_matches_torch_linear(rows, bias, small_rows):
     gen = torch.Generator().manual_seed(rows)
     module = nn.Linear(32, 48, bias=bias)
     reference = module.weight.detach().clone()
     x = torch.randn(32, rows, generator=gen).T  # not contiguous: the path must cope
-    module.forward = BlasLinear(module.weight, module.bias, prepacked)
-    assert (module.forward.packed is not None) == prepacked
+    module.forward = BlasLinear(module.weight, module.bias, small_rows)
     out = module(x)
     assert out.shape == (rows, 48) and out.dtype == torch.float32
     torch.testing.assert_close(out, F.linear(x, reference, module.bias), rtol=1e-5, atol=1e-5)
@@ -38,15 +38,30 @@ def test_one_weight_layout_is_kept():
     assert model._tied_head.weight_t.ctypes.data == model.embed_tokens.weight.data_ptr()
 
 
-def test_fp32_prepacked_copies_follow_the_cpu():
-    # Kept exactly where the CPU has AVX-512 (oneDNN beats OpenBLAS from two rows there),
-    # for every layer linear and the tied head; the step's logged paths name the choice.
+def test_small_row_counts_take_onednn_where_the_cpu_has_avx512(monkeypatch):
+    # Every fp32 linear, the tied head included, exactly on AVX-512 CPUs; the step's logged
+    # paths name the choice. Which kernel ran is seen by breaking numpy's matmul: 2-16 rows
+    # must not need it, 1 and 17 must.
+    wanted = cpu_features().avx512
     engine = LLM("tiny").engine
     model = engine.model
-    heads = [model._tied_head] + [p.forward for layer in model.layers for p in (
+    linears = [model._tied_head] + [p.forward for layer in model.layers for p in (
         layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    assert {h.packed is not None for h in heads} == {cpu_features().avx512}
-    assert ("oneDNN fp32 prepacked" in engine.runner.hardware) == cpu_features().avx512
+    assert {f.packed is not None for f in linears} == {wanted}
+    assert ("oneDNN fp32 prepacked at 2-16 rows" in engine.runner.hardware) == wanted
+    qkv = model.layers[0].qkv_proj
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("numpy matmul")
+    monkeypatch.setattr(np, "matmul", broken)
+    for rows in (1, 2, 16, 17):
+        x = torch.randn(rows, qkv.in_features)
+        if wanted and rows in (2, 16):
+            torch.testing.assert_close(qkv(x), F.linear(x, qkv.weight, qkv.bias),
+                                       rtol=1e-5, atol=1e-5)
+        else:
+            with pytest.raises(RuntimeError, match="numpy matmul"):
+                qkv(x)
 
 
 def test_bf16_linears_run_on_prepacked_onednn_weights_with_f_linear_results():
