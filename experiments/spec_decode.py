@@ -7,9 +7,10 @@
 Two workloads of chat prompts: `repetitive` (repeat, correct or lightly edit a given text,
 where the answer copies the prompt and n-gram drafting shines) and `chat` (open questions
 whose answers copy nothing). Each at batch 1 (the first `--batch1-prompts` prompts alone,
-one after the other) and batch 8 (all together). Three modes on the same engine and
-weights, switched with `LLMEngine.set_speculative_config`: plain, ngram (K = 4, lookup 1-3)
-and self-draft (the first L layers of the target, K = 2). Runs are interleaved (every run
+one after the other) and batch 8 (all together). Four modes on the same engine and
+weights, switched with `LLMEngine.set_speculative_config`: plain, ngram (K = 4, lookup 1-3),
+ngram_3 (K = 4, lookup 3, the bounds a config naming only prompt_lookup_max gets) and
+self-draft (the first L layers of the target, K = 2). Runs are interleaved (every run
 measures every mode of a cell back to back, the order rotating between runs) and all of
 them are reported.
 
@@ -60,6 +61,9 @@ CHATS = [
     "What should I consider when buying a used car?",
     "Write a haiku about autumn and explain it.",
 ]
+# Lookup 1-3 drafts on any repeated token; "ngram_3" (min = max = 3, what a config naming
+# only prompt_lookup_max gets) only where the last three tokens occurred before.
+NGRAM_3 = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
 
@@ -123,7 +127,7 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int
 def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: Path,
         dtype: str = "float32") -> dict[str, Any]:
     llm = LLM("smollm2", dtype=dtype, cache=CacheConfig(num_blocks=1024))
-    modes = {"plain": None, "ngram": NGRAM,
+    modes = {"plain": None, "ngram": NGRAM, "ngram_3": NGRAM_3,
              "self_draft": {"method": "draft", "model": "self", "draft_layers": self_layers,
                             "num_speculative_tokens": 2}}
     cells: dict[str, list[dict[str, Any]]] = {}
@@ -132,7 +136,8 @@ def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: 
         llm.engine.set_speculative_config(config)
         generate(llm, warmup, 8)
     for run_index in range(runs):
-        order = list(modes)[run_index % 3:] + list(modes)[:run_index % 3]
+        shift = run_index % len(modes)
+        order = list(modes)[shift:] + list(modes)[:shift]
         for name, prompts in workloads(llm).items():
             for batch in (1, 8):
                 cell = prompts[:batch1_prompts] if batch == 1 else prompts
@@ -169,7 +174,7 @@ def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     per step and acceptance rate (the same every run: greedy output is deterministic)."""
     out: dict[str, Any] = {}
     for cell, rows in cells.items():
-        for mode in ("ngram", "self_draft"):
+        for mode in ("ngram", "ngram_3", "self_draft"):
             ratios = [r[mode]["tpot_vs_plain"] for r in rows]
             cpu = [r[mode]["cpu_tpot_vs_plain"] for r in rows]
             out.setdefault(cell, {})[mode] = {
