@@ -90,25 +90,38 @@ def isa(request):
     kernels.select_isa(chosen)
 
 
+# SmolLM2's head geometry, pages scattered over a 128-block pool, contexts around page edges.
+SMOL_HEADS, SMOL_KV_HEADS, SMOL_DIM, SMOL_BS, SMOL_LENS = 9, 3, 64, 16, [1, 15, 16, 17, 300]
+
+
+def _scattered_tables(gen: torch.Generator) -> torch.Tensor:
+    max_blocks = -(-max(SMOL_LENS) // SMOL_BS)
+    ids = torch.randperm(128, generator=gen)[:len(SMOL_LENS) * max_blocks]
+    return ids.view(len(SMOL_LENS), -1)
+
+
+def _assert_dense_attention(out, q, pages, tables, tol):
+    """`out` against dense attention per sequence over `pages(table, j)`: the sequence's
+    K (j = 0) or V (j = 1) as fp32 `[tokens, SMOL_KV_HEADS, SMOL_DIM]`."""
+    for i, ctx in enumerate(SMOL_LENS):
+        k, v = (pages(tables[i], j)[:ctx] for j in (0, 1))
+        group = SMOL_HEADS // SMOL_KV_HEADS
+        expected = torch.einsum("hk,khd->hd", torch.einsum(
+            "hd,khd->hk", q[i].float(), k.repeat_interleave(group, 1)).div(SMOL_DIM**0.5)
+            .softmax(-1), v.repeat_interleave(group, 1))
+        torch.testing.assert_close(out[i].float(), expected, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_paged_decode_kernel_matches_dense_reference(isa, dtype, tol):
-    # SmolLM2's head geometry, pages scattered over the pool, contexts around page edges.
     from engine.attention.torch_backend import paged_decode
 
-    heads, kv_heads, dim, bs = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(1)
-    lens = [1, 15, 16, 17, 300]
-    max_blocks = -(-max(lens) // bs)
-    tables = torch.randperm(128, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1)
-    kv = torch.randn(128, 2, bs, kv_heads, dim, generator=gen).to(dtype)
-    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
-    out = paged_decode(q, kv, tables, torch.tensor(lens))
-    for i, ctx in enumerate(lens):
-        k, v = (kv[tables[i], j].flatten(0, 1)[:ctx].float() for j in (0, 1))
-        expected = torch.einsum("hk,khd->hd", torch.einsum(
-            "hd,khd->hk", q[i].float(), k.repeat_interleave(3, 1)).div(dim**0.5).softmax(-1),
-            v.repeat_interleave(3, 1))
-        torch.testing.assert_close(out[i].float(), expected, atol=tol, rtol=tol)
+    tables = _scattered_tables(gen)
+    kv = torch.randn(128, 2, SMOL_BS, SMOL_KV_HEADS, SMOL_DIM, generator=gen).to(dtype)
+    q = torch.randn(len(SMOL_LENS), SMOL_HEADS, SMOL_DIM, generator=gen).to(dtype)
+    out = paged_decode(q, kv, tables, torch.tensor(SMOL_LENS))
+    _assert_dense_attention(out, q, lambda t, j: kv[t, j].flatten(0, 1).float(), tables, tol)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -118,22 +131,14 @@ def test_cpu_paged_decode_kernel_reads_int8_pages(isa, dtype, tol):
     from engine.attention.torch_backend import paged_decode
     from engine.kv_quant import dequantize, quantize
 
-    heads, kv_heads, dim, bs = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(2)
-    lens = [1, 15, 16, 17, 300]
-    max_blocks = -(-max(lens) // bs)
-    tables = torch.randperm(128, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1)
-    kv = quantize(torch.randn(128, 2, bs, kv_heads, dim, generator=gen) * 3)
-    assert kv.dtype == torch.int8 and kv.shape[-1] == dim + 4
-    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
-    out = paged_decode(q, kv, tables, torch.tensor(lens))
-    for i, ctx in enumerate(lens):
-        k, v = (dequantize(kv[tables[i], j].flatten(0, 1)[:ctx], torch.float32)
-                for j in (0, 1))
-        expected = torch.einsum("hk,khd->hd", torch.einsum(
-            "hd,khd->hk", q[i].float(), k.repeat_interleave(3, 1)).div(dim**0.5).softmax(-1),
-            v.repeat_interleave(3, 1))
-        torch.testing.assert_close(out[i].float(), expected, atol=tol, rtol=tol)
+    tables = _scattered_tables(gen)
+    kv = quantize(torch.randn(128, 2, SMOL_BS, SMOL_KV_HEADS, SMOL_DIM, generator=gen) * 3)
+    assert kv.dtype == torch.int8 and kv.shape[-1] == SMOL_DIM + 4
+    q = torch.randn(len(SMOL_LENS), SMOL_HEADS, SMOL_DIM, generator=gen).to(dtype)
+    out = paged_decode(q, kv, tables, torch.tensor(SMOL_LENS))
+    _assert_dense_attention(
+        out, q, lambda t, j: dequantize(kv[t, j].flatten(0, 1), torch.float32), tables, tol)
 
 
 def test_int8_pages_prefill_and_decode_match_the_dense_reference_on_their_values():
