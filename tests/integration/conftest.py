@@ -75,6 +75,15 @@ async def collect(backend: ClusterBackend, rid: str, prompt: list[int],
     return tokens, last
 
 
+def collect_all(loop_thread: LoopThread, backend: ClusterBackend, prompts: list[list[int]],
+                params: SamplingParams, prefix: str = "r") -> list[tuple[list[int], TokenDelta]]:
+    """Every prompt's tokens and last delta, all submitted at once (ids `prefix0`, ...)."""
+    async def go() -> list[tuple[list[int], TokenDelta]]:
+        return await asyncio.gather(*(collect(backend, f"{prefix}{i}", p, params)
+                                      for i, p in enumerate(prompts)))
+    return loop_thread.run(go())
+
+
 def wait_pools_free(loop_thread: LoopThread, backend: ClusterBackend, timeout: float = 20) -> None:
     """Every worker's KV pool fully free and nothing running (stats pulled via Ray)."""
     deadline = time.monotonic() + timeout

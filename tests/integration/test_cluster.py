@@ -10,6 +10,7 @@ from cluster.handle import WorkerHandle
 from engine import SamplingParams
 from tests.integration.conftest import (
     collect,
+    collect_all,
     expected_tokens,
     random_prompts,
     start_cluster,
@@ -35,22 +36,15 @@ def colocated(ray_local, loop_thread):
     loop_thread.run(backend.close())
 
 
-def _run_all(loop_thread, backend, prompts, params=GREEDY, prefix="r"):
-    async def go():
-        return await asyncio.gather(*(collect(backend, f"{prefix}{i}", p, params)
-                                      for i, p in enumerate(prompts)))
-    return loop_thread.run(go())
-
-
 def test_disaggregated_greedy_equals_engine_and_colocated(disagg, colocated, loop_thread,
                                                           reference):
     prompts = random_prompts(6, seed=1, low=20, high=200)
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
-    got = _run_all(loop_thread, disagg, prompts, prefix="d")
+    got = collect_all(loop_thread, disagg, prompts, GREEDY, "d")
     assert [tokens for tokens, _ in got] == expected
     # Long prompts went through the prefill worker and the KV transfer.
     assert all("prefill" in last.timings and "transfer" in last.timings for _, last in got)
-    got_colocated = _run_all(loop_thread, colocated, prompts, prefix="c")
+    got_colocated = collect_all(loop_thread, colocated, prompts, GREEDY, "c")
     assert [tokens for tokens, _ in got_colocated] == expected
     # `auto` internal security on one node's loopback: plain TCP, as `serve` announces it.
     assert colocated.internal_security.startswith("plain TCP")
@@ -68,7 +62,7 @@ def test_short_prompt_is_prefilled_on_the_decode_worker(disagg, loop_thread, ref
 
 def test_32_concurrent_streams_complete(disagg, loop_thread, reference):
     prompts = random_prompts(32, seed=2, low=5, high=120)
-    got = _run_all(loop_thread, disagg, prompts, prefix="c32-")
+    got = collect_all(loop_thread, disagg, prompts, GREEDY, "c32-")
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
     assert [tokens for tokens, _ in got] == expected
     assert all(last.finish_reason == "length" for _, last in got)
@@ -292,7 +286,7 @@ def test_worker_metrics_are_exported(disagg, loop_thread):
 
     from cluster.metrics import WorkerCollector
 
-    _run_all(loop_thread, disagg, random_prompts(4, seed=7, low=20, high=200), prefix="m")
+    collect_all(loop_thread, disagg, random_prompts(4, seed=7, low=20, high=200), GREEDY, "m")
     done = time.monotonic()
 
     async def utilization_reported():  # stats pushed after the run, with an interval's figures

@@ -4,7 +4,6 @@ status and the metrics tell the KV dtype and the bytes each request shipped."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -13,7 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import WorkerCollector
 from engine import LLM, CacheConfig, SamplingParams
-from tests.integration.conftest import collect, random_prompts, start_cluster, wait_pools_free
+from tests.integration.conftest import (
+    collect_all,
+    random_prompts,
+    start_cluster,
+    wait_pools_free,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 INT8 = {"kv_cache_dtype": "int8"}
@@ -33,10 +37,7 @@ def test_int8_kv_over_the_transport_gives_the_int8_engine_tokens(ray_local, loop
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1,
                             transports=(transport,), worker=INT8)
     try:
-        async def go():
-            return await asyncio.gather(*(collect(backend, f"q{i}", p, GREEDY)
-                                          for i, p in enumerate(prompts)))
-        got = loop_thread.run(go())
+        got = collect_all(loop_thread, backend, prompts, GREEDY, "q")
         assert [tokens for tokens, _ in got] == expected
         assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
         wait_pools_free(loop_thread, backend)

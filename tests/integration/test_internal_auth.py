@@ -27,6 +27,7 @@ from protocol import Abort, Failed, encode
 from router.backend import GenerateRequest
 from tests.integration.conftest import (
     collect,
+    collect_all,
     expected_tokens,
     random_prompts,
     start_cluster,
@@ -47,10 +48,7 @@ def _zap_threads() -> list[threading.Thread]:
 def _serves_the_engines_tokens(backend, loop_thread, reference) -> None:
     prompts = random_prompts(4, seed=21, low=40, high=150)
 
-    async def go():
-        return await asyncio.gather(*(collect(backend, f"c{i}", p, GREEDY)
-                                      for i, p in enumerate(prompts)))
-    got = loop_thread.run(go())
+    got = collect_all(loop_thread, backend, prompts, GREEDY, "c")
     assert [tokens for tokens, _ in got] == expected_tokens(reference, prompts, GREEDY)
     assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
     wait_pools_free(loop_thread, backend)

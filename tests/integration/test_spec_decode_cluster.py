@@ -18,7 +18,7 @@ from cluster.metrics import WorkerCollector
 from engine import SamplingParams
 from engine.model_loader import resolve_model_dir
 from tests.conftest import truncated_model
-from tests.integration.conftest import collect, start_cluster, wait_pools_free
+from tests.integration.conftest import collect_all, start_cluster, wait_pools_free
 
 pytestmark = pytest.mark.cluster
 
@@ -42,10 +42,7 @@ def test_decode_worker_speculates_and_reports_it(ray_local, loop_thread, referen
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1,
                             worker={"speculative_config": config})
     try:
-        async def go():
-            return await asyncio.gather(*(collect(backend, f"s{i}", p, GREEDY)
-                                          for i, p in enumerate(prompts)))
-        got = loop_thread.run(go())
+        got = collect_all(loop_thread, backend, prompts, GREEDY, "s")
         assert [tokens for tokens, _ in got] == expected
         assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
         done = time.monotonic()

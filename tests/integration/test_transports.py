@@ -4,14 +4,13 @@ test_internal_auth.py, zmq by test_internal_auth.py (its `off` cluster: the same
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import random
 
 import pytest
 
 from engine import LLM, CacheConfig, SamplingParams
-from tests.integration.conftest import collect, start_cluster, wait_pools_free
+from tests.integration.conftest import collect_all, start_cluster, wait_pools_free
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -30,10 +29,7 @@ def test_transport_end_to_end(ray_local, loop_thread, transports):
                 LLM("tiny", cache=CacheConfig(num_blocks=64)).generate(prompts, GREEDY)]
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=transports)
     try:
-        async def go():
-            return await asyncio.gather(*(collect(backend, f"t{i}", p, GREEDY)
-                                          for i, p in enumerate(prompts)))
-        got = loop_thread.run(go())
+        got = collect_all(loop_thread, backend, prompts, GREEDY, "t")
         assert [tokens for tokens, _ in got] == expected
         assert all("transfer" in last.timings for _, last in got)
         wait_pools_free(loop_thread, backend)
