@@ -51,20 +51,6 @@ class CpuFeatures:
         bf16 would be emulated and slower."""
         return "bfloat16" if self.native_bf16 else "float32"
 
-    @property
-    def compute_threads(self) -> int:
-        """Default compute threads: all cores but one, which the serving process's own
-        Python (scheduler, detokenizer, server) needs; OpenMP and BLAS threads that spin
-        while that thread or another process holds their core slow every op down (measured
-        3-10x on a shared 2-core VM, docs/benchmarks.md). vLLM's CPU build reserves one too.
-
-        BLAS (the fp32 linears) gets every core by default all the same: the thread that
-        calls it is one of its threads, blocked in the call, and OpenBLAS's idle workers
-        yield their core between calls rather than spin on it as OpenMP's do (measured on W-mixed:
-        1.05-1.4x over one BLAS thread, docs/benchmarks.md).
-        """
-        return max(self.cores - 1, 1)
-
     def describe(self) -> str:
         bf16 = "native" if self.native_bf16 else "emulated (fp32 is faster)"
         return (f"{self.model}, {self.cores} cores, {self.isa}"

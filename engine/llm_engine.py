@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,7 +15,6 @@ from engine.attention import get_backend
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig, kv_pool_bytes, parse_dtype
 from engine.draft_model import draft_block_bytes, draft_kv_cache, load_draft_model
-from engine.hardware import cpu_features
 from engine.kv_cache import BufferAllocator, KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
@@ -34,6 +34,7 @@ from engine.spec_decode import (
     trim_draft,
 )
 from engine.structured_output import GrammarCompiler
+from engine.threads import ThreadGovernor, cgroup_cpu_limit
 from engine.tokenizer import load_tokenizer
 from engine.validation import check_request
 
@@ -97,8 +98,8 @@ class LLMEngine:
         max_model_len: longest prompt + output; defaults to the model's and the pool's limit.
         attention_backend: `auto`, `torch` or `flashinfer`.
         kv_allocator: places the KV pool (for example in shared memory).
-        num_threads: torch and BLAS compute threads; None: on CPU torch gets all cores but
-            one (`CpuFeatures.compute_threads`) and BLAS all of them,
+        num_threads: torch and BLAS compute threads; None: on CPU the cores other processes
+            leave free, re-measured as it runs (`engine.threads.ThreadGovernor`),
             elsewhere torch's default.
         speculative_config: speculative decoding (`SpeculativeConfig`, its JSON text or a
             mapping with vLLM's keys); used by the decode and mixed roles, ignored by prefill.
@@ -117,13 +118,12 @@ class LLMEngine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.device = _pick_device(device)
         self.dtype = parse_dtype(dtype, self.device)
-        blas_threads = num_threads
-        if num_threads is None and self.device.type == "cpu":
-            cpu = cpu_features()
-            num_threads, blas_threads = cpu.compute_threads, cpu.cores
+        self.threads: ThreadGovernor | None = None
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-            threadpool_limits(blas_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
+            threadpool_limits(num_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
+        elif self.device.type == "cpu":
+            self.threads = ThreadGovernor(frozenset(os.sched_getaffinity(0)), cgroup_cpu_limit())
         self.model_dir = resolve_model_dir(model)
         self.model_config, hf_config = read_model_config(self.model_dir, max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -296,6 +296,8 @@ class LLMEngine:
         if not schedule.scheduled:
             self.last_step = []
             return []
+        if self.threads is not None:
+            self.threads.update()
         hook = None if layer_hook is None else (lambda i: layer_hook(i, schedule))
         try:
             if self.speculator is not None:
@@ -408,6 +410,7 @@ class LLMEngine:
             "kv_block_bytes": self.kv_block_bytes,
             "draft_kv_block_bytes": self.draft_kv_block_bytes,
             "hardware": self.runner.hardware,
+            "compute_threads": torch.get_num_threads(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_parked": len(self.scheduler.parked),

@@ -49,7 +49,7 @@ def _time(fn: Any, x: torch.Tensor, calls: int) -> float:
 
 def run(runs: int, out: Path) -> dict[str, Any]:
     cpu = cpu_features()
-    torch.set_num_threads(cpu.compute_threads)
+    torch.set_num_threads(max(cpu.cores - 1, 1))
     threadpool_limits(cpu.cores, user_api="blas")
     gen = torch.Generator().manual_seed(0)
     paths: dict[str, dict[str, BlasLinear]] = {"openblas": {}, "onednn": {}}
@@ -88,7 +88,7 @@ def run(runs: int, out: Path) -> dict[str, Any]:
         summary[str(rows)]["layer_vs_one_row"] = {
             path: [round(r[path]["layer_us"] / o[path]["layer_us"], 2)
                    for r, o in zip(mine, one, strict=True)] for path in paths}
-    report = {"cpu": cpu.describe(), "torch_threads": cpu.compute_threads,
+    report = {"cpu": cpu.describe(), "torch_threads": torch.get_num_threads(),
               "blas_threads": cpu.cores, "torch": torch.__version__, "runs": runs,
               "rows": rows_out, "summary": summary}
     out.parent.mkdir(parents=True, exist_ok=True)

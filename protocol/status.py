@@ -69,6 +69,8 @@ class WorkerStats(msgspec.Struct, kw_only=True):
         kv_cache_dtype: what its KV pages hold (`int8`, or `dtype` with `--kv-cache-dtype
             auto`).
         hardware: its device and the kernel paths it took there.
+        compute_threads: its compute threads now (fixed by `--torch-threads`; an engine
+            given none follows the cores other processes leave free).
         kv_block_bytes: what one KV block costs across all layers (the target's pages and
             a draft model's: the KV budget is divided by it).
         draft_kv_block_bytes: of it, a speculative draft model's pages (0: none).
@@ -106,6 +108,7 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     dtype: str = ""
     kv_cache_dtype: str = ""
     hardware: str = ""
+    compute_threads: int = 0
     kv_block_bytes: int = 0
     draft_kv_block_bytes: int = 0
     spec_draft_tokens: int = 0
