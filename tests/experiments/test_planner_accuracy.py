@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from bench.run import Target
+from cluster.serving_calibration import ServingCalibrator
 from cluster.validate import errors
 from engine.engine_loop import record_step
 from experiments.planner_accuracy import (
     LEVELS,
     SLO_FACTORS,
     WORKLOADS,
-    ServingCalibrator,
     parse_config,
     predict_during,
     predict_point,

@@ -1,18 +1,37 @@
-"""The pure parts of `plan --validate`: which configs are served and in what role, serve
-flags, errors."""
+"""`plan --validate`: which configs are served and in what role, serve flags, errors, the
+pilot trace and the prediction made again from a served calibration; one configuration
+served for real (e2e)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from cluster.validate import errors, role, serve_flags, served_configs
-from planner.plan import PlanRequest, label, plan
+from bench.run import Target
+from cluster.serving_calibration import ServingCalibrator, pilot_trace, probe_prompts
+from cluster.validate import (
+    PILOT_REQUESTS,
+    PILOT_SEED,
+    errors,
+    repredict,
+    role,
+    serve_flags,
+    served_configs,
+    served_prediction,
+    validate,
+)
+from engine.engine_loop import record_step
+from planner.plan import PlanRequest, config_entry, label, plan, predict
 from planner.report import print_validation
-from protocol.serving import Slo
-from tests.planner.synthetic import synthetic_profile
-from tests.planner.test_frontier import REQUESTS
+from planner.simulator import ClusterShape
+from protocol.serving import Slo, TraceRequest
+from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
+from tests.planner.test_calibrate import status, table_profile, uniform
+from tests.planner.test_frontier import REQUESTS, documented_fields
 from tests.planner.test_plan import PROFILE
 
 
@@ -94,3 +113,150 @@ def test_the_printed_table_gives_each_served_config_its_role_and_slo_verdict(
     assert ["1P+1D", "recommended", "meets SLO", "yes", "yes", ""] in rows
     assert ["1 colocated", "rejected", "meets SLO", "no", "no", ""] in rows
     assert not any(row[0] == "2 colocated" for row in rows)  # not served
+
+
+def mixed_trace(num: int = 60, seed: int = 5) -> list[TraceRequest]:
+    """40 % documents (400-500 prompt tokens, 8 output), 60 % chat (30-60 prompt, 40-64
+    output), Poisson at 0.5 req/s, random token ids."""
+    rng = np.random.default_rng(seed)
+    documents = rng.random(num) < 0.4
+    prompts = [p for d, s in zip(documents, range(num), strict=True)
+               for p in random_prompts(1, (400, 500) if d else (30, 60), seed * 1000 + s)]
+    outputs = [8 if d else int(rng.integers(40, 65)) for d in documents]
+    return trace(poisson_arrivals(num, 0.5, seed), prompts, outputs)
+
+
+def test_the_pilot_is_drawn_from_the_traces_lengths_and_gaps_but_sends_none_of_its_prompts(
+        ) -> None:
+    """Each pilot request has a (prompt length, output length) pair of the trace's and
+    each gap between arrivals is one of the trace's; the mix follows the trace's; no pilot
+    prompt shares even its first KV block (16 tokens) with a trace prompt, so the trace
+    finds nothing of the pilot in the prefix cache; the seed fixes the draw."""
+    requests = mixed_trace()
+    pairs = {(len(r.prompt_token_ids), r.output_len) for r in requests}
+    gaps = set(np.diff([r.timestamp for r in requests]).round(9))
+    firsts = {tuple(r.prompt_token_ids[:16]) for r in requests}
+
+    pilot = pilot_trace(requests, 200, PILOT_SEED)
+
+    assert len(pilot) == 200 and pilot[0].timestamp == 0.0
+    assert {(len(r.prompt_token_ids), r.output_len) for r in pilot} <= pairs
+    assert set(np.diff([r.timestamp for r in pilot]).round(9)) <= gaps
+    assert not {tuple(r.prompt_token_ids[:16]) for r in pilot} & firsts
+    share = np.mean([len(r.prompt_token_ids) >= 400 for r in requests])
+    assert np.mean([len(r.prompt_token_ids) >= 400 for r in pilot]) == pytest.approx(
+        share, abs=0.1)
+    assert pilot_trace(requests, 200, PILOT_SEED) == pilot
+    assert pilot_trace(requests, 200, PILOT_SEED + 1) != pilot
+    assert len(pilot_trace(requests[:1], 3, 0)) == 3  # one request: no gaps, all at 0
+    with pytest.raises(ValueError, match="a pilot needs requests"):
+        pilot_trace(requests, 0, PILOT_SEED)
+
+
+def test_the_probe_prefills_the_traces_long_prompts_too() -> None:
+    requests = mixed_trace()
+    p90 = int(np.percentile([len(r.prompt_token_ids) for r in requests], 90))
+    assert 400 <= p90 <= 500
+    assert probe_prompts(requests, 1022) == (128, p90)
+    assert probe_prompts(requests, 300) == (128, 300)  # within the model's length
+    assert probe_prompts(trace(np.zeros(3), random_prompts(3, 40, 1), 4), 1022) == (40, 128)
+
+
+def one_worker_window(true, totals: dict, prompt: int = 30
+                      ) -> tuple[dict, dict, float]:
+    """One colocated worker's `Status` window: a prompt step, then 6 decode steps of each
+    batch 1, 2, 4, 8, timed on the `true` machine."""
+    before = status({"w": ("mixed", totals)})
+    for batch in (1, 2, 4, 8):
+        prompts = [(0, prompt, True)] * batch
+        record_step(totals, prompts, true.step_time(prompts))
+        for step in range(6):
+            items = [(prompt + step, 1, False)] * batch
+            record_step(totals, items, true.step_time(items))
+    return before, status({"w": ("mixed", totals)}, uptime=60.0), 1.0
+
+
+def test_a_served_calibration_predicts_the_served_machine_and_can_turn_the_verdict() -> None:
+    """The plan's profile met a TPOT bound 1.2x its own prediction; served, the worker
+    steps 1.4x slower than that profile. The record of its steps scales the profile to
+    the served machine: the prediction made again equals the one made with the served
+    machine's profile (with the spread its steps showed), misses the bound, and says the
+    verdict changed."""
+    profile = table_profile()
+    served = uniform(profile, 1.4)
+    shape = ClusterShape("colocated", 0, 1)
+    requests = trace(np.arange(20) * 10.0, random_prompts(20, 30, 3), 20)  # one at a time
+    plain = predict(PlanRequest(profile, profile, requests, Slo({"ttft_p90_ms": 1e9})), shape)
+    slo = Slo({"tpot_p90_ms": 1.2 * plain["tpot_p90_ms"]})
+    request = PlanRequest(profile, profile, requests, slo, max_workers=1)
+    entry = config_entry(request, shape, predict(request, shape))
+    assert entry["meets_slo"]
+    calibrator = ServingCalibrator(profile, shape, Target("grpc", "127.0.0.1:1", "127.0.0.1:1"))
+    _, record = calibrator.scale([one_worker_window(served, {})], None)
+
+    fields = repredict(entry, request, (profile, profile), record)
+
+    assert record["factors"]["prefill"] == pytest.approx(1.4)
+    assert record["factors"]["decode_b1"] == pytest.approx(1.4)
+    expected = predict(PlanRequest(*[replace(served, step_cv=record["step_cv"])] * 2,
+                                   requests, slo), shape)
+    assert fields["repredicted"] == pytest.approx(expected)
+    assert fields["repredicted"]["tpot_p50_ms"] > 1.3 * entry["predicted"]["tpot_p50_ms"]
+    assert fields["served_calibration"] is record
+    assert fields["repredicted_meets_slo"] is False and fields["slo_verdict_changed"] is True
+    docs = documented_fields()
+    assert set(fields) <= docs["`configs` entry"]
+    assert set(fields["repredicted"]) <= docs["`predicted`"]
+    assert set(record) <= docs["`served_calibration`"]
+
+
+def test_without_the_servers_status_the_plans_prediction_is_compared() -> None:
+    """A server that gives no status cannot be calibrated: the entry says why, and gets
+    no re-prediction (the plan's prediction is the one compared)."""
+    request = PlanRequest(PROFILE, PROFILE, REQUESTS, Slo.parse("ttft_p90_ms=3000"))
+    entry = {**config("colocated", 0, 1), "max_num_batched_tokens": 1024}
+    fields = served_prediction(entry, request, (PROFILE, PROFILE),
+                               Target("grpc", "127.0.0.1:1"))
+    assert fields == {"served_calibration": {
+        "applied": False, "reason": "serving calibration reads the workers' step totals: "
+                                    "the target needs a status address"}}
+    assert set(fields["served_calibration"]) <= documented_fields()["`served_calibration`"]
+
+
+def test_validate_refuses_an_unknown_calibration_or_an_empty_pilot(tmp_path: Path) -> None:
+    request = PlanRequest(PROFILE, PROFILE, REQUESTS, Slo.parse("ttft_p90_ms=3000"))
+    doc = {"configs": [], "recommended": None}
+    with pytest.raises(ValueError, match="calibration must be one of serving, bare"):
+        validate(doc, request, 1, None, tmp_path, "engine")
+    with pytest.raises(ValueError, match="at least one request, got 0"):
+        validate(doc, request, 1, None, tmp_path, "serving", pilot_requests=0)
+    assert PILOT_REQUESTS >= 1
+
+
+def test_the_printed_table_shows_the_prediction_made_again(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Where a served calibration predicted again, the table shows that prediction (the
+    one the error is of) and, where it turned the verdict, the plan's; where it failed,
+    a note says why."""
+    rec = {**config("disaggregated", 1, 1), "validation_role": "recommended"}
+    rec["predicted"] = {"ttft_p50_ms": 100.0, "ttft_p90_ms": 200.0, "tpot_p50_ms": 10.0,
+                        "tpot_p90_ms": 20.0, "attainment": 0.95, "goodput_rps": 0.5}
+    rec["repredicted"] = {**rec["predicted"], "ttft_p90_ms": 300.0, "attainment": 0.5}
+    rec["repredicted_meets_slo"], rec["slo_verdict_changed"] = False, True
+    rec["measured"] = {**rec["predicted"], "ttft_p90_ms": 250.0, "attainment": 0.6,
+                       "meets_slo": False}
+    rec["error"] = errors(rec["repredicted"], rec["measured"])
+    other = {**config("colocated", 0, 2), "validation_role": "other",
+             "predicted": rec["predicted"], "measured": rec["measured"],
+             "error": errors(rec["predicted"], rec["measured"]),
+             "served_calibration": {"applied": False, "reason": "no status"}}
+    print_validation({"configs": [rec, other]})
+    out = capsys.readouterr().out
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]]
+            for line in out.splitlines() if line.startswith("│")]
+    assert ["1P+1D", "recommended", "ttft_p90_ms", "300", "250", "+20.0%"] in rows
+    assert ["1P+1D", "recommended", "meets SLO", "no (plan: yes)", "no", ""] in rows
+    assert ["2 colocated", "other", "ttft_p90_ms", "200", "250", "-20.0%"] in rows
+    assert ["2 colocated", "other", "meets SLO", "yes", "no", ""] in rows
+    assert ("2 colocated: not calibrated through the server (no status); compared with the "
+            "plan's prediction") in out
