@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from bench.run import Target
-from cluster.serving_calibration import ServingCalibrator, pilot_trace, probe_prompts
+from cluster.serving_calibration import ServingCalibrator
 from cluster.validate import (
     PILOT_REQUESTS,
-    PILOT_SEED,
     errors,
     repredict,
     role,
@@ -28,8 +27,8 @@ from engine.engine_loop import record_step
 from planner.plan import PlanRequest, config_entry, label, plan, predict
 from planner.report import print_validation
 from planner.simulator import ClusterShape
-from protocol.serving import Slo, TraceRequest
-from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
+from protocol.serving import Slo
+from tests.planner.synthetic import random_prompts, synthetic_profile, trace
 from tests.planner.test_calibrate import status, table_profile, uniform
 from tests.planner.test_frontier import REQUESTS, documented_fields
 from tests.planner.test_plan import PROFILE
@@ -113,53 +112,6 @@ def test_the_printed_table_gives_each_served_config_its_role_and_slo_verdict(
     assert ["1P+1D", "recommended", "meets SLO", "yes", "yes", ""] in rows
     assert ["1 colocated", "rejected", "meets SLO", "no", "no", ""] in rows
     assert not any(row[0] == "2 colocated" for row in rows)  # not served
-
-
-def mixed_trace(num: int = 60, seed: int = 5) -> list[TraceRequest]:
-    """40 % documents (400-500 prompt tokens, 8 output), 60 % chat (30-60 prompt, 40-64
-    output), Poisson at 0.5 req/s, random token ids."""
-    rng = np.random.default_rng(seed)
-    documents = rng.random(num) < 0.4
-    prompts = [p for d, s in zip(documents, range(num), strict=True)
-               for p in random_prompts(1, (400, 500) if d else (30, 60), seed * 1000 + s)]
-    outputs = [8 if d else int(rng.integers(40, 65)) for d in documents]
-    return trace(poisson_arrivals(num, 0.5, seed), prompts, outputs)
-
-
-def test_the_pilot_is_drawn_from_the_traces_lengths_and_gaps_but_sends_none_of_its_prompts(
-        ) -> None:
-    """Each pilot request has a (prompt length, output length) pair of the trace's and
-    each gap between arrivals is one of the trace's; the mix follows the trace's; no pilot
-    prompt shares even its first KV block (16 tokens) with a trace prompt, so the trace
-    finds nothing of the pilot in the prefix cache; the seed fixes the draw."""
-    requests = mixed_trace()
-    pairs = {(len(r.prompt_token_ids), r.output_len) for r in requests}
-    gaps = set(np.diff([r.timestamp for r in requests]).round(9))
-    firsts = {tuple(r.prompt_token_ids[:16]) for r in requests}
-
-    pilot = pilot_trace(requests, 200, PILOT_SEED)
-
-    assert len(pilot) == 200 and pilot[0].timestamp == 0.0
-    assert {(len(r.prompt_token_ids), r.output_len) for r in pilot} <= pairs
-    assert set(np.diff([r.timestamp for r in pilot]).round(9)) <= gaps
-    assert not {tuple(r.prompt_token_ids[:16]) for r in pilot} & firsts
-    share = np.mean([len(r.prompt_token_ids) >= 400 for r in requests])
-    assert np.mean([len(r.prompt_token_ids) >= 400 for r in pilot]) == pytest.approx(
-        share, abs=0.1)
-    assert pilot_trace(requests, 200, PILOT_SEED) == pilot
-    assert pilot_trace(requests, 200, PILOT_SEED + 1) != pilot
-    assert len(pilot_trace(requests[:1], 3, 0)) == 3  # one request: no gaps, all at 0
-    with pytest.raises(ValueError, match="a pilot needs requests"):
-        pilot_trace(requests, 0, PILOT_SEED)
-
-
-def test_the_probe_prefills_the_traces_long_prompts_too() -> None:
-    requests = mixed_trace()
-    p90 = int(np.percentile([len(r.prompt_token_ids) for r in requests], 90))
-    assert 400 <= p90 <= 500
-    assert probe_prompts(requests, 1022) == (128, p90)
-    assert probe_prompts(requests, 300) == (128, 300)  # within the model's length
-    assert probe_prompts(trace(np.zeros(3), random_prompts(3, 40, 1), 4), 1022) == (40, 128)
 
 
 def one_worker_window(true, totals: dict, prompt: int = 30
