@@ -15,6 +15,7 @@ from bench.run import Target
 from cluster.serving_calibration import ServingCalibrator
 from cluster.validate import (
     PILOT_REQUESTS,
+    PILOT_SEED,
     errors,
     repredict,
     role,
@@ -27,7 +28,7 @@ from engine.engine_loop import record_step
 from planner.plan import PlanRequest, config_entry, label, plan, predict
 from planner.report import print_validation
 from planner.simulator import ClusterShape
-from protocol.serving import Slo
+from protocol.serving import Slo, TraceRequest
 from tests.planner.synthetic import random_prompts, synthetic_profile, trace
 from tests.planner.test_calibrate import status, table_profile, uniform
 from tests.planner.test_frontier import REQUESTS, documented_fields
@@ -212,3 +213,36 @@ def test_the_printed_table_shows_the_prediction_made_again(
     assert ["2 colocated", "other", "meets SLO", "yes", "no", ""] in rows
     assert ("2 colocated: not calibrated through the server (no status); compared with the "
             "plan's prediction") in out
+
+
+@pytest.mark.e2e
+def test_a_served_config_is_calibrated_through_its_server_before_its_replay(
+        tmp_path: Path) -> None:
+    """`validate` on one colocated worker of the tiny model, for real: the entry's
+    calibration came from the probe and the pilot on that server, the re-prediction is
+    the one the error is of, and the trace was replayed in full."""
+    profile = replace(table_profile(model="tiny"), max_model_len=1024)
+    rng = np.random.default_rng(9)
+    requests = [TraceRequest(0.3 * i, 4 if i % 2 else 12,
+                             rng.integers(100, 40_000, 200 if i % 2 else 20).tolist())
+                for i in range(6)]
+    request = PlanRequest(profile, profile, requests, Slo.parse("ttft_p90_ms=60000"),
+                          max_workers=1, modes=("colocated",), find_max_rate=False)
+    doc = plan(request)
+
+    validate(doc, request, 1, None, tmp_path, pilot_requests=4)
+
+    (served,) = [c for c in doc["configs"] if "measured" in c]
+    calibration = served["served_calibration"]
+    assert served["validation_role"] == "recommended"
+    assert calibration["applied"] and calibration["pooled"] == ["probe", "pilot"]
+    assert calibration["probe_prompts"] == [128, 200]
+    assert calibration["pilot_requests"] == 4 and calibration["pilot_seed"] == PILOT_SEED
+    assert calibration["steps"]["decode_b1"] >= 4 and calibration["steps"]["prompt"] >= 8
+    docs = documented_fields()
+    assert set(calibration) <= docs["`served_calibration`"]
+    assert set(served["repredicted"]) <= docs["`predicted`"]
+    assert served["slo_verdict_changed"] is (served["repredicted_meets_slo"]
+                                             != served["meets_slo"])
+    assert served["measured"]["failed"] == 0 and served["measured"]["meets_slo"]
+    assert served["error"] == errors(served["repredicted"], served["measured"])
