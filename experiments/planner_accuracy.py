@@ -19,7 +19,8 @@ at the workload's first point and held for the run. The load levels are 50 % and
 the configuration's predicted maximum rate under that SLO.
 Each point is predicted, and written, just before its trace is replayed (with
 `--calibrate`, from the profile scaled to probe steps timed right then:
-`planner.calibrate.Calibrator` on a bare engine, `ServingCalibrator` on the serving
+`planner.calibrate.Calibrator` on a bare engine,
+`cluster.serving_calibration.ServingCalibrator` on the serving
 workers, which also pools the steps of the workload's last replay, or of a pilot replay
 before its first point);
 nothing measured from a point's own trace feeds its prediction. After the replay each
