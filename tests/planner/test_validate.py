@@ -14,7 +14,6 @@ import pytest
 from bench.run import Target
 from cluster.serving_calibration import ServingCalibrator
 from cluster.validate import (
-    PILOT_REQUESTS,
     PILOT_SEED,
     errors,
     repredict,
@@ -183,7 +182,6 @@ def test_validate_refuses_an_unknown_calibration_or_an_empty_pilot(tmp_path: Pat
         validate(doc, request, 1, None, tmp_path, "engine")
     with pytest.raises(ValueError, match="at least one request, got 0"):
         validate(doc, request, 1, None, tmp_path, "serving", pilot_requests=0)
-    assert PILOT_REQUESTS >= 1
 
 
 def test_the_printed_table_shows_the_prediction_made_again(
