@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bench.run import Target
+from cluster.cli import main
 from cluster.serving_calibration import ServingCalibrator
 from cluster.validate import (
     PILOT_SEED,
@@ -244,3 +245,12 @@ def test_a_served_config_is_calibrated_through_its_server_before_its_replay(
                                              != served["meets_slo"])
     assert served["measured"]["failed"] == 0 and served["measured"]["meets_slo"]
     assert served["error"] == errors(served["repredicted"], served["measured"])
+
+
+def test_plan_refuses_an_empty_pilot_before_planning(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """Checked before any profile or trace is read (these files do not exist)."""
+    assert main(["plan", "--profile", "missing.json", "--trace", "missing.jsonl", "--slo",
+                 "ttft_p90_ms=1000", "--validate", "--validate-pilot-requests", "0"]) == 2
+    assert ("--validate-pilot-requests: the pilot needs at least one request, got 0"
+            in capsys.readouterr().err)
