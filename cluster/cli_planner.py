@@ -131,6 +131,15 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--validate-configs", type=int, default=3,
                       help="with --validate: how many configs (the recommended and the closest "
                            "rejected one first, both served whatever the count)")
+    plan.add_argument("--validate-calibration", choices=("serving", "bare"), default="serving",
+                      help="with --validate: serving (default) calibrates the profile through "
+                           "each served config (a probe, then a pilot trace like the plan's, "
+                           "not its requests) and compares the measured figures with that "
+                           "config predicted again; bare compares them with the plan's "
+                           "prediction")
+    plan.add_argument("--validate-pilot-requests", type=int, default=None,
+                      help="with --validate-calibration serving: requests in the pilot trace "
+                           "(default 20)")
     plan.set_defaults(func=run_plan)
 
 
@@ -299,6 +308,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.plot is not None or args.validate:
         require_bench_extra("pdcluster plan --plot/--validate")
+    if args.validate_pilot_requests is not None and args.validate_pilot_requests < 1:
+        raise ValueError("--validate-pilot-requests: the pilot needs at least one request, "
+                         f"got {args.validate_pilot_requests}")
     if args.no_pareto and args.max_accelerators is None:
         raise ValueError("--no-pareto applies to --max-accelerators (the split search's "
                          "sustained rates come with its rate bisection)")
@@ -311,6 +323,7 @@ def run_plan(args: argparse.Namespace) -> int:
         _emit(args, doc, _show)
         return 0
     request = plan_request(args)
+    measured_profiles = (request.prefill_profile, request.decode_profile)
     calibration: dict[str, Any] = {"applied": False, "reason": "--no-calibrate"}
     if not args.no_calibrate:
         from dataclasses import replace
@@ -325,10 +338,13 @@ def run_plan(args: argparse.Namespace) -> int:
         doc = {**plan(request), "calibration": calibration}
     _plots(doc, args.plot)
     if args.validate:
-        from cluster.validate import validate
+        from cluster.validate import PILOT_REQUESTS, validate
 
         doc = validate(doc, request, args.validate_configs, args.address,
-                       (args.output or Path("plan.json")).with_suffix(".runs"))
+                       (args.output or Path("plan.json")).with_suffix(".runs"),
+                       args.validate_calibration, measured_profiles,
+                       PILOT_REQUESTS if args.validate_pilot_requests is None
+                       else args.validate_pilot_requests)
     def show(doc: dict[str, Any]) -> None:
         _show(doc)
         if args.validate:

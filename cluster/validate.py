@@ -8,11 +8,20 @@ and are written beside the predicted ones with the error of each:
 
 - latencies and goodput: relative error, (predicted - measured) / measured;
 - attainment: the difference in points, predicted - measured.
+
+The prediction compared is, by default (`calibration="serving"`), made again on the served
+configuration just before its replay: the profile is calibrated through the server
+(`cluster.serving_calibration.ServingCalibrator`: a probe stream, then a pilot trace drawn
+from the trace's own lengths, mix and arrival gaps with fresh token ids, `pilot_trace`),
+and the configuration is simulated again with that profile on the trace at its rate
+(`repredict`). The trace's own requests are never sent before its replay. With
+`calibration="bare"` the plan's prediction (its profile as `plan` calibrated it on a bare
+engine, or as measured) is compared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +29,11 @@ import numpy as np
 
 from bench.run import RunSettings, Target, bench_run
 from cluster.launch import pdcluster_serve
+from cluster.serving_calibration import ServingCalibrator, pilot_trace, probe_prompts
 from engine import defaults
+from planner.calibrate import scaled_by_record
 from planner.measure import VOCAB
-from planner.plan import PlanRequest, label
+from planner.plan import PlanRequest, label, predict, shape_of
 from planner.profile import Profile
 from protocol.serving import Slo, TraceRequest
 
@@ -30,6 +41,9 @@ FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "attainme
            "goodput_rps")
 _WARMUP_OUTPUT = 2
 _WARMUP_SEED = 987_654
+CALIBRATIONS = ("serving", "bare")
+PILOT_REQUESTS = 20
+PILOT_SEED = 424_242  # the pilot's own: its token ids and draws are not the trace's
 
 
 def serve_flags(config: dict[str, Any], profile: Profile,
@@ -158,15 +172,100 @@ def served_configs(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
 
 
 def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str | None,
-             out: Path) -> dict[str, Any]:
+             out: Path, calibration: str = "serving",
+             profiles: tuple[Profile, Profile] | None = None,
+             pilot_requests: int = PILOT_REQUESTS) -> dict[str, Any]:
     """Serve `served_configs(doc, count)` and replay the trace on each; adds
-    `validation_role`, `measured` and `error` to each served entry."""
-    runs = [("trace", request.requests, request.slo)]
+    `validation_role`, `measured` and `error` to each served entry, and with serving
+    calibration `served_calibration`, `repredicted`, `repredicted_meets_slo` and
+    `slo_verdict_changed` (`served_prediction`).
+
+    Args:
+        doc: the plan.
+        request: what was planned (its profiles as the plan used them).
+        count: configurations to serve (`served_configs`).
+        address: an existing Ray cluster, or None for a local one.
+        out: where the reports and server logs go.
+        calibration: `serving` (the prediction compared is made again on each served
+            configuration, calibrated through it) or `bare` (the plan's prediction).
+        profiles: the (prefill, decode) profiles as measured, which serving calibration
+            scales; None: the request's.
+        pilot_requests: requests in the pilot trace.
+
+    Raises:
+        ValueError: an unknown calibration, or `pilot_requests` < 1 with serving.
+    """
+    if calibration not in CALIBRATIONS:
+        raise ValueError(f"calibration must be one of {', '.join(CALIBRATIONS)}, "
+                         f"got {calibration!r}")
+    if calibration == "serving" and pilot_requests < 1:
+        raise ValueError(f"the pilot needs at least one request, got {pilot_requests}")
+    profiles = profiles or (request.prefill_profile, request.decode_profile)
     for config in served_configs(doc, count):
         config["validation_role"] = role(doc, config)
-        measured = run_config(config, request.decode_profile, lambda _target: runs, out,
+        runs = _served_runs(config, request, profiles, pilot_requests) \
+            if calibration == "serving" else lambda _target: [("trace", request.requests,
+                                                              request.slo)]
+        measured = run_config(config, request.decode_profile, runs, out,
                               request.max_num_seqs, address)["trace"]
         measured["meets_slo"] = measured["failed"] == 0 and request.slo.meets(measured)
         config["measured"] = measured
-        config["error"] = errors(config["predicted"], measured)
+        config["error"] = errors(config.get("repredicted", config["predicted"]), measured)
     return doc
+
+
+def _served_runs(config: dict[str, Any], request: PlanRequest,
+                 profiles: tuple[Profile, Profile], pilot_requests: int
+                 ) -> Callable[[Target], Iterator[tuple[str, list[TraceRequest], Slo]]]:
+    """`run_config`'s runs: on the warm server, calibrate and predict again (the entry
+    gets `served_prediction`'s fields), then the trace."""
+    def runs(target: Target) -> Iterator[tuple[str, list[TraceRequest], Slo]]:
+        config.update(served_prediction(config, request, profiles, target, pilot_requests))
+        yield "trace", request.requests, request.slo
+    return runs
+
+
+def served_prediction(config: dict[str, Any], request: PlanRequest,
+                      profiles: tuple[Profile, Profile], target: Target,
+                      pilot_requests: int = PILOT_REQUESTS) -> dict[str, Any]:
+    """Calibrate `profiles` through the served configuration (a probe, then a pilot of
+    `pilot_trace(request.requests, pilot_requests, PILOT_SEED)`), and predict the
+    configuration again with them (`repredict`).
+
+    Returns:
+        `repredict`'s fields; `{"served_calibration": {"applied": false, "reason"}}` when
+        the calibration failed (no status from the server, a profile without a batch
+        table), and the plan's prediction is compared.
+    """
+    pilot = pilot_trace(request.requests, pilot_requests, PILOT_SEED)
+    prompts = probe_prompts(request.requests, profiles[1].max_model_len - 2)
+    try:
+        calibrator = ServingCalibrator(profiles[1], shape_of(config, request.max_num_seqs),
+                                       target, lambda _scaled, _workload: pilot, prompts)
+        _, record = calibrator("trace")
+        return repredict(config, request, profiles,
+                         {"applied": True, **record, "probe_prompts": list(prompts),
+                          "pilot_requests": pilot_requests, "pilot_seed": PILOT_SEED})
+    except ValueError as e:
+        return {"served_calibration": {"applied": False, "reason": str(e)}}
+
+
+def repredict(config: dict[str, Any], request: PlanRequest,
+              profiles: tuple[Profile, Profile], record: dict[str, Any]) -> dict[str, Any]:
+    """The configuration simulated again on the request's trace at its rate, both
+    profiles scaled by a served calibration's record (`scaled_by_record`).
+
+    Returns:
+        `served_calibration` (the record), `repredicted` (the figures, as `predicted`),
+        `repredicted_meets_slo`, and `slo_verdict_changed` (against the plan's
+        `meets_slo`).
+    """
+    prefill, decode = (scaled_by_record(p, record) for p in profiles)
+    again = PlanRequest(prefill, decode, request.requests, request.slo,
+                        max_num_seqs=request.max_num_seqs,
+                        cost_per_hour=request.cost_per_hour,
+                        simulated_requests=request.simulated_requests)
+    predicted = predict(again, shape_of(config, request.max_num_seqs))
+    meets = request.slo.meets(predicted)
+    return {"served_calibration": record, "repredicted": predicted,
+            "repredicted_meets_slo": meets, "slo_verdict_changed": meets != config["meets_slo"]}

@@ -62,9 +62,10 @@ from bench.serving_metrics import met
 from bench.traces import arrival_times
 from cluster.autoscaler import serving
 from cluster.launch import Endpoints, pdcluster_serve
+from cluster.serving_calibration import ServingCalibrator
 from cluster.validate import warmup_requests
 from experiments import RESULTS
-from experiments.planner_accuracy import ServingCalibrator, random_request
+from experiments.planner_accuracy import random_request
 from experiments.runner import markdown_table
 from experiments.serving import report_records
 from planner.calibrate import PROBE_PREFILL

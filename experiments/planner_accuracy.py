@@ -19,7 +19,8 @@ at the workload's first point and held for the run. The load levels are 50 % and
 the configuration's predicted maximum rate under that SLO.
 Each point is predicted, and written, just before its trace is replayed (with
 `--calibrate`, from the profile scaled to probe steps timed right then:
-`planner.calibrate.Calibrator` on a bare engine, `ServingCalibrator` on the serving
+`planner.calibrate.Calibrator` on a bare engine,
+`cluster.serving_calibration.ServingCalibrator` on the serving
 workers, which also pools the steps of the workload's last replay, or of a pilot replay
 before its first point);
 nothing measured from a point's own trace feeds its prediction. After the replay each
@@ -37,26 +38,18 @@ import json
 import re
 import statistics
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.run import RunSettings, Target, bench_run, status_snapshot
+from bench.run import Target, status_snapshot
 from bench.traces import arrival_times
+from cluster.serving_calibration import ServingCalibrator
 from cluster.validate import errors, run_config
 from experiments import RESULTS
 from experiments.runner import markdown_table
-from planner.calibrate import (
-    PROBE_BATCHES,
-    PROBE_PREFILL,
-    Calibrator,
-    StepWindow,
-    replay_window,
-    scale_to_steps,
-    scaled_by,
-)
+from planner.calibrate import Calibrator, replay_window, scale_to_steps, scaled_by_record
 from planner.plan import PlanRequest, max_rate, predict, shape_entry, simulate
 from planner.profile import Profile
 from planner.simulator import ClusterShape
@@ -181,121 +174,6 @@ def predicted_points(profile: Profile, shape: ClusterShape, num: int, seed: int,
             yield {**point, "calibration": calibration}, requests
 
 
-# The serving probe: per decode batch, short prompts (prefilled where they decode) with
-# this many output tokens; then prefills of this many tokens, one at a time.
-_SERVING_PROMPT, _SERVING_OUTPUT = 16, 17
-_SERVING_PREFILL_REPEATS = 4
-
-
-Pilot = Callable[[Profile, str], list[TraceRequest]]
-
-
-class ServingCalibrator:
-    """Scales a profile to the steps the serving workers run now.
-
-    A bare engine beside the server (`planner.calibrate.Calibrator`) misses what serving
-    adds to a step: measured here, the serving workers' mean step ran 1.18-1.3x the
-    bare-calibrated prediction on the decode-heavy mix (their other threads, the router,
-    the load generator and Ray share the cores; workers run at Ray's lower priority). So
-    before each point this sends a probe stream through the router (fresh random prompts, no
-    prefix hits): for each batch size in `PROBE_BATCHES`, that many requests per decoding
-    worker at once, then prompts of each `prefill_prompts` length one at a time; and it
-    reads the workers' own step totals (`EngineLoop.step_totals`, in `Status`) before and
-    after each group: the mean measured step of every batch size and the prompt steps'
-    measured and modelled time (a prefill worker's with the profile's role factor) feed
-    `planner.calibrate.scale_profile`. Steps taken while host-mates were stepping too
-    (every decoding worker is busy in a decode group) are divided by the profile's
-    neighbour slowdown for them, which the simulator applies again where it happens.
-
-    The probe is short (a few dozen steps per batch size) and its steps are not the
-    workload's: measured here, its batch-1 factor moved 0.39-0.56 from point to point
-    while the replays' own steps stayed at 0.40-0.46. So a workload's calibration also
-    pools, by step count, the steps the workers ran in the last replay of that workload
-    (`remember`), and before a workload's first point a pilot: a short trace of it
-    (`pilot`, its own seed, not scored) replayed at the rate the probe predicts. Both
-    were measured before the point's own replay, so the point is still forecast.
-
-    Args:
-        profile: the profile as measured; each call scales this one.
-        shape: the configuration being served.
-        target: the server (its `status_address` must be set).
-        pilot: given the probe-scaled profile and a workload, the pilot trace; None: no
-            pilot.
-        prefill_prompts: the prompt lengths the probe prefills (`_SERVING_PREFILL_REPEATS`
-            each, one at a time). Prompt steps share one factor, pooled by time, so a
-            workload of long prompts wants them probed: a 1000-token prefill's attention
-            share is larger, and on this machine it ran 14-19 % slower than a factor
-            from 128-token prompts predicted.
-    """
-
-    def __init__(self, profile: Profile, shape: ClusterShape, target: Target,
-                 pilot: Pilot | None = None,
-                 prefill_prompts: Sequence[int] = (PROBE_PREFILL,)) -> None:
-        if target.status_address is None:
-            raise ValueError("serving calibration reads the workers' step totals: the "
-                             "target needs a status address")
-        self.profile, self.target, self.pilot = profile, target, pilot
-        self.prefill_prompts = tuple(prefill_prompts)
-        self.decoding = shape.num_decode  # decode workers, or colocated ones
-        self._rng = np.random.default_rng(23)
-        self._settings = RunSettings(config={"model": profile.model, "run": "calibration"})
-        self._replays: dict[str, tuple[str, StepWindow]] = {}
-
-    def __call__(self, workload: str | None = None) -> tuple[Profile, dict[str, Any]]:
-        """The profile scaled to the probe stream's steps (pooled with the workload's
-        last replay or pilot, if it has one), and the calibration record (`pooled`: what
-        it was scaled to)."""
-        windows = self.probe()
-        if workload is not None and workload not in self._replays and self.pilot:
-            requests = self.pilot(scale_to_steps(self.profile, windows)[0], workload)
-            before = status_snapshot(self.target.status_address)
-            bench_run(self.target, requests, ["pilot"] * len(requests),
-                      label="pilot", out=None, settings=self._settings)
-            self.remember(workload, before, status_snapshot(self.target.status_address),
-                          "pilot")
-        return self.scale(windows, workload)
-
-    def scale(self, probe: list[StepWindow], workload: str | None
-              ) -> tuple[Profile, dict[str, Any]]:
-        """The profile scaled to the probe's windows and the workload's last replay."""
-        kind, replay = self._replays.get(workload or "", ("", None))
-        scaled, record = scale_to_steps(self.profile, [*probe, replay] if replay else probe)
-        record["pooled"] = ["probe", kind] if replay else ["probe"]
-        return scaled, record
-
-    def remember(self, workload: str, before: dict[str, Any] | None,
-                 after: dict[str, Any] | None, kind: str = "replay") -> None:
-        """The workers' steps between two `Status` snapshots, taken over a replay of
-        `workload`, feed its next calibration in place of any earlier ones (a missing
-        snapshot: nothing is kept, and the next calibration is the probe's alone)."""
-        if before is None or after is None:
-            self._replays.pop(workload, None)
-            return
-        self._replays[workload] = (kind, replay_window(self.profile, before, after))
-
-    def probe(self) -> list[StepWindow]:
-        """The probe stream's windows: (`Status` before, after, its neighbour slowdown)."""
-        busy_mates = min(self.decoding, self.profile.workers_per_host) - 1
-        groups = [(self._requests(batch * self.decoding, _SERVING_PROMPT, _SERVING_OUTPUT),
-                   None, busy_mates) for batch in PROBE_BATCHES]
-        groups += [(self._requests(_SERVING_PREFILL_REPEATS, prompt, 2), 1, 0)
-                   for prompt in self.prefill_prompts]
-        windows = []
-        for requests, concurrency, mates in groups:
-            before = status_snapshot(self.target.status_address)
-            bench_run(self.target, requests, ["calibration"] * len(requests),
-                      label="calibration", out=None, settings=self._settings,
-                      max_concurrency=concurrency)
-            after = status_snapshot(self.target.status_address)
-            windows.append((before, after, 1 + mates * self.profile.neighbour_slowdown))
-        return windows
-
-    def _requests(self, count: int, prompt: int, output: int) -> list[TraceRequest]:
-        return [TraceRequest(0.0, output, self._rng.integers(*DEFAULT_VOCAB_RANGE,
-                                                             prompt).tolist())
-                for _ in range(count)]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Predict and measure every point of one configuration; writes DIR/CONFIG.json."""
     profile = Profile.load(args.profile)
@@ -388,8 +266,7 @@ def resimulate(doc: dict[str, Any]) -> dict[str, Any]:
 
     def again(point: dict[str, Any], record: dict[str, Any] | None,
               requests: list[TraceRequest]) -> dict[str, Any]:
-        scaled = profile if record is None else replace(
-            scaled_by(profile, record["factors"]), step_cv=record.get("step_cv", profile.step_cv))
+        scaled = profile if record is None else scaled_by_record(profile, record)
         predicted = predict(PlanRequest(scaled, scaled, requests, Slo(point["slo"])), shape)
         return {"predicted": predicted, "error": errors(predicted, point["measured"])}
 

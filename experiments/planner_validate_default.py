@@ -3,8 +3,14 @@ served"): the unseen trace, and the summary of the `plan --validate` runs.
 
     python -m experiments.planner_validate_default trace --out T.jsonl
     pdcluster plan --profile docs/results/planner_profile_smollm2_xeon_quick.json \\
-        --trace T.jsonl --slo ... --max-workers 2 --validate --validate-configs 3 -o RUN.json
+        --trace T.jsonl --slo ... --max-workers 2 --validate --validate-configs 2 -o RUN.json
     python -m experiments.planner_validate_default summary RUN1.json ... --out S.json
+
+`--validate` calibrates each served configuration through its server and compares the
+measured figures with that configuration predicted again (`repredicted`; the default,
+`--validate-calibration serving`); a run with `--validate-calibration bare` compares them
+with the plan's prediction. The summary reads either: each served entry's `compared` says
+which prediction its errors are of.
 """
 
 from __future__ import annotations
@@ -65,8 +71,9 @@ def pilot(path: Path) -> dict[str, Any]:
 
 
 def summary(paths: list[Path]) -> dict[str, Any]:
-    """Per run and served configuration: predicted, measured and error of the four latency
-    figures and the mean step, whether it met the SLO as predicted and measured; the run's
+    """Per run and served configuration (`served_entry`): predicted, measured and error of
+    the four latency figures and the mean step, whether it met the SLO as predicted and
+    measured; the run's
     median and worst |error| over the four figures; the load average before and after
     (RUN.load beside RUN.json, when there)."""
     runs = []
@@ -83,17 +90,29 @@ def summary(paths: list[Path]) -> dict[str, Any]:
                                     doc["calibration"]["decode"]["factors"].items()}
             if doc["calibration"]["applied"] else None,
             "recommended": label(doc["recommended"]) if doc["recommended"] else None,
-            "served": [{"config": label(c), "role": c["validation_role"],
-                        "predicted_meets_slo": c["meets_slo"],
-                        "measured_meets_slo": c["measured"]["meets_slo"],
-                        **{k: {"predicted": c["predicted"][k], "measured": c["measured"][k]}
-                           for k in ("attainment", "mean_step_ms")},
-                        **{k: {"predicted": c["predicted"][k], "measured": c["measured"][k],
-                               "error": c["error"][k]} for k in LATENCY}}
-                       for c in served],
+            "served": [served_entry(c) for c in served],
             "median_abs_error": statistics.median(errs) if errs else None,
             "worst_abs_error": max(errs) if errs else None})
     return {"runs": runs}
+
+
+def served_entry(c: dict[str, Any]) -> dict[str, Any]:
+    """One served configuration: the prediction its errors are of (`compared`: the
+    re-prediction after serving calibration, or the plan's), the plan's beside it, the
+    measured figures, and the SLO verdicts."""
+    compared = "repredicted" if "repredicted" in c else "predicted"
+    served = c.get("served_calibration")
+    return {"config": label(c), "role": c["validation_role"], "compared": compared,
+            "served_calibration_factors": {k: round(v, 3) for k, v in
+                                           served["factors"].items()}
+            if served and served["applied"] else None,
+            "plan_meets_slo": c["meets_slo"],
+            "predicted_meets_slo": c.get("repredicted_meets_slo", c["meets_slo"]),
+            "measured_meets_slo": c["measured"]["meets_slo"],
+            **{k: {"predicted": c[compared][k], "plan": c["predicted"][k],
+                   "measured": c["measured"][k]} for k in ("attainment", "mean_step_ms")},
+            **{k: {"predicted": c[compared][k], "plan": c["predicted"][k],
+                   "measured": c["measured"][k], "error": c["error"][k]} for k in LATENCY}}
 
 
 def main() -> None:

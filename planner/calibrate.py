@@ -232,6 +232,14 @@ def scaled_by(profile: Profile, factors: dict[str, float]) -> Profile:
         profile.prefill.features, tuple(c * factors["prefill"] for c in profile.prefill.coef)))
 
 
+def scaled_by_record(profile: Profile, record: dict[str, Any]) -> Profile:
+    """The profile as a calibration record scales it: `scaled_by` its `factors`, with the
+    record's measured step spread (`scale_to_steps`'s `step_cv`) where it has one. For a
+    record of this profile, the profile its calibration returned."""
+    return replace(scaled_by(profile, record["factors"]),
+                   step_cv=record.get("step_cv", profile.step_cv))
+
+
 def _check_table(profile: Profile) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """The decode model's features and coefficients, which must include a batch table."""
     features, coef = profile.decode.features, profile.decode.coef

@@ -67,7 +67,10 @@ def print_plan(doc: dict[str, Any]) -> None:
 
 def print_validation(doc: dict[str, Any]) -> None:
     """Predicted beside measured for each validated configuration, with its role
-    (recommended, rejected: predicted to miss the SLO, other) and whether it met the SLO."""
+    (recommended, rejected: predicted to miss the SLO, other) and whether it met the SLO.
+    The prediction shown is the one the error is of: `repredicted` (calibrated through
+    the served configuration) where the entry has one, else the plan's; where the
+    re-prediction turned the plan's SLO verdict, the verdict row says so."""
     from rich.table import Table
 
     table = Table(title="predicted vs measured")
@@ -76,15 +79,24 @@ def print_validation(doc: dict[str, Any]) -> None:
     for c in doc["configs"]:
         if "measured" not in c:
             continue
+        predicted = c.get("repredicted", c["predicted"])
         for key, error in c["error"].items():
             table.add_row(label(c), c.get("validation_role", "-"), key,
-                          _figure(key, c["predicted"][key]), _figure(key, c["measured"][key]),
+                          _figure(key, predicted[key]), _figure(key, c["measured"][key]),
                           "-" if error is None else f"{error:+.1%}" if key != "attainment"
                           else f"{error * 100:+.1f} pt")
-        table.add_row(label(c), c.get("validation_role", "-"), "meets SLO",
-                      "yes" if c["meets_slo"] else "no",
+        meets = c.get("repredicted_meets_slo", c["meets_slo"])
+        verdict = "yes" if meets else "no"
+        if c.get("slo_verdict_changed"):
+            verdict += f" (plan: {'yes' if c['meets_slo'] else 'no'})"
+        table.add_row(label(c), c.get("validation_role", "-"), "meets SLO", verdict,
                       "yes" if c["measured"]["meets_slo"] else "no", "")
     console.print(table)
+    for c in doc["configs"]:
+        served = c.get("served_calibration")
+        if served is not None and not served["applied"]:
+            console.print(f"{label(c)}: not calibrated through the server "
+                          f"({served['reason']}); compared with the plan's prediction")
 
 
 def plot_plan(doc: dict[str, Any], path: Path) -> None:

@@ -10,14 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.run import Target
 from cluster.validate import errors
 from engine.engine_loop import record_step
 from experiments.planner_accuracy import (
     LEVELS,
     SLO_FACTORS,
     WORKLOADS,
-    ServingCalibrator,
     parse_config,
     predict_during,
     predict_point,
@@ -105,56 +103,6 @@ def unloaded_slo(true: Profile, shape: ClusterShape, name: str, seed: int
     ttft_factor, tpot_factor = SLO_FACTORS[name]
     return {"ttft_p90_ms": round(1e3 * ttft_factor * float(np.median(result.ttft)), 1),
             "tpot_p90_ms": round(1e3 * tpot_factor * float(np.nanmedian(result.tpot)), 1)}
-
-
-def test_serving_calibration_needs_a_status_address() -> None:
-    with pytest.raises(ValueError, match="needs a status address"):
-        ServingCalibrator(table_profile(), parse_config("2C"), Target("grpc", "127.0.0.1:1"))
-
-
-def decode_window(profile: Profile, slowdown: float, totals: dict[str, list[float]],
-                  steps: int) -> tuple[tuple[dict[str, Any], dict[str, Any], float], float]:
-    """One colocated worker's window: a prompt step, then `steps` batch-1 decode steps,
-    on a machine `slowdown` times the profile's; and the profile's seconds for them."""
-    before = status({"w": ("mixed", totals)})
-    record_step(totals, [(0, 16, True)], slowdown * profile.step_time([(0, 16, True)]))
-    modelled = 0.0
-    for step in range(steps):
-        seconds = profile.step_time([(16 + step, 1, False)])
-        modelled += seconds
-        record_step(totals, [(16 + step, 1, False)], slowdown * seconds)
-    return (before, status({"w": ("mixed", totals)}, uptime=60.0), 1.0), modelled
-
-
-def test_a_workloads_calibration_pools_the_probe_with_its_last_replay() -> None:
-    """A probe that caught the machine 1.5x slower than the replays ran (1.2x) is
-    outweighed, by step count, by the last replay of the point's workload; a workload
-    not yet replayed gets the probe alone, and a later replay of a workload replaces its
-    earlier one."""
-    profile = table_profile()
-    calibrator = ServingCalibrator(profile, parse_config("1C"),
-                                   Target("grpc", "127.0.0.1:1", "127.0.0.1:1"))
-    totals: dict[str, list[float]] = {}
-    probe, probe_s = decode_window(profile, 1.5, totals, 10)
-    (before, after, _), replay_s = decode_window(profile, 1.2, totals, 90)
-    calibrator.remember("decode-heavy", before, after)
-
-    _, alone = calibrator.scale([probe], "prefill-heavy")
-    _, pooled = calibrator.scale([probe], "decode-heavy")
-
-    assert alone["pooled"] == ["probe"] and pooled["pooled"] == ["probe", "replay"]
-    assert alone["steps"]["decode_b1"] == 10 and pooled["steps"]["decode_b1"] == 100
-    assert alone["factors"]["decode_b1"] == pytest.approx(1.5)
-    # Pooled seconds over the profile's (a decode step is linear in its context).
-    assert pooled["factors"]["decode_b1"] == pytest.approx(
-        (1.5 * probe_s + 1.2 * replay_s) / (probe_s + replay_s))
-    (before, after, _), _ = decode_window(profile, 1.0, totals, 10)
-    calibrator.remember("decode-heavy", before, after, "pilot")
-    _, newer = calibrator.scale([probe], "decode-heavy")
-    assert newer["pooled"] == ["probe", "pilot"] and newer["steps"]["decode_b1"] == 20
-    assert newer["factors"]["decode_b1"] == pytest.approx(1.25)  # equal steps, contexts
-    calibrator.remember("decode-heavy", before, None)  # the server did not answer
-    assert calibrator.scale([probe], "decode-heavy")[1]["pooled"] == ["probe"]
 
 
 def test_a_point_predicted_from_the_speed_during_it_equals_the_true_machines() -> None:

@@ -1,18 +1,37 @@
-"""The pure parts of `plan --validate`: which configs are served and in what role, serve
-flags, errors."""
+"""`plan --validate`: which configs are served and in what role, serve flags, errors, the
+pilot trace and the prediction made again from a served calibration; one configuration
+served for real (e2e)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from cluster.validate import errors, role, serve_flags, served_configs
-from planner.plan import PlanRequest, label, plan
+from bench.run import Target
+from cluster.cli import main
+from cluster.serving_calibration import ServingCalibrator
+from cluster.validate import (
+    PILOT_SEED,
+    errors,
+    repredict,
+    role,
+    serve_flags,
+    served_configs,
+    served_prediction,
+    validate,
+)
+from engine.engine_loop import record_step
+from planner.plan import PlanRequest, config_entry, label, plan, predict
 from planner.report import print_validation
-from protocol.serving import Slo
-from tests.planner.synthetic import synthetic_profile
-from tests.planner.test_frontier import REQUESTS
+from planner.simulator import ClusterShape
+from protocol.serving import Slo, TraceRequest
+from tests.planner.synthetic import random_prompts, synthetic_profile, trace
+from tests.planner.test_calibrate import status, table_profile, uniform
+from tests.planner.test_frontier import REQUESTS, documented_fields
 from tests.planner.test_plan import PROFILE
 
 
@@ -94,3 +113,144 @@ def test_the_printed_table_gives_each_served_config_its_role_and_slo_verdict(
     assert ["1P+1D", "recommended", "meets SLO", "yes", "yes", ""] in rows
     assert ["1 colocated", "rejected", "meets SLO", "no", "no", ""] in rows
     assert not any(row[0] == "2 colocated" for row in rows)  # not served
+
+
+def one_worker_window(true, totals: dict, prompt: int = 30
+                      ) -> tuple[dict, dict, float]:
+    """One colocated worker's `Status` window: a prompt step, then 6 decode steps of each
+    batch 1, 2, 4, 8, timed on the `true` machine."""
+    before = status({"w": ("mixed", totals)})
+    for batch in (1, 2, 4, 8):
+        prompts = [(0, prompt, True)] * batch
+        record_step(totals, prompts, true.step_time(prompts))
+        for step in range(6):
+            items = [(prompt + step, 1, False)] * batch
+            record_step(totals, items, true.step_time(items))
+    return before, status({"w": ("mixed", totals)}, uptime=60.0), 1.0
+
+
+def test_a_served_calibration_predicts_the_served_machine_and_can_turn_the_verdict() -> None:
+    """The plan's profile met a TPOT bound 1.2x its own prediction; served, the worker
+    steps 1.4x slower than that profile. The record of its steps scales the profile to
+    the served machine: the prediction made again equals the one made with the served
+    machine's profile (with the spread its steps showed), misses the bound, and says the
+    verdict changed."""
+    profile = table_profile()
+    served = uniform(profile, 1.4)
+    shape = ClusterShape("colocated", 0, 1)
+    requests = trace(np.arange(20) * 10.0, random_prompts(20, 30, 3), 20)  # one at a time
+    plain = predict(PlanRequest(profile, profile, requests, Slo({"ttft_p90_ms": 1e9})), shape)
+    slo = Slo({"tpot_p90_ms": 1.2 * plain["tpot_p90_ms"]})
+    request = PlanRequest(profile, profile, requests, slo, max_workers=1)
+    entry = config_entry(request, shape, predict(request, shape))
+    assert entry["meets_slo"]
+    calibrator = ServingCalibrator(profile, shape, Target("grpc", "127.0.0.1:1", "127.0.0.1:1"))
+    _, record = calibrator.scale([one_worker_window(served, {})], None)
+
+    fields = repredict(entry, request, (profile, profile), record)
+
+    assert record["factors"]["prefill"] == pytest.approx(1.4)
+    assert record["factors"]["decode_b1"] == pytest.approx(1.4)
+    expected = predict(PlanRequest(*[replace(served, step_cv=record["step_cv"])] * 2,
+                                   requests, slo), shape)
+    assert fields["repredicted"] == pytest.approx(expected)
+    assert fields["repredicted"]["tpot_p50_ms"] > 1.3 * entry["predicted"]["tpot_p50_ms"]
+    assert fields["served_calibration"] is record
+    assert fields["repredicted_meets_slo"] is False and fields["slo_verdict_changed"] is True
+    docs = documented_fields()
+    assert set(fields) <= docs["`configs` entry"]
+    assert set(fields["repredicted"]) <= docs["`predicted`"]
+    assert set(record) <= docs["`served_calibration`"]
+
+
+def test_without_the_servers_status_the_plans_prediction_is_compared() -> None:
+    """A server that gives no status cannot be calibrated: the entry says why, and gets
+    no re-prediction (the plan's prediction is the one compared)."""
+    request = PlanRequest(PROFILE, PROFILE, REQUESTS, Slo.parse("ttft_p90_ms=3000"))
+    entry = {**config("colocated", 0, 1), "max_num_batched_tokens": 1024}
+    fields = served_prediction(entry, request, (PROFILE, PROFILE),
+                               Target("grpc", "127.0.0.1:1"))
+    assert fields == {"served_calibration": {
+        "applied": False, "reason": "serving calibration reads the workers' step totals: "
+                                    "the target needs a status address"}}
+    assert set(fields["served_calibration"]) <= documented_fields()["`served_calibration`"]
+
+
+def test_validate_refuses_an_unknown_calibration_or_an_empty_pilot(tmp_path: Path) -> None:
+    request = PlanRequest(PROFILE, PROFILE, REQUESTS, Slo.parse("ttft_p90_ms=3000"))
+    doc = {"configs": [], "recommended": None}
+    with pytest.raises(ValueError, match="calibration must be one of serving, bare"):
+        validate(doc, request, 1, None, tmp_path, "engine")
+    with pytest.raises(ValueError, match="at least one request, got 0"):
+        validate(doc, request, 1, None, tmp_path, "serving", pilot_requests=0)
+
+
+def test_the_printed_table_shows_the_prediction_made_again(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Where a served calibration predicted again, the table shows that prediction (the
+    one the error is of) and, where it turned the verdict, the plan's; where it failed,
+    a note says why."""
+    rec = {**config("disaggregated", 1, 1), "validation_role": "recommended"}
+    rec["predicted"] = {"ttft_p50_ms": 100.0, "ttft_p90_ms": 200.0, "tpot_p50_ms": 10.0,
+                        "tpot_p90_ms": 20.0, "attainment": 0.95, "goodput_rps": 0.5}
+    rec["repredicted"] = {**rec["predicted"], "ttft_p90_ms": 300.0, "attainment": 0.5}
+    rec["repredicted_meets_slo"], rec["slo_verdict_changed"] = False, True
+    rec["measured"] = {**rec["predicted"], "ttft_p90_ms": 250.0, "attainment": 0.6,
+                       "meets_slo": False}
+    rec["error"] = errors(rec["repredicted"], rec["measured"])
+    other = {**config("colocated", 0, 2), "validation_role": "other",
+             "predicted": rec["predicted"], "measured": rec["measured"],
+             "error": errors(rec["predicted"], rec["measured"]),
+             "served_calibration": {"applied": False, "reason": "no status"}}
+    print_validation({"configs": [rec, other]})
+    out = capsys.readouterr().out
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]]
+            for line in out.splitlines() if line.startswith("│")]
+    assert ["1P+1D", "recommended", "ttft_p90_ms", "300", "250", "+20.0%"] in rows
+    assert ["1P+1D", "recommended", "meets SLO", "no (plan: yes)", "no", ""] in rows
+    assert ["2 colocated", "other", "ttft_p90_ms", "200", "250", "-20.0%"] in rows
+    assert ["2 colocated", "other", "meets SLO", "yes", "no", ""] in rows
+    assert ("2 colocated: not calibrated through the server (no status); compared with the "
+            "plan's prediction") in out
+
+
+@pytest.mark.e2e
+def test_a_served_config_is_calibrated_through_its_server_before_its_replay(
+        tmp_path: Path) -> None:
+    """`validate` on one colocated worker of the tiny model, for real: the entry's
+    calibration came from the probe and the pilot on that server, the re-prediction is
+    the one the error is of, and the trace was replayed in full."""
+    profile = replace(table_profile(model="tiny"), max_model_len=1024)
+    rng = np.random.default_rng(9)
+    requests = [TraceRequest(0.3 * i, 4 if i % 2 else 12,
+                             rng.integers(100, 40_000, 200 if i % 2 else 20).tolist())
+                for i in range(6)]
+    request = PlanRequest(profile, profile, requests, Slo.parse("ttft_p90_ms=60000"),
+                          max_workers=1, modes=("colocated",), find_max_rate=False)
+    doc = plan(request)
+
+    validate(doc, request, 1, None, tmp_path, pilot_requests=4)
+
+    (served,) = [c for c in doc["configs"] if "measured" in c]
+    calibration = served["served_calibration"]
+    assert served["validation_role"] == "recommended"
+    assert calibration["applied"] and calibration["pooled"] == ["probe", "pilot"]
+    assert calibration["probe_prompts"] == [128, 200]
+    assert calibration["pilot_requests"] == 4 and calibration["pilot_seed"] == PILOT_SEED
+    assert calibration["steps"]["decode_b1"] >= 4 and calibration["steps"]["prompt"] >= 8
+    docs = documented_fields()
+    assert set(calibration) <= docs["`served_calibration`"]
+    assert set(served["repredicted"]) <= docs["`predicted`"]
+    assert served["slo_verdict_changed"] is (served["repredicted_meets_slo"]
+                                             != served["meets_slo"])
+    assert served["measured"]["failed"] == 0 and served["measured"]["meets_slo"]
+    assert served["error"] == errors(served["repredicted"], served["measured"])
+
+
+def test_plan_refuses_an_empty_pilot_before_planning(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """Checked before any profile or trace is read (these files do not exist)."""
+    assert main(["plan", "--profile", "missing.json", "--trace", "missing.jsonl", "--slo",
+                 "ttft_p90_ms=1000", "--validate", "--validate-pilot-requests", "0"]) == 2
+    assert ("--validate-pilot-requests: the pilot needs at least one request, got 0"
+            in capsys.readouterr().err)
