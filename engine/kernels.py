@@ -23,7 +23,10 @@ ISA_TARGETS = {"generic": ("", (0, 0)), "avx2": ("avx2,fma,f16c", (0, 0)),
                "avx512": (_AVX512, (1, 0)), "avx512_bf16": (_AVX512 + ",avx512bf16", (1, 1))}
 _WRAPPERS = ("fused.cpp", "paged_decode.cpp", "module.cpp")
 # -ffast-math lets exp and the sums use SIMD; no -march: each variant names its own target.
-FLAGS = ("-O3", "-ffast-math")
+# -fopenmp makes `at::parallel_for` split the work over torch's OpenMP threads (without it
+# the header-only `at::parallel_for` runs every kernel on the calling thread alone).
+FLAGS = ("-O3", "-ffast-math", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def kernel_source() -> str:
@@ -64,14 +67,15 @@ def cpu_kernels() -> ModuleType | None:
 
     start = time.perf_counter()
     source = kernel_source()
-    key = hashlib.sha256("\0".join([source, *FLAGS]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source, *FLAGS, *LDFLAGS]).encode()).hexdigest()
     name = f"pdcluster_kernels_{key[:16]}"
     build_dir = Path(_get_build_directory(name, verbose=False))
     module = _load_built(name, build_dir)
     if module is None:
         _clear_stale_build_lock(build_dir / "lock")
         try:
-            module = load_inline(name, [source], extra_cflags=list(FLAGS))
+            module = load_inline(name, [source], extra_cflags=list(FLAGS),
+                                 extra_ldflags=list(LDFLAGS))
         except Exception as e:  # a missing compiler or headers: the torch paths still work
             log.warning("CPU kernels unavailable, the engine falls back to plain torch ops: "
                         "%s", str(e).splitlines()[0] if str(e) else type(e).__name__)

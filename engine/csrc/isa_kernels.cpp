@@ -277,8 +277,10 @@ void decode(const T* q, const K* kv, const int64_t* tables, const int64_t* lens,
     for (int64_t h = 0; h < width; ++h) {
       float* sh = scores.data() + h * len;
       const float top = *std::max_element(sh, sh + len);
+      // Two plain loops, so each vectorises (a SIMD exp, then a SIMD sum).
+      for (int64_t t = 0; t < len; ++t) sh[t] = std::exp(sh[t] - top);
       float sum = 0.f;
-      for (int64_t t = 0; t < len; ++t) sum += (sh[t] = std::exp(sh[t] - top));
+      for (int64_t t = 0; t < len; ++t) sum += sh[t];
       sums[h] = sum;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
