@@ -1,8 +1,8 @@
 """Engine benchmark: pdcluster vs vLLM-CPU vs `transformers` on one workload, in one run.
 
-    python -m experiments.engine_bench [--engines pdcluster,vllm,hf] [--workload mixed|long]
-                                       [--dtypes float32,bfloat16] [--num-requests 64]
-                                       [--no-roofline]
+    python -m experiments.engine_bench [--engines pdcluster,vllm,vllm_all,hf]
+                                       [--workload mixed|long] [--dtypes float32,bfloat16]
+                                       [--num-requests 64] [--no-roofline]
 
 Every engine gets the same workload (experiments/workloads.py): W-mixed (prompts 32-512, outputs
 16-128) or W-long (prompts 64-768, outputs 32-160); the same token-id prompts and output
@@ -10,9 +10,13 @@ lengths, greedy, EOS ignored. Only the generate call(s) are timed; start-up (loa
 warm-up) is reported apart. pdcluster and vLLM run at each of `--dtypes` (default: float32 and,
 where the CPU has native bf16, bfloat16), interleaved (pdcluster fp32, vLLM fp32, pdcluster bf16,
 vLLM bf16), and each engine's best dtype is compared with the other's; `transformers` runs fp32,
-the token reference. pdcluster runs in this process; vLLM runs in its own venv
-(`.venv-vllm`, made by experiments/setup_vllm_cpu.sh) and `transformers` in a subprocess of this
-venv, both through the peer protocol: workload JSON in, result JSON out.
+the token reference. vLLM runs as it is set up by default (one core kept for its scheduler
+process, the others to its OpenMP threads) and as `vllm_all` (every core to its OpenMP
+threads); the better of the two is its best. pdcluster runs at its default threads (the
+cores other processes leave free, `engine.threads`). pdcluster runs in this process; vLLM
+runs in its own venv (`.venv-vllm`, made by experiments/setup_vllm_cpu.sh) and
+`transformers` in a subprocess of this venv, both through the peer protocol: workload JSON
+in, result JSON out.
 
 A second part, the roofline, times pdcluster's decode step at batch 1, 8 and 32 against
 (weight bytes + KV bytes read per step) / memory read bandwidth, and its prefill model-FLOP/s
@@ -47,7 +51,10 @@ from engine.hardware import cpu_features
 from experiments import REPO_ROOT, RESULTS
 from experiments.workloads import BenchRequest, Workload, uniform, w_mixed
 
-ENGINES = ("pdcluster", "vllm", "hf")
+ENGINES = ("pdcluster", "vllm", "vllm_all", "hf")
+# vLLM's CPU backend keeps one core for its scheduler process by default (one OpenMP thread
+# on a 2-core machine); `vllm_all` gives its OpenMP threads every core.
+VLLM_ENV = {"vllm": {}, "vllm_all": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 # name -> (prompt length range, output length range); each a uniform draw, seed 0.
 WORKLOADS = {"mixed": ((32, 512), (16, 128)), "long": ((64, 768), (32, 160))}
@@ -126,7 +133,9 @@ def run_peer(engine: str, model_dir: Path, workload: Workload,
     Raises:
         RuntimeError: the peer's venv is missing or the peer failed (its log tail is shown).
     """
-    if engine == "vllm":
+    env = {**os.environ, **VLLM_ENV.get(engine, {})}
+    script = "vllm" if engine in VLLM_ENV else engine
+    if engine in VLLM_ENV:
         python, extra = VLLM_PYTHON, ["--kv-cache-gb", str(KV_CACHE_GB), "--dtype", dtype]
         if not python.is_file():
             raise RuntimeError(f"{python} not found: run experiments/setup_vllm_cpu.sh "
@@ -137,12 +146,12 @@ def run_peer(engine: str, model_dir: Path, workload: Workload,
         workload_path, out_path, log_path = (Path(tmp) / n for n in
                                              ("workload.json", "result.json", "peer.log"))
         workload.save(workload_path)
-        cmd = [str(python), str(REPO_ROOT / "experiments" / f"{engine}_peer.py"), "--model-dir",
+        cmd = [str(python), str(REPO_ROOT / "experiments" / f"{script}_peer.py"), "--model-dir",
                str(model_dir), "--workload", str(workload_path), "--out", str(out_path), *extra]
         with _console.status(f"{engine}: start-up and {len(workload.requests)} requests"), \
                 log_path.open("w") as log:
             proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  check=False)
+                                  check=False, env=env)
         if proc.returncode != 0:
             tail = "\n".join(log_path.read_text().splitlines()[-30:])
             raise RuntimeError(f"{engine} peer exited with {proc.returncode}:\n{tail}")
@@ -176,20 +185,21 @@ def summarize(run: EngineRun, workload: Workload, reference: EngineRun | None) -
     return result
 
 
-def _best(engines: dict[str, dict[str, Any]], engine: str) -> str | None:
-    """Of `engine`'s runs (`<engine>-<dtype>`), the one with the highest output tok/s."""
-    runs = [k for k, r in engines.items() if k.startswith(f"{engine}-") and "output_tok_s" in r]
+def _best(engines: dict[str, dict[str, Any]], *names: str) -> str | None:
+    """Of the runs of `names` (`<name>-<dtype>`), the one with the highest output tok/s."""
+    runs = [k for k, r in engines.items()
+            if k.partition("-")[0] in names and "output_tok_s" in r]
     return max(runs, key=lambda k: engines[k]["output_tok_s"], default=None)
 
 
 def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """pdcluster's throughput over each peer's: at each dtype both ran (`pdcluster-bfloat16/
-    vllm-bfloat16`), each engine at its best dtype (`best: pdcluster-x/vllm-y`), and fp32
-    over `transformers`."""
-    pairs = [(k, k.replace("pdcluster", "vllm", 1)) for k in engines
-             if k.startswith("pdcluster-")]
+    vllm-bfloat16`, and `/vllm_all-bfloat16`), each engine at its best dtype and thread
+    setting (`best: pdcluster-x/vllm-y`), and fp32 over `transformers`."""
+    pairs = [(k, k.replace("pdcluster", peer, 1)) for k in engines
+             if k.startswith("pdcluster-") for peer in VLLM_ENV]
     pairs.append(("pdcluster-float32", "hf"))
-    ours, theirs = _best(engines, "pdcluster"), _best(engines, "vllm")
+    ours, theirs = _best(engines, "pdcluster"), _best(engines, *VLLM_ENV)
     out = {}
     if ours and theirs:
         out[f"best: {ours}/{theirs}"] = (ours, theirs)

@@ -87,6 +87,9 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
             kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
+        in_place = kv_layer.device.type == "cpu" and cpu_kernels() is not None
+        if in_place and not self.prefills and self.short is None:  # decodes only
+            return paged_decode(q, kv_layer, self.decode_tables, self.decode_lens)
         out = torch.empty_like(q)
         for start, q_len, ctx_len, table, mask in self.prefills:
             end = start + q_len
@@ -100,7 +103,6 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = paged_decode(q[rows], kv_layer, tables, lens)
         if self.decodes:
             q_dec = q[self.decode_start:]
-            in_place = kv_layer.device.type == "cpu" and cpu_kernels() is not None
             out[self.decode_start:] = paged_decode(q_dec, kv_layer, self.decode_tables,
                                                    self.decode_lens) \
                 if in_place else self._decode(q_dec, kv_layer)

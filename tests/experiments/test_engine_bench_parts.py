@@ -1,4 +1,4 @@
-"""The engine benchmark's workload and its `transformers` static-batching peer."""
+"""The engine benchmark's workload, its `transformers` static-batching peer and its ratios."""
 
 import pytest
 
@@ -35,3 +35,20 @@ def test_static_batches_match_one_by_one_greedy():
     outputs = generate_static(hf_model("tiny"), requests, batch_size=2, pad_token_id=0)
     for request, tokens in zip(requests, outputs, strict=True):
         assert tokens == hf_greedy("tiny", request["prompt_token_ids"], request["max_tokens"])
+
+
+def test_vllms_best_is_the_faster_of_its_thread_settings_and_dtypes():
+    from experiments.engine_bench import ratios
+
+    def run(tok_s: float) -> dict[str, float]:
+        return {"output_tok_s": tok_s, "total_tok_s": 2 * tok_s}
+
+    engines = {"pdcluster-float32": run(60), "vllm-float32": run(50),
+               "vllm_all-float32": run(40), "pdcluster-bfloat16": run(240),
+               "vllm-bfloat16": run(160), "vllm_all-bfloat16": run(200), "hf": run(30)}
+    out = ratios(engines)
+    assert out["best: pdcluster-bfloat16/vllm_all-bfloat16"]["output_tok_s"] == 1.2
+    assert out["pdcluster-bfloat16/vllm-bfloat16"]["total_tok_s"] == 1.5
+    assert out["pdcluster-float32/vllm_all-float32"]["output_tok_s"] == 1.5
+    assert out["pdcluster-float32/hf"]["output_tok_s"] == 2.0
+    assert len(out) == 6
