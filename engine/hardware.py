@@ -41,7 +41,9 @@ class CpuFeatures:
         runs = {"avx2": {"avx2", "fma", "f16c"},
                 "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
                 "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma",
-                                "avx512_bf16"}}
+                                "avx512_bf16"},
+                "amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma",
+                        "avx512_bf16", "amx_tile", "amx_bf16"}}
         return ("generic", *(isa for isa, needs in runs.items() if needs <= self.flags))
 
     @property

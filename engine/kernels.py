@@ -16,11 +16,14 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 # Variant name -> GCC target of its copy of isa_kernels.cpp ("" for the baseline) and the
-# switches of that copy: AVX-512 intrinsics, vdpbf16ps for bf16 dot products. What a CPU
+# switches of that copy: AVX-512 intrinsics, vdpbf16ps for bf16 dot products, AMX tiles for
+# bf16 GEMMs of a few dozen rows. What a CPU
 # needs to run each one is `CpuFeatures.kernel_isas`.
 _AVX512 = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
-ISA_TARGETS = {"generic": ("", (0, 0)), "avx2": ("avx2,fma,f16c", (0, 0)),
-               "avx512": (_AVX512, (1, 0)), "avx512_bf16": (_AVX512 + ",avx512bf16", (1, 1))}
+ISA_TARGETS = {"generic": ("", (0, 0, 0)), "avx2": ("avx2,fma,f16c", (0, 0, 0)),
+               "avx512": (_AVX512, (1, 0, 0)),
+               "avx512_bf16": (_AVX512 + ",avx512bf16", (1, 1, 0)),
+               "amx": (_AVX512 + ",avx512bf16,amx-tile,amx-bf16", (1, 1, 1))}
 _WRAPPERS = ("fused.cpp", "paged_decode.cpp", "module.cpp")
 # -ffast-math lets exp and the sums use SIMD; no -march: each variant names its own target.
 # -fopenmp makes `at::parallel_for` split the work over torch's OpenMP threads (without it
@@ -35,10 +38,11 @@ def kernel_source() -> str:
     csrc = Path(__file__).parent / "csrc"
     body = (csrc / "isa_kernels.cpp").read_text()
     parts = [(csrc / "common.h").read_text()]
-    for name, (target, (avx512, bf16_dot)) in ISA_TARGETS.items():
+    for name, (target, (avx512, bf16_dot, amx)) in ISA_TARGETS.items():
         copy = (f"#define PDK_ISA isa_{name}\n#define PDK_ISA_NAME \"{name}\"\n"
-                f"#define PDK_AVX512 {avx512}\n#define PDK_BF16_DOT {bf16_dot}\n{body}\n"
-                "#undef PDK_ISA\n#undef PDK_ISA_NAME\n#undef PDK_AVX512\n#undef PDK_BF16_DOT\n")
+                f"#define PDK_AVX512 {avx512}\n#define PDK_BF16_DOT {bf16_dot}\n"
+                f"#define PDK_AMX {amx}\n{body}\n#undef PDK_ISA\n#undef PDK_ISA_NAME\n"
+                "#undef PDK_AVX512\n#undef PDK_BF16_DOT\n#undef PDK_AMX\n")
         if target:
             copy = (f"#if defined(__x86_64__)\n#pragma GCC push_options\n"
                     f"#pragma GCC target(\"{target}\")\n{copy}#pragma GCC pop_options\n#endif\n")
@@ -82,6 +86,9 @@ def cpu_kernels() -> ModuleType | None:
             return None
         log.info("CPU kernels built in %.1f s", time.perf_counter() - start)
     runnable = [isa for isa in cpu_features().kernel_isas if isa in module.isas()]
+    if "amx" in runnable and not module.request_amx():
+        log.warning("the kernel refused this process AMX tile state: the AMX kernels are off")
+        runnable.remove("amx")
     module.select_isa(runnable[-1])
     log.info("CPU kernels: the %s variant (this CPU runs %s; compiled: %s)", module.isa(),
              ", ".join(runnable), ", ".join(module.isas()))

@@ -19,6 +19,10 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace pdk {
 
@@ -56,10 +60,22 @@ struct Ops {
                     int64_t begin, int64_t end);
 };
 
+// Columns per block of a weight packed for `gemv_bf16` ([N / 16][K / 2][16][2]: each block's
+// K pairs of 16 columns, one 64-byte vector per pair, as vdpbf16ps takes them).
+constexpr int64_t kGemvBlock = 16;
+
+// out[r, n] = x[r] . w[n] (+ bias[n]) for every row and the column blocks [begin, end),
+// fp32 sums rounded to bf16 (bias: fp32 added before rounding, or null).
+using GemvBf16 = void (*)(const bf16* x, int64_t xs, int64_t rows, const bf16* w,
+                          int64_t k, const bf16* bias, bf16* out, int64_t os, int64_t begin,
+                          int64_t end);
+
 struct KernelTable {
   const char* name;
   Ops<float> f32;
   Ops<bf16> b16;
+  GemvBf16 gemv_bf16;  // null where the variant has no vdpbf16ps
+  int64_t gemv_rows;   // the most rows `gemv_bf16` is faster than oneDNN for
 };
 
 }  // namespace pdk

@@ -109,3 +109,40 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   });
   return out;
 }
+
+// A bf16 weight [N, K] packed for `gemv` (pdk::kGemvBlock): [N / 16, K / 2, 16, 2].
+torch::Tensor pack_gemv(torch::Tensor weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kBFloat16 &&
+              weight.dim() == 2, "weight must be a CPU bfloat16 [N, K] tensor");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % pdk::kGemvBlock == 0 && k % 2 == 0, "N must be a multiple of ",
+              pdk::kGemvBlock, " and K even, got [", n, ", ", k, "]");
+  return weight.reshape({n / pdk::kGemvBlock, pdk::kGemvBlock, k / 2, 2})
+      .permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] bf16 times a weight packed by `pack_gemv` (+ bias [N]) -> [M, N] bf16, on the
+// active variant's vdpbf16ps or AMX kernel (`gemv_rows`), the column blocks split over
+// threads.
+torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias) {
+  const auto kernel = pdk::active().gemv_bf16;
+  TORCH_CHECK(kernel != nullptr, "the ", pdk::active().name, " kernels have no bf16 GEMV");
+  pdk::check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16 &&
+              packed.dim() == 4 && packed.is_contiguous() && packed.size(1) * 2 == x.size(1),
+              "x must be bfloat16 [M, K] and packed a pack_gemv weight of K columns");
+  const int64_t blocks = packed.size(0), n = blocks * pdk::kGemvBlock;
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.numel() == n, "bias must be bf16 [N]");
+  }
+  auto out = torch::empty({x.size(0), n}, x.options());
+  // Blocks of 4 (the kernel's unit), split evenly over the threads.
+  at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+    kernel(pdk::ptr<pdk::bf16>(x), x.stride(0), x.size(0), pdk::ptr<pdk::bf16>(packed),
+           x.size(1), b.defined() ? pdk::ptr<pdk::bf16>(b) : nullptr, pdk::ptr<pdk::bf16>(out),
+           n, begin * 4, std::min(end * 4, blocks));
+  });
+  return out;
+}

@@ -74,17 +74,31 @@ class OneDnnLinear:
     per call at 1-32 rows on a Xeon with AMX, docs/benchmarks.md). Same results as
     `F.linear`, bit for bit.
 
+    Where the CPU kernels have a few-row bf16 GEMM (vdpbf16ps on AVX512-BF16, AMX tiles
+    where present), the row counts it is the faster for (decode steps: `gemv_rows()`) go to
+    it instead, on a third copy of the weight laid out for it: it streams the weight once
+    per step at close to the machine's read bandwidth, where oneDNN's GEMM reached about
+    55 % of it at few rows (docs/benchmarks.md). Its sums are fp32 as oneDNN's, perhaps
+    in another order: results can differ from `F.linear` in the last bf16 bit.
+
     Args:
-        weight: a CPU bfloat16 `[out, in]` weight; it is kept as it is (the packed copy is
-            a second one, opaque to torch).
+        weight: a CPU bfloat16 `[out, in]` weight; it is kept as it is (the packed copies
+            are more, opaque to torch).
         bias: optional `[out]`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = bias
+        self.kernels = cpu_kernels()
+        out_features, in_features = weight.shape
+        self.gemv_rows = self.kernels.gemv_rows() if self.kernels is not None else 0
+        self.gemv_packed = self.kernels.pack_gemv(weight.detach()) \
+            if self.gemv_rows and out_features % 16 == 0 and in_features % 2 == 0 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_packed is not None and x.shape[0] <= self.gemv_rows:
+            return self.kernels.gemv(x.contiguous(), self.gemv_packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                   "none", [], "")
 

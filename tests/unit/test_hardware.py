@@ -36,7 +36,10 @@ def test_dtype_auto_is_bf16_exactly_where_the_cpu_has_native_bf16():
         {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
          "amx_bf16", "amx_tile"}))
     assert sapphire_rapids.auto_dtype == "bfloat16"
-    assert sapphire_rapids.kernel_isas == ("generic", "avx2", "avx512", "avx512_bf16")
+    assert sapphire_rapids.kernel_isas == ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+    zen4 = dataclasses.replace(sapphire_rapids, amx=False,
+                               flags=sapphire_rapids.flags - {"amx_bf16", "amx_tile"})
+    assert zen4.kernel_isas == ("generic", "avx2", "avx512", "avx512_bf16")
 
 
 def test_the_engine_reports_its_dtype_and_kernel_paths():

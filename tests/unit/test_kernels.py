@@ -46,7 +46,9 @@ def _rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def test_the_best_variant_this_cpu_runs_is_selected(module):
     best = cpu_features().kernel_isas[-1]
     assert module.isa() == best
-    if cpu_features().native_bf16 and cpu_features().avx512:
+    if cpu_features().amx:
+        assert best == "amx"
+    elif cpu_features().native_bf16 and cpu_features().avx512:
         assert best == "avx512_bf16"
     with pytest.raises(RuntimeError, match="no kernel variant named sse9"):
         module.select_isa("sse9")
@@ -90,7 +92,32 @@ def test_silu_mul(kernels, dtype):
                                **TOLERANCE[dtype])
 
 
+# (K, N): K a multiple of 32 (AMX's slices) or not, N in column blocks of 16 not a multiple
+# of the kernels' 4 blocks at a time.
+@pytest.mark.parametrize("k, n", [(64, 48), (96, 80), (34, 16)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_few_row_bf16_gemm_on_its_packed_weight(kernels, k, n, rows, with_bias):
+    assert kernels.gemv_rows() == {"avx512_bf16": 4, "amx": 32}.get(kernels.isa(), 0)
+    weight = _rand(n, k, dtype=torch.bfloat16)
+    x = _rand(rows + 2, k, dtype=torch.bfloat16)[1:-1]  # a row-strided view
+    bias = _rand(n, dtype=torch.bfloat16) if with_bias else None
+    packed = kernels.pack_gemv(weight)
+    if not kernels.gemv_rows():  # no vdpbf16ps in this variant: refused, not wrong
+        with pytest.raises(RuntimeError, match="have no bf16 GEMV"):
+            kernels.gemv(x, packed, bias)
+        return
+    reference = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(kernels.gemv(x, packed, bias), reference.bfloat16(),
+                               **TOLERANCE[torch.bfloat16])
+
+
 def test_bad_input_is_refused(module):
+    with pytest.raises(RuntimeError, match="N must be a multiple of 16 and K even"):
+        module.pack_gemv(_rand(20, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="packed a pack_gemv weight of K columns"):
+        module.gemv(_rand(2, 8, dtype=torch.bfloat16),
+                    module.pack_gemv(_rand(16, 10, dtype=torch.bfloat16)))
     with pytest.raises(RuntimeError, match="CPU float32 or bfloat16"):
         module.rms_norm(_rand(2, 8).double(), _rand(8), 1e-5)
     with pytest.raises(RuntimeError, match="rows contiguous"):
