@@ -66,8 +66,8 @@ setup-vllm:
 
 # W-mixed (all three engines, with the roofline parts), then W-long (prompts 64-768).
 bench-engine: install setup-vllm
-	$(PY) -m experiments.engine_bench --engines pdcluster,vllm,hf --workload mixed
-	$(PY) -m experiments.engine_bench --engines pdcluster,vllm --workload long --no-roofline
+	$(PY) -m experiments.engine_bench --engines pdcluster,vllm,vllm_all,hf --workload mixed
+	$(PY) -m experiments.engine_bench --engines pdcluster,vllm,vllm_all --workload long --no-roofline
 
 # Same host, then across two hosts made of network namespaces (root).
 bench-kv: install

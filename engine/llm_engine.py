@@ -15,6 +15,7 @@ from engine.attention import get_backend
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig, kv_pool_bytes, parse_dtype
 from engine.draft_model import draft_block_bytes, draft_kv_cache, load_draft_model
+from engine.hardware import keep_freed_memory
 from engine.kv_cache import BufferAllocator, KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
@@ -124,6 +125,8 @@ class LLMEngine:
             threadpool_limits(num_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
         elif self.device.type == "cpu":
             self.threads = ThreadGovernor(frozenset(os.sched_getaffinity(0)), cgroup_cpu_limit())
+        if self.device.type == "cpu" and not keep_freed_memory():
+            log.info("malloc settings not applied (not glibc): activations are mapped afresh")
         self.model_dir = resolve_model_dir(model)
         self.model_config, hf_config = read_model_config(self.model_dir, max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)

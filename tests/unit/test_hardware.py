@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, CacheConfig
 from engine.config import parse_dtype
-from engine.hardware import cpu_features
+from engine.hardware import cpu_features, keep_freed_memory
 from protocol.status import WorkerStats
 
 
@@ -57,3 +57,7 @@ def test_a_bf16_kv_pool_holds_twice_the_blocks_of_fp32_in_one_budget():
     (fp32_blocks, fp32), (bf16_blocks, bf16) = pool("float32"), pool("bfloat16")
     assert (fp32, bf16) == (torch.float32, torch.bfloat16)
     assert bf16_blocks // 2 == fp32_blocks  # half the bytes a block: twice the blocks
+
+
+def test_glibc_takes_the_engines_malloc_settings():
+    assert keep_freed_memory()  # glibc here, and it accepts both values
