@@ -124,7 +124,8 @@ class LLMEngine:
             torch.set_num_threads(num_threads)
             threadpool_limits(num_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
         elif self.device.type == "cpu":
-            self.threads = ThreadGovernor(frozenset(os.sched_getaffinity(0)), cgroup_cpu_limit())
+            self.threads = ThreadGovernor(frozenset(os.sched_getaffinity(0)), cgroup_cpu_limit(),
+                                          blas_reserve=int(self.dtype == torch.float32))
         if self.device.type == "cpu" and not keep_freed_memory():
             log.info("malloc settings not applied (not glibc): activations are mapped afresh")
         self.model_dir = resolve_model_dir(model)

@@ -76,16 +76,24 @@ def _read_sample(cpus: frozenset[int], ticks_per_s: float) -> _Sample | None:
 
 
 class ThreadGovernor:
-    """Sets torch's and BLAS's thread counts to the cores others leave free (`threads_for`),
-    re-measured at most once per `INTERVAL_S`; `update` is called before each step.
+    """Sets BLAS's thread count to the cores others leave free (`threads_for`) and torch's
+    to `blas_reserve` fewer, re-measured at most once per `INTERVAL_S`; `update` is called
+    before each step.
 
     Args:
         cpus: the cores this process may run on.
         limit: at most this many threads (a container's CPU quota); None: one per core.
+        blas_reserve: torch runs this many threads fewer than BLAS. An fp32 model's linears
+            run on OpenBLAS's own threads, which OpenMP threads spinning on the same cores
+            starve (a batch-1 fp32 step took 4x as long with torch on both cores of the
+            2-core Xeon as on one): there 1, with BLAS on every free core; 0 where BLAS
+            does no work (bf16).
     """
 
-    def __init__(self, cpus: frozenset[int], limit: int | None = None) -> None:
+    def __init__(self, cpus: frozenset[int], limit: int | None = None,
+                 blas_reserve: int = 0) -> None:
         self.cpus = cpus
+        self.blas_reserve = blas_reserve
         self.cores = min(len(cpus), limit or len(cpus))
         self._ticks = float(os.sysconf("SC_CLK_TCK"))
         self._blas = ThreadpoolController()
@@ -121,8 +129,8 @@ class ThreadGovernor:
         return self.threads
 
     def _set(self, threads: int, why: str) -> None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, threads - self.blas_reserve))
         self._blas.limit(limits=threads, user_api="blas")
-        log.info("compute threads %d -> %d of %d cores (%s)", self.threads, threads,
-                 self.cores, why)
+        log.info("compute threads %d -> %d of %d cores, %d of them torch's (%s)",
+                 self.threads, threads, self.cores, torch.get_num_threads(), why)
         self.threads = threads

@@ -37,6 +37,18 @@ def test_threads_drop_at_once_and_grow_back_only_after_two_quiet_windows():
         torch.set_num_threads(1)
 
 
+def test_an_fp32_engine_leaves_blas_a_core_torch_does_not_spin_on():
+    governor = ThreadGovernor(frozenset(range(4)), blas_reserve=1)
+    try:
+        assert (governor.threads, torch.get_num_threads()) == (4, 3)
+        assert governor.observe(2.9) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+    fp32 = LLM("tiny", cache=CacheConfig(num_blocks=16)).engine
+    bf16 = LLM("tiny", dtype="bfloat16", cache=CacheConfig(num_blocks=16)).engine
+    assert (fp32.threads.blas_reserve, bf16.threads.blas_reserve) == (1, 0)
+
+
 def test_a_container_quota_caps_the_threads(tmp_path: Path):
     (tmp_path / "cpu.max").write_text("250000 100000\n")
     (tmp_path / "none").write_text("max 100000\n")
@@ -63,6 +75,7 @@ def test_busy_processes_on_every_core_leave_the_engine_one_thread():
         assert engine.threads.update() == 1
         assert engine.threads.others > len(cpus) - 0.9
         assert engine.stats()["compute_threads"] == 1 == torch.get_num_threads()
+        assert engine.threads.blas_reserve == 1  # fp32: BLAS 1 thread, torch 1 all the same
     finally:
         for p in spinners:
             p.kill()
