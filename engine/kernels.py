@@ -1,6 +1,6 @@
 """The engine's CPU kernels (`engine/csrc/`): paged decode attention and the fused layer
 glue, in one build per source and flags with torch's C++ extension tooling, holding a
-variant per ISA (baseline x86-64, AVX2, AVX-512, AVX512-BF16); the CPU's features pick one
+variant per ISA (baseline x86-64, AVX2, AVX-512, AVX512-BF16, AMX); the CPU's features pick one
 at load (`CpuFeatures.kernel_isas`), so a build made on one CPU runs its best on another."""
 
 from __future__ import annotations
