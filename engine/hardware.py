@@ -39,12 +39,10 @@ class CpuFeatures:
     def kernel_isas(self) -> tuple[str, ...]:
         """The engine kernels' ISA variants (`engine.kernels.ISA_TARGETS`) this CPU runs,
         baseline first, best last."""
-        runs = {"avx2": {"avx2", "fma", "f16c"},
-                "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
-                "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma",
-                                "avx512_bf16"},
-                "amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma",
-                        "avx512_bf16", "amx_tile", "amx_bf16"}}
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}
+        runs = {"avx2": {"avx2", "fma", "f16c"}, "avx512": avx512,
+                "avx512_bf16": avx512 | {"avx512_bf16"},
+                "amx": avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}}
         return ("generic", *(isa for isa, needs in runs.items() if needs <= self.flags))
 
     @property
@@ -118,7 +116,7 @@ def keep_freed_memory() -> bool:
     """Ask glibc's malloc to serve blocks up to `MMAP_THRESHOLD` from its heap and keep up
     to `TRIM_THRESHOLD` freed there: a prefill's activations (megabytes a layer) are then
     reused step after step instead of mapped fresh, page-faulted in and unmapped each time
-    (W-long's prefill steps on a 2-core Xeon: 2.6 s in all with it, 3.4-5.2 s without,
+    (W-long's prefill steps on a 2-core Xeon: 3.1-3.2 s in all with it, 3.3-5.2 s without,
     docs/benchmarks.md). The process keeps its peak activations resident.
 
     Returns:

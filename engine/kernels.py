@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 # Variant name -> GCC target of its copy of isa_kernels.cpp ("" for the baseline) and the
 # switches of that copy: AVX-512 intrinsics, vdpbf16ps for bf16 dot products, AMX tiles for
-# bf16 GEMMs of a few dozen rows. What a CPU
-# needs to run each one is `CpuFeatures.kernel_isas`.
+# bf16 GEMMs of a few dozen rows. What a CPU needs to run each one is
+# `CpuFeatures.kernel_isas`.
 _AVX512 = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
 ISA_TARGETS = {"generic": ("", (0, 0, 0)), "avx2": ("avx2,fma,f16c", (0, 0, 0)),
                "avx512": (_AVX512, (1, 0, 0)),

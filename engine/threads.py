@@ -65,9 +65,11 @@ def _read_sample(cpus: frozenset[int], ticks_per_s: float) -> _Sample | None:
     except OSError:
         return None
     busy = 0
-    for line in lines:
+    for line in lines[1:]:  # the total first, then a line per core, then the rest
+        if not line.startswith("cpu"):
+            break
         name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        if int(name[3:]) not in cpus:
             continue
         user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
         busy += user + nice + system + irq + softirq + steal

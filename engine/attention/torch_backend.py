@@ -43,14 +43,15 @@ class TorchAttentionBackend(AttentionBackend):
         self.slot_blocks = layout.slot_mapping // bs
         self.slot_offsets = layout.slot_mapping % bs
         device = layout.block_tables.device
-        in_place = device.type == "cpu" and cpu_kernels() is not None
+        # Decodes (and short queries) read the pages in place through the CPU kernel.
+        self.in_place = device.type == "cpu" and cpu_kernels() is not None
         self.prefills = []
         rows: list[int] = []
         tables, lens = [], []
         start = 0
         for i in range(layout.num_prefills):
             q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
-            if in_place and q_len < ctx_len and q_len <= SHORT_QUERY:
+            if self.in_place and q_len < ctx_len and q_len <= SHORT_QUERY:
                 # Query j sees the context up to its own position: a decode query over
                 # ctx_len - q_len + j + 1 tokens of the same pages.
                 rows += range(start, start + q_len)
@@ -87,8 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             kv_layer[self.slot_blocks, 0, self.slot_offsets] = k
             kv_layer[self.slot_blocks, 1, self.slot_offsets] = v
-        in_place = kv_layer.device.type == "cpu" and cpu_kernels() is not None
-        if in_place and not self.prefills and self.short is None:  # decodes only
+        if self.in_place and not self.prefills and self.short is None:  # decodes only
             return paged_decode(q, kv_layer, self.decode_tables, self.decode_lens)
         out = torch.empty_like(q)
         for start, q_len, ctx_len, table, mask in self.prefills:
@@ -105,7 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_dec = q[self.decode_start:]
             out[self.decode_start:] = paged_decode(q_dec, kv_layer, self.decode_tables,
                                                    self.decode_lens) \
-                if in_place else self._decode(q_dec, kv_layer)
+                if self.in_place else self._decode(q_dec, kv_layer)
         return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

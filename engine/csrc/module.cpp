@@ -45,7 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "RoPE in place on the query and key heads of a qkv row block");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
   m.def("pack_gemv", &pack_gemv, "a bf16 [N, K] weight laid out for gemv");
-  m.def("gemv", &gemv, "few-row bf16 GEMM on a pack_gemv weight (vdpbf16ps)",
+  m.def("gemv", &gemv, "few-row bf16 GEMM on a pack_gemv weight (AMX or vdpbf16ps)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("gemv_rows", [] { return pdk::active().gemv_rows; },
         "rows up to which the variant's bf16 GEMV is the faster (0: it has none)");

@@ -220,7 +220,9 @@ class LlamaForCausalLM(nn.Module):
             # counts, where kept, is a second one: 113 MB for SmolLM2).
             self._tied_head = BlasLinear(embedding, small_rows=small_rows)
         elif self.lm_head is None and _is_cpu_bf16(embedding):
-            self._tied_head = OneDnnLinear(embedding)  # a packed copy (57 MB for SmolLM2)
+            # oneDNN's packed copy, and the few-row GEMM's where the kernels have it (57 MB
+            # each for SmolLM2).
+            self._tied_head = OneDnnLinear(embedding)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionBackend, layer_hook: LayerHook | None = None,
