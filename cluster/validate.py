@@ -12,9 +12,10 @@ and are written beside the predicted ones with the error of each:
 The prediction compared is, by default (`calibration="serving"`), made again on the served
 configuration just before its replay: the profile is calibrated through the server
 (`cluster.serving_calibration.ServingCalibrator`: a probe stream, then a pilot trace drawn
-from the trace's own lengths, mix and arrival gaps with fresh token ids, `pilot_trace`),
-and the configuration is simulated again with that profile on the trace at its rate
-(`repredict`). The trace's own requests are never sent before its replay. With
+from the trace's own lengths, mix and arrival gaps with fresh token ids, `pilot_trace`;
+the pilot's first tokens against the simulated ones give the serving path's latency,
+`response_latency`), and the configuration is simulated again with that profile on the
+trace at its rate (`repredict`). The trace's own requests are never sent before its replay. With
 `calibration="bare"` the plan's prediction (its profile as `plan` calibrated it on a bare
 engine, or as measured) is compared.
 """
@@ -29,7 +30,12 @@ import numpy as np
 
 from bench.run import RunSettings, Target, bench_run
 from cluster.launch import pdcluster_serve
-from cluster.serving_calibration import ServingCalibrator, pilot_trace, probe_prompts
+from cluster.serving_calibration import (
+    ServingCalibrator,
+    pilot_trace,
+    probe_prompts,
+    response_latency,
+)
 from engine import defaults
 from planner.calibrate import scaled_by_record
 from planner.measure import VOCAB
@@ -229,7 +235,8 @@ def served_prediction(config: dict[str, Any], request: PlanRequest,
                       profiles: tuple[Profile, Profile], target: Target,
                       pilot_requests: int = PILOT_REQUESTS) -> dict[str, Any]:
     """Calibrate `profiles` through the served configuration (a probe, then a pilot of
-    `pilot_trace(request.requests, pilot_requests, PILOT_SEED)`), and predict the
+    `pilot_trace(request.requests, pilot_requests, PILOT_SEED)`; the serving path's
+    latency from the pilot's first tokens, `response_latency`), and predict the
     configuration again with them (`repredict`).
 
     Returns:
@@ -243,8 +250,12 @@ def served_prediction(config: dict[str, Any], request: PlanRequest,
         calibrator = ServingCalibrator(profiles[1], shape_of(config, request.max_num_seqs),
                                        target, lambda _scaled, _workload: pilot, prompts)
         _, record = calibrator("trace")
+        shape = shape_of(config, request.max_num_seqs)
+        latency = response_latency(*(scaled_by_record(p, record) for p in profiles), shape,
+                                   *calibrator.pilots["trace"])
         return repredict(config, request, profiles,
-                         {"applied": True, **record, "probe_prompts": list(prompts),
+                         {"applied": True, **record, "response_latency_ms": 1e3 * latency,
+                          "probe_prompts": list(prompts),
                           "pilot_requests": pilot_requests, "pilot_seed": PILOT_SEED})
     except ValueError as e:
         return {"served_calibration": {"applied": False, "reason": str(e)}}
@@ -253,7 +264,8 @@ def served_prediction(config: dict[str, Any], request: PlanRequest,
 def repredict(config: dict[str, Any], request: PlanRequest,
               profiles: tuple[Profile, Profile], record: dict[str, Any]) -> dict[str, Any]:
     """The configuration simulated again on the request's trace at its rate, both
-    profiles scaled by a served calibration's record (`scaled_by_record`).
+    profiles scaled by a served calibration's record (`scaled_by_record`: its factors,
+    step spread and response latency).
 
     Returns:
         `served_calibration` (the record), `repredicted` (the figures, as `predicted`),

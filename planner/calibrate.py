@@ -234,10 +234,14 @@ def scaled_by(profile: Profile, factors: dict[str, float]) -> Profile:
 
 def scaled_by_record(profile: Profile, record: dict[str, Any]) -> Profile:
     """The profile as a calibration record scales it: `scaled_by` its `factors`, with the
-    record's measured step spread (`scale_to_steps`'s `step_cv`) where it has one. For a
+    record's measured step spread (`scale_to_steps`'s `step_cv`) and serving path's
+    latency (a served calibration's `response_latency_ms`) where it has them. For a
     record of this profile, the profile its calibration returned."""
+    latency = record.get("response_latency_ms")
     return replace(scaled_by(profile, record["factors"]),
-                   step_cv=record.get("step_cv", profile.step_cv))
+                   step_cv=record.get("step_cv", profile.step_cv),
+                   response_latency_s=profile.response_latency_s if latency is None
+                   else latency / 1e3)
 
 
 def _check_table(profile: Profile) -> tuple[tuple[str, ...], tuple[float, ...]]:

@@ -203,6 +203,12 @@ class Profile:
         step_cv: how much one step's time varies about the model's (coefficient of
             variation): the machine, the interpreter, the BLAS. The simulator draws each
             step's time from a log-normal of mean 1 and this spread (0: exact times).
+        response_latency_s: what the serving path adds to the time a client sees each
+            token, beyond the engine's steps (the gRPC stream, the router, the hop to the
+            worker, the CPU they share with busy workers). 0 as measured or modelled (a
+            profile times bare steps); a served calibration measures it
+            (`cluster.serving_calibration.response_latency`). The simulator adds it to
+            every first and last token: TTFT and end-to-end latency grow by it, TPOT not.
         fit_error: held-out relative error of each model.
         samples: the raw samples, per model: `{"x": [...], "y": seconds}`.
         schema: the file format version.
@@ -227,6 +233,7 @@ class Profile:
     neighbour_slowdown: float = 0.0
     workers_per_host: int = 1
     step_cv: float = 0.0
+    response_latency_s: float = 0.0
     fit_error: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     schema: str = SCHEMA

@@ -212,6 +212,7 @@ class Simulation:
         self._jobs: dict[str, tuple[_Worker, Request, int]] = {}
         self._num_preemptions = 0
         self._num_failed = 0
+        self._latency = decode_profile.response_latency_s  # tokens reach clients from D
         roles = [("mixed", shape.num_decode)] if shape.mode == "colocated" else \
             [("decode", shape.num_decode), ("prefill", shape.num_prefill)]
         self.workers: list[_Worker] = []
@@ -270,7 +271,8 @@ class Simulation:
         if self._remaining:
             raise RuntimeError(f"simulation stalled with {self._remaining} requests unfinished "
                                "(a prompt larger than a worker's KV pool?)")
-        return SimResult(np.array([r.timestamp for r in requests]), self._first, self._finish,
+        return SimResult(np.array([r.timestamp for r in requests]), self._first + self._latency,
+                         self._finish + self._latency,
                          np.array([r.output_len for r in requests]),
                          sum(w.num_steps for w in self.workers),
                          sum(w.busy_s for w in self.workers), self._num_preemptions,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from cluster.validate import errors
-from experiments.planner_validate_default import summary, trace
+from experiments.planner_validate_default import SEEDS, summary, trace
 
 PLAN = {"ttft_p50_ms": 100.0, "ttft_p90_ms": 200.0, "tpot_p50_ms": 10.0, "tpot_p90_ms": 20.0,
         "attainment": 0.95, "goodput_rps": 0.5, "mean_step_ms": 9.0}
@@ -20,7 +20,8 @@ def entry(repredicted: dict | None) -> dict:
     if repredicted is not None:
         c |= {"repredicted": repredicted, "repredicted_meets_slo": False,
               "slo_verdict_changed": True,
-              "served_calibration": {"applied": True, "factors": {"decode_b1": 1.23456}}}
+              "served_calibration": {"applied": True, "factors": {"decode_b1": 1.23456},
+                                     "response_latency_ms": 31.5}}
     c["error"] = errors(repredicted or PLAN, c["measured"])
     return c
 
@@ -43,6 +44,7 @@ def test_the_summary_reports_the_prediction_each_entry_was_compared_with(
     assert bare["predicted_meets_slo"] is True
     assert served["compared"] == "repredicted"
     assert served["served_calibration_factors"] == {"decode_b1": 1.235}
+    assert served["response_latency_ms"] == 31.5 and bare["response_latency_ms"] is None
     assert served["ttft_p90_ms"] == {"predicted": 300.0, "plan": 200.0, "measured": 250.0,
                                      "error": 0.2}
     assert served["mean_step_ms"] == {"predicted": 12.5, "plan": 9.0, "measured": 12.0}
@@ -50,6 +52,8 @@ def test_the_summary_reports_the_prediction_each_entry_was_compared_with(
 
 
 def test_the_trace_is_the_protocols() -> None:
+    """Each protocol's trace: the same mix, another seed (the default is the newest)."""
+    assert trace() == trace(seed=SEEDS[-1]) != trace(seed=SEEDS[0])
     requests = trace()
     assert len(requests) == 80 and requests[0]["timestamp"] == 0.0
     documents = [r for r in requests if len(r["prompt_token_ids"]) >= 384]

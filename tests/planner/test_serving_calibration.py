@@ -3,16 +3,23 @@ workload's replays pooled, and the pilot trace drawn from a trace's own distribu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from bench.run import Target
-from cluster.serving_calibration import ServingCalibrator, pilot_trace, probe_prompts
+from cluster.serving_calibration import (
+    ServingCalibrator,
+    first_token_seconds,
+    pilot_trace,
+    probe_prompts,
+    response_latency,
+)
 from engine.engine_loop import record_step
 from planner.profile import Profile
-from planner.simulator import ClusterShape
+from planner.simulator import ClusterShape, Simulation
 from protocol.serving import TraceRequest
 from tests.planner.synthetic import poisson_arrivals, random_prompts, trace
 from tests.planner.test_calibrate import status, table_profile
@@ -117,3 +124,38 @@ def test_the_probe_prefills_the_traces_long_prompts_too() -> None:
     assert probe_prompts(requests, 1022) == (128, p90)
     assert probe_prompts(requests, 300) == (128, 300)  # within the model's length
     assert probe_prompts(trace(np.zeros(3), random_prompts(3, 40, 1), 4), 1022) == (40, 128)
+
+
+def test_the_serving_paths_latency_is_the_pilots_median_first_token_gap() -> None:
+    """A served machine whose path adds 35 ms to every first token, and 200 ms to one
+    request's (a straggler): the latency is the median gap, 35 ms, whatever latency the
+    profiles already carry; a machine faster than simulated gives 0, not a negative
+    latency; failed requests (NaN) are left out."""
+    profile = replace(table_profile(), step_cv=0.0, response_latency_s=0.5)
+    shape = ClusterShape("colocated", 0, 1)
+    requests = trace(poisson_arrivals(9, 4.0, seed=2), random_prompts(9, (20, 90), 2), 5)
+    simulated = Simulation(shape, *[replace(profile, response_latency_s=0.0)] * 2
+                           ).run(requests).ttft
+    measured = simulated + 0.035
+    measured[3] += 0.2
+    measured[5] = np.nan
+
+    assert response_latency(profile, profile, shape, requests, measured) == \
+        pytest.approx(0.035)
+    assert response_latency(profile, profile, shape, requests, simulated - 0.01) == 0.0
+    with pytest.raises(ValueError, match="no pilot request has a measured first token"):
+        response_latency(profile, profile, shape, requests, np.full(9, np.nan))
+    with pytest.raises(ValueError, match="8 measured TTFTs for 9 requests"):
+        response_latency(profile, profile, shape, requests, measured[:8])
+
+
+def test_first_tokens_are_read_from_a_report_in_request_order() -> None:
+    """Send to first chunk, as the bench defines TTFT; NaN for a failed request or one that
+    streamed nothing."""
+    report = {"requests": [
+        {"index": 2, "send": 1.0, "chunks": [[1.25, 1]], "error": None},
+        {"index": 0, "send": 0.0, "chunks": [[0.5, 1], [0.6, 1]], "error": None},
+        {"index": 1, "send": 0.5, "chunks": [], "error": None},
+        {"index": 3, "send": 2.0, "chunks": [[2.1, 1]], "error": "aborted"}]}
+    assert first_token_seconds(report) == pytest.approx([0.5, np.nan, 0.25, np.nan],
+                                                        nan_ok=True)

@@ -159,6 +159,29 @@ def test_the_disaggregated_path_is_prefill_then_transfer_then_decode() -> None:
     assert result.num_local_prefills == 1
 
 
+def test_the_serving_paths_latency_delays_every_token_the_client_sees_alike() -> None:
+    """`response_latency_s` (the decode profile's: tokens reach the client from D) adds to
+    each request's first and last token and nothing else: the engine's steps, TPOT and
+    the counts are those of the run without it."""
+    profile = synthetic_profile(prefill=(0.02, 1e-4, 0.0, 0.0), decode=(0.01, 0.0, 0.0),
+                                transfer=(0.003, 1e-4))
+    shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=100)
+    prompts = random_prompts(12, (30, 300), seed=8)
+    requests = trace(poisson_arrivals(12, 20.0, seed=8), prompts, 6)
+    slow = replace(profile, response_latency_s=0.04)
+
+    plain = Simulation(shape, profile, profile).run(requests)
+    late = Simulation(shape, profile, slow).run(requests)
+    prefill_only = Simulation(shape, slow, profile).run(requests)
+
+    assert late.first_token == pytest.approx(plain.first_token + 0.04)
+    assert late.finish == pytest.approx(plain.finish + 0.04)
+    assert late.tpot == pytest.approx(plain.tpot)
+    assert (late.num_steps, late.busy_s, late.num_local_prefills) == \
+        (plain.num_steps, plain.busy_s, plain.num_local_prefills)
+    assert prefill_only.first_token == pytest.approx(plain.first_token)
+
+
 def test_a_repeated_prompt_hits_the_prefix_cache_on_the_same_worker() -> None:
     """The second copy of a prompt computes only its last partial block (real prefix cache,
     and the router's prefix affinity sends it back to the worker that has it)."""

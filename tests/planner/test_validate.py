@@ -163,6 +163,26 @@ def test_a_served_calibration_predicts_the_served_machine_and_can_turn_the_verdi
     assert set(record) <= docs["`served_calibration`"]
 
 
+def test_the_prediction_made_again_carries_the_served_paths_latency() -> None:
+    """A record's `response_latency_ms` moves every TTFT by it, TPOT not."""
+    profile = table_profile()
+    shape = ClusterShape("colocated", 0, 1)
+    requests = trace(np.arange(20) * 10.0, random_prompts(20, 30, 3), 20)
+    request = PlanRequest(profile, profile, requests, Slo({"ttft_p90_ms": 1e9}),
+                          max_workers=1)
+    entry = config_entry(request, shape, predict(request, shape))
+    calibrator = ServingCalibrator(profile, shape, Target("grpc", "127.0.0.1:1", "127.0.0.1:1"))
+    _, record = calibrator.scale([one_worker_window(uniform(profile, 1.2), {})], None)
+
+    plain = repredict(entry, request, (profile, profile), record)["repredicted"]
+    late = repredict(entry, request, (profile, profile),
+                     {**record, "response_latency_ms": 30.0})["repredicted"]
+
+    for q in ("p50", "p90"):
+        assert late[f"ttft_{q}_ms"] == pytest.approx(plain[f"ttft_{q}_ms"] + 30.0)
+        assert late[f"tpot_{q}_ms"] == pytest.approx(plain[f"tpot_{q}_ms"])
+
+
 def test_without_the_servers_status_the_plans_prediction_is_compared() -> None:
     """A server that gives no status cannot be calibrated: the entry says why, and gets
     no re-prediction (the plan's prediction is the one compared)."""
@@ -238,6 +258,7 @@ def test_a_served_config_is_calibrated_through_its_server_before_its_replay(
     assert calibration["probe_prompts"] == [128, 200]
     assert calibration["pilot_requests"] == 4 and calibration["pilot_seed"] == PILOT_SEED
     assert calibration["steps"]["decode_b1"] >= 4 and calibration["steps"]["prompt"] >= 8
+    assert calibration["response_latency_ms"] >= 0.0
     docs = documented_fields()
     assert set(calibration) <= docs["`served_calibration`"]
     assert set(served["repredicted"]) <= docs["`predicted`"]
