@@ -47,7 +47,7 @@ def summary(paths: list[Path]) -> dict[str, Any]:
         pick = doc["recommended"]
         runs.append({"file": path.name, "rate_rps": round(doc["rate_rps"], 2),
                      "requests": doc["num_requests"], **doc["search"],
-                     "pareto": len(doc["pareto"]),
+                     "pareto": None if doc["pareto"] is None else len(doc["pareto"]),
                      "recommended": None if pick is None else
                      {k: pick[k] for k in ("mode", "prefill", "prefill_tp", "decode",
                                            "decode_tp", "accelerators", "cost_per_hour")}})
