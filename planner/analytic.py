@@ -133,7 +133,7 @@ class StepModel:
         peak = a.flops(self.dtype)
         bandwidth = a.memory_bandwidth_gbs * 1e9 * a.bandwidth_efficiency
         efficiency = a.gemm_efficiency * tokens / (tokens + a.gemm_half_tokens)
-        passes = a.gemm_weight_passes if tokens > 1 else 1.0
+        passes = a.gemm_weight_passes if tokens > a.gemm_packed_rows else 1.0
         gemm = max(self.gemm_flops(tokens, seqs) / tp / (peak * efficiency),
                    passes * self.weight_bytes(tokens) / tp / bandwidth)
         attention = max(self.attention_flops(pairs) / tp / (peak * a.attention_efficiency),

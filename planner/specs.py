@@ -43,9 +43,13 @@ class Accelerator:
         gemm_half_tokens: the token count at which a GEMM reaches half of that (its
             efficiency is `gemm_efficiency * T / (T + gemm_half_tokens)`: few rows leave
             tiles and cores idle).
-        gemm_weight_passes: passes over the weights a GEMM of more than one row makes
-            (a CPU BLAS packs its operand, read, write, read again, where a one-row
-            product streams it once; a GPU reads it once).
+        gemm_weight_passes: passes over the weights a GEMM of more than
+            `gemm_packed_rows` rows makes (a CPU BLAS packs its operand, read, write, read
+            again, where a one-row product streams it once; a GPU reads it once).
+        gemm_packed_rows: up to this many rows a GEMM reads its weights once: a one-row
+            product streams them, and an engine may keep them packed from load for a few
+            rows (this one's fp32 linears of 2-16 rows on AVX-512 CPUs, oneDNN's
+            prepacked GEMM).
         attention_efficiency: the fraction of peak FLOP/s attention reaches.
         bandwidth_efficiency: the fraction of memory bandwidth a weight or KV read reaches.
         step_overhead_ms: fixed time per step (scheduling, launches, sampling).
@@ -70,6 +74,7 @@ class Accelerator:
     gemm_efficiency: float = 0.7
     gemm_half_tokens: float = 64.0
     gemm_weight_passes: float = 1.0
+    gemm_packed_rows: int = 1
     attention_efficiency: float = 0.5
     bandwidth_efficiency: float = 0.8
     step_overhead_ms: float = 2.0
@@ -179,6 +184,7 @@ def cpu_accelerator(torch_threads: int = 1) -> Accelerator:
     import torch
 
     from engine.hardware import cpu_features, measure_peaks
+    from engine.models.llama import BlasLinear, fp32_small_rows
 
     before = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
@@ -190,6 +196,7 @@ def cpu_accelerator(torch_threads: int = 1) -> Accelerator:
         torch.set_num_threads(before)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = cpu_features()
+    packed_rows = BlasLinear.SMALL_ROWS if fp32_small_rows() else 1
     return Accelerator(
         name="cpu", bf16_tflops=peaks["flops"] / 1e12, fp32_tflops=peaks["flops"] / 1e12,
         memory_gb=memory / 1e9, memory_bandwidth_gbs=peaks["bandwidth"] / 1e9,
@@ -197,16 +204,17 @@ def cpu_accelerator(torch_threads: int = 1) -> Accelerator:
         network_gbps=8 * peaks["bandwidth"] / 1e9 / 2,  # a copy: read and write
         devices_per_node=max(cpu.cores // torch_threads, 1),
         source=f"measured on {cpu.model} with {torch_threads} thread(s)",
-        **CPU_CONSTANTS)
+        gemm_packed_rows=packed_rows, **CPU_CONSTANTS)
 
 
 # The CPU engine's constants: the GPU defaults' efficiencies (70 % of the measured
 # 1024-square matmul peak for a large GEMM, 80 % of the measured read bandwidth), a GEMM
-# at half of that at 32 rows and, above one row, packing its weights (three passes over
-# them; one row is a streamed GEMV); every layer costs ~20 Python-level ops (norms,
-# rotary, the paged-KV write, the residual adds), about 0.1 ms together. Chosen looking
-# at one measured profile of SmolLM2 on a 2-core Xeon (docs/planner.md: the check is not
-# blind).
+# at half of that at 32 rows and, above the rows it keeps packed from load
+# (`gemm_packed_rows`, set by `cpu_accelerator` from the engine's fp32 path), packing its
+# weights per call (three passes over them); every layer costs ~20 Python-level ops
+# (norms, rotary, the paged-KV write, the residual adds), about 0.1 ms together. Chosen
+# looking at measured profiles of SmolLM2 on a 2-core Xeon (docs/planner.md: the check
+# is not blind).
 CPU_CONSTANTS: dict[str, float] = {
     "gemm_efficiency": 0.7, "gemm_half_tokens": 32.0, "gemm_weight_passes": 3.0,
     "attention_efficiency": 0.5, "bandwidth_efficiency": 0.8, "step_overhead_ms": 5.0,
