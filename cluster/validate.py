@@ -15,9 +15,9 @@ configuration just before its replay: the profile is calibrated through the serv
 from the trace's own lengths, mix and arrival gaps with fresh token ids, `pilot_trace`;
 the pilot's first tokens against the simulated ones give the serving path's latency,
 `response_latency`), and the configuration is simulated again with that profile on the
-trace at its rate (`repredict`). The trace's own requests are never sent before its replay. With
-`calibration="bare"` the plan's prediction (its profile as `plan` calibrated it on a bare
-engine, or as measured) is compared.
+trace at its rate (`repredict`). The trace's own requests are never sent before its
+replay. With `calibration="bare"` the plan's prediction (its profile as `plan` calibrated
+it on a bare engine, or as measured) is compared.
 """
 
 from __future__ import annotations
@@ -246,11 +246,11 @@ def served_prediction(config: dict[str, Any], request: PlanRequest,
     """
     pilot = pilot_trace(request.requests, pilot_requests, PILOT_SEED)
     prompts = probe_prompts(request.requests, profiles[1].max_model_len - 2)
+    shape = shape_of(config, request.max_num_seqs)
     try:
-        calibrator = ServingCalibrator(profiles[1], shape_of(config, request.max_num_seqs),
-                                       target, lambda _scaled, _workload: pilot, prompts)
+        calibrator = ServingCalibrator(profiles[1], shape, target,
+                                       lambda _scaled, _workload: pilot, prompts)
         _, record = calibrator("trace")
-        shape = shape_of(config, request.max_num_seqs)
         latency = response_latency(*(scaled_by_record(p, record) for p in profiles), shape,
                                    *calibrator.pilots["trace"])
         return repredict(config, request, profiles,

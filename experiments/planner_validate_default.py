@@ -27,8 +27,7 @@ from planner.measure import VOCAB
 from planner.plan import label
 
 # The traces' seeds, each used by no other planner experiment (accuracy: 0-360;
-# autoscale: 21-42): 2027 for the runs of a profile from before the serving path's
-# latency was calibrated, 2028 for those after.
+# autoscale: 21-42): 2027 the earlier protocols' (docs/planner.md), 2028 the current one's.
 SEEDS = (2027, 2028)
 SEED = SEEDS[-1]
 NUM_REQUESTS = 80
