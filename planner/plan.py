@@ -26,7 +26,7 @@ from engine import defaults
 from planner.deploy import deployment
 from planner.frontier import pareto_front, rate_sweep
 from planner.profile import Profile, check_same_model
-from planner.simulator import ClusterShape, SimResult, Simulation
+from planner.simulator import ClusterShape, MissBudget, SimResult, Simulation
 from protocol.defaults import LOCAL_PREFILL_THRESHOLD
 from protocol.serving import PERCENTILES, Slo, TraceRequest, distribution, read_trace
 
@@ -181,9 +181,12 @@ def shapes(request: PlanRequest) -> list[list[ClusterShape]]:
 
 
 def simulate(request: PlanRequest, shape: ClusterShape,
-             requests: Sequence[TraceRequest] | None = None) -> SimResult:
+             requests: Sequence[TraceRequest] | None = None,
+             verdict_only: bool = False) -> SimResult:
     """`shape` on the request's trace (or on `requests`), run with seeds 0, 1, ... until
-    `request.simulated_requests` requests are simulated, the runs laid end to end.
+    `request.simulated_requests` requests are simulated, the runs laid end to end. With
+    `verdict_only`, the runs stop as soon as the SLO is certain to be missed
+    (`miss_budget`; the result is then `stopped`, its figures partial): for `meets`.
 
     With a step-time spread one run of a short trace is one draw of its percentiles, not
     their expected value: on a 100-request point whose decode steps were bimodal (those
@@ -194,9 +197,34 @@ def simulate(request: PlanRequest, shape: ClusterShape,
     trace = requests or request.requests
     spread = max(request.prefill_profile.step_cv, request.decode_profile.step_cv) > 0
     runs = -(-request.simulated_requests // len(trace)) if spread else 1
-    return SimResult.end_to_end([
-        Simulation(shape, request.prefill_profile, request.decode_profile, seed).run(trace)
-        for seed in range(runs)])
+    budget = miss_budget(request.slo, runs * len(trace)) if verdict_only else None
+    results: list[SimResult] = []
+    for seed in range(runs):
+        results.append(Simulation(shape, request.prefill_profile, request.decode_profile,
+                                  seed).run(trace, budget))
+        if results[-1].stopped:
+            break
+    return SimResult.end_to_end(results)
+
+
+def miss_budget(slo: Slo, num_requests: int) -> MissBudget | None:
+    """The most of `num_requests` requests that may miss the SLO's TTFT bound with the
+    attainment still at its target (None: the SLO bounds no TTFT)."""
+    bound = slo.bound("ttft")
+    if bound is None:
+        return None
+    allowed = int(num_requests * (1 - slo.attainment)) + 2
+    while allowed > 0 and (num_requests - allowed) / num_requests < slo.attainment:
+        allowed -= 1
+    return MissBudget(bound / 1e3, allowed)
+
+
+def meets_slo_at(request: PlanRequest, shape: ClusterShape,
+                 requests: Sequence[TraceRequest]) -> bool:
+    """Whether `shape` meets the SLO on `requests`: `simulate`'s verdict, the simulation
+    stopped as soon as a miss is certain."""
+    result = simulate(request, shape, requests, verdict_only=True)
+    return not result.stopped and request.slo.meets(figures(result, request.slo))
 
 
 def predict(request: PlanRequest, shape: ClusterShape) -> dict[str, Any]:
@@ -228,8 +256,7 @@ def max_rate(request: PlanRequest, shape: ClusterShape, iterations: int = 6) -> 
         return 0.0
 
     def ok(rate: float) -> bool:
-        result = simulate(request, shape, at_rate(request.requests, rate))
-        return request.slo.meets(figures(result, request.slo))
+        return meets_slo_at(request, shape, at_rate(request.requests, rate))
 
     low, high = 0.0, base
     for _ in range(8):

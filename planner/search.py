@@ -38,6 +38,7 @@ from planner.plan import (
     PlanRequest,
     at_rate,
     figures,
+    meets_slo_at,
     predict,
     shape_entry,
     simulate,
@@ -343,8 +344,7 @@ def sustained_rate(request: BudgetRequest, c: Candidate, iterations: int = 5,
         return low
 
     def ok(rate: float) -> bool:
-        result = simulate(planned, shape(request, c), at_rate(request.requests, rate))
-        return request.slo.meets(figures(result, request.slo))
+        return meets_slo_at(planned, shape(request, c), at_rate(request.requests, rate))
 
     if low < floor < high:
         if not ok(floor):

@@ -90,6 +90,29 @@ class ClusterShape:
 
 
 @dataclass
+class MissBudget:
+    """Stop a simulation as soon as its SLO verdict is known to be a miss: when more than
+    `allowed` requests have had no first token within `ttft_s` of their arrival (a
+    certain TTFT miss, failures included), the run's attainment is below its target
+    whatever happens next. A bisection on the rate needs only that verdict, and the runs it
+    rejects (an overload, its queue growing to the end) are its longest.
+
+    Args:
+        ttft_s: the per-request TTFT bound.
+        allowed: the most requests that may miss it (over every run it is shared by).
+        misses: certain misses counted so far.
+    """
+
+    ttft_s: float
+    allowed: int
+    misses: int = 0
+
+    @property
+    def spent(self) -> bool:
+        return self.misses > self.allowed
+
+
+@dataclass
 class SimResult:
     """What the simulation predicts, per request (seconds; NaN where undefined).
 
@@ -105,6 +128,8 @@ class SimResult:
         num_failed: requests that found no decode KV within the router's reserve timeout.
         runs: simulations laid end to end in this result (`end_to_end`); the counts above
             are over all of them.
+        stopped: a `MissBudget` ran out: the SLO is missed, and requests left unfinished
+            are NaN (the figures are not the run's).
     """
 
     arrival: np.ndarray
@@ -117,6 +142,7 @@ class SimResult:
     num_local_prefills: int = 0
     num_failed: int = 0
     runs: int = 1
+    stopped: bool = False
 
     @classmethod
     def end_to_end(cls, results: Sequence[SimResult]) -> SimResult:
@@ -133,7 +159,8 @@ class SimResult:
                    sum(r.num_steps for r in results), sum(r.busy_s for r in results),
                    sum(r.num_preemptions for r in results),
                    sum(r.num_local_prefills for r in results),
-                   sum(r.num_failed for r in results), sum(r.runs for r in results))
+                   sum(r.num_failed for r in results), sum(r.runs for r in results),
+                   any(r.stopped for r in results))
 
     @property
     def ttft(self) -> np.ndarray:
@@ -148,8 +175,9 @@ class SimResult:
 
     @property
     def duration(self) -> float:
-        """From the first arrival to the last token."""
-        return float(np.nanmax(self.finish) - self.arrival.min())
+        """From the first arrival to the last token (NaN when none finished)."""
+        finished = self.finish[np.isfinite(self.finish)]
+        return float(finished.max() - self.arrival.min()) if finished.size else math.nan
 
 
 @dataclass
@@ -248,8 +276,10 @@ class Simulation:
     def _at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action))
 
-    def run(self, requests: Sequence[TraceRequest]) -> SimResult:
-        """Simulate every request to its last token.
+    def run(self, requests: Sequence[TraceRequest], budget: MissBudget | None = None
+            ) -> SimResult:
+        """Simulate every request to its last token, or (with a `budget`) until the
+        requests certain to miss their TTFT bound are more than it allows (`stopped`).
 
         Raises:
             ValueError: no requests, or a request that cannot fit the profile's limits.
@@ -264,11 +294,15 @@ class Simulation:
         for index, r in enumerate(requests):
             self._check(index, r)
             self._at(r.timestamp, lambda i=index, r=r: self._arrive(i, r))
+            if budget is not None:  # just after the bound: a token at it is within it
+                self._at(r.timestamp + budget.ttft_s * (1 + 1e-9) + 1e-9,
+                         lambda i=index: self._deadline(i, budget))
         self._at(0.0, self._push_stats)
-        while self._events and self._remaining:
+        while self._events and self._remaining and not (budget and budget.spent):
             self.now, _, action = heapq.heappop(self._events)
             action()
-        if self._remaining:
+        stopped = bool(budget and budget.spent)
+        if self._remaining and not stopped:
             raise RuntimeError(f"simulation stalled with {self._remaining} requests unfinished "
                                "(a prompt larger than a worker's KV pool?)")
         return SimResult(np.array([r.timestamp for r in requests]), self._first + self._latency,
@@ -276,7 +310,11 @@ class Simulation:
                          np.array([r.output_len for r in requests]),
                          sum(w.num_steps for w in self.workers),
                          sum(w.busy_s for w in self.workers), self._num_preemptions,
-                         self._local, self._num_failed)
+                         self._local, self._num_failed, stopped=stopped)
+
+    def _deadline(self, index: int, budget: MissBudget) -> None:
+        if math.isnan(self._first[index]):
+            budget.misses += 1
 
     def _check(self, index: int, r: TraceRequest) -> None:
         if not r.prompt_token_ids:

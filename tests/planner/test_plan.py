@@ -14,14 +14,17 @@ from cluster.cli import main
 from planner.plan import (
     PlanRequest,
     at_rate,
+    figures,
     load_trace,
+    meets_slo_at,
+    miss_budget,
     plan,
     predict,
     simulate,
     trace_rate,
 )
 from planner.profile import Profile
-from planner.simulator import ClusterShape, Simulation
+from planner.simulator import ClusterShape, MissBudget, Simulation
 from protocol.serving import Slo
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
 
@@ -155,6 +158,37 @@ def test_a_spread_profile_is_simulated_until_enough_requests_and_the_runs_pooled
     assert exact.runs == 1
     with pytest.raises(ValueError, match="simulated_requests must be >= 1"):
         PlanRequest(PROFILE, PROFILE, requests, slo, simulated_requests=0)
+
+
+def test_a_verdict_stops_the_simulation_once_the_miss_is_certain() -> None:
+    """1 s prefills on one colocated worker at 0.6-1.6 prompts/s, with a step spread (so
+    several runs share the miss budget): at every rate the early-stopped verdict is the
+    full simulation's; the overloaded rates stop early, having stepped less, their
+    finished requests' first tokens those of the full run; below the overload nothing
+    stops. With an attainment of 0.9 and 100 simulated requests, 10 may miss."""
+    profile = replace(PROFILE, step_cv=0.05)
+    requests = trace(poisson_arrivals(50, 1.0, seed=4), random_prompts(50, 1000, seed=5), 1)
+    request = PlanRequest(profile, profile, requests, Slo.parse("ttft_p90_ms=4000"),
+                          simulated_requests=100)
+    shape = ClusterShape("colocated", 0, 1)
+    assert miss_budget(request.slo, 100) == MissBudget(4.0, 10)
+    assert miss_budget(Slo.parse("tpot_p90_ms=40"), 100) is None
+
+    stopped = 0
+    for rate in (0.6, 0.8, 1.0, 1.2, 1.6):
+        at = at_rate(requests, rate)
+        full = simulate(request, shape, at)
+        early = simulate(request, shape, at, verdict_only=True)
+        assert meets_slo_at(request, shape, at) == request.slo.meets(figures(full, request.slo))
+        if early.stopped:
+            stopped += 1
+            assert not request.slo.meets(figures(full, request.slo))
+            assert early.num_steps < full.num_steps
+            done = np.isfinite(early.first_token)
+            assert early.first_token[done] == pytest.approx(full.first_token[:len(done)][done])
+        else:
+            assert early.num_steps == full.num_steps
+    assert stopped >= 2 and meets_slo_at(request, shape, at_rate(requests, 0.6))
 
 
 def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
