@@ -134,6 +134,10 @@ class StepModel:
         bandwidth = a.memory_bandwidth_gbs * 1e9 * a.bandwidth_efficiency
         efficiency = a.gemm_efficiency * tokens / (tokens + a.gemm_half_tokens)
         passes = a.gemm_weight_passes if tokens > a.gemm_packed_rows else 1.0
+        # One row is a matrix-vector product: no tiles to fill, so the efficiency curve
+        # (a GEMM's) leaves it; its 2 FLOPs per weight hide under the read on real devices.
+        if tokens <= 1:
+            efficiency = 1.0
         gemm = max(self.gemm_flops(tokens, seqs) / tp / (peak * efficiency),
                    passes * self.weight_bytes(tokens) / tp / bandwidth)
         attention = max(self.attention_flops(pairs) / tp / (peak * a.attention_efficiency),

@@ -58,10 +58,13 @@ def test_the_work_of_a_step_on_a_tiny_config() -> None:
     # One decode token after 3 in context: 4 query-key pairs, 4 x 2 layers x 2 heads x 4 each.
     assert model.attention_flops(4) == 256
     parts = model.step_parts([(3, 1, False)])
-    # 2464 FLOPs at half of 1000 FLOP/s (one token) beat 2464 bytes at 1000 bytes/s;
-    # attention's 256 FLOPs beat reading 3 and writing 1 tokens of KV (128 bytes).
-    assert parts == {"overhead": 0.0, "gemm": pytest.approx(4.928), "attention":
+    # One token is a matrix-vector product at the full 1000 FLOP/s (no tiles to fill):
+    # 2464 FLOPs, as long as 2464 bytes at 1000 bytes/s; attention's 256 FLOPs beat
+    # reading 3 and writing 1 tokens of KV (128 bytes).
+    assert parts == {"overhead": 0.0, "gemm": pytest.approx(2.464), "attention":
                      pytest.approx(0.256), "all_reduce": 0.0}
+    # 2 decode tokens at 2/3 of the peak (T / (T + 1)): 2 x (2 x 1152 + 2 x 80) FLOPs.
+    assert model.step_parts([(3, 1, False)] * 2)["gemm"] == pytest.approx(4.928 * 1.5)
     # 8 tokens run at 8/9 of the peak.
     assert model.step_parts([(0, 8, True)])["gemm"] == pytest.approx(
         2 * (8 * 1152 + 80) / (1000 * 8 / 9))
