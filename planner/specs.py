@@ -42,7 +42,7 @@ class Accelerator:
         gemm_efficiency: the fraction of peak FLOP/s a large GEMM reaches.
         gemm_half_tokens: the token count at which a GEMM reaches half of that (its
             efficiency is `gemm_efficiency * T / (T + gemm_half_tokens)`: few rows leave
-            tiles and cores idle).
+            tiles and cores idle; one row, a GEMV, is priced at the peak).
         gemm_weight_passes: passes over the weights a GEMM of more than
             `gemm_packed_rows` rows makes (a CPU BLAS packs its operand, read, write, read
             again, where a one-row product streams it once; a GPU reads it once).
