@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.loadgen import RequestRecord
 from bench.run import RunSettings, Target, bench_run, status_snapshot
+from bench.serving_metrics import succeeded, ttft
 from planner.calibrate import (
     PROBE_BATCHES,
     PROBE_PREFILL,
@@ -185,10 +187,9 @@ def probe_prompts(trace: Sequence[TraceRequest], longest: int) -> tuple[int, ...
 
 def first_token_seconds(report: dict[str, Any]) -> np.ndarray:
     """Each request's TTFT in a bench report, in request order, as the bench defines it
-    (send to first chunk); NaN for a request that failed or streamed nothing."""
-    records = sorted(report["requests"], key=lambda r: r["index"])
-    return np.array([r["chunks"][0][0] - r["send"] if r["chunks"] and r["error"] is None
-                     else np.nan for r in records])
+    (`bench.serving_metrics.ttft`); NaN for a request that did not succeed."""
+    records = sorted((RequestRecord(**r) for r in report["requests"]), key=lambda r: r.index)
+    return np.array([ttft(r) if succeeded(r) else np.nan for r in records])
 
 
 def response_latency(prefill: Profile, decode: Profile, shape: ClusterShape,
@@ -198,7 +199,8 @@ def response_latency(prefill: Profile, decode: Profile, shape: ClusterShape,
     (`Profile.response_latency_s`): the median over `requests` (a pilot, replayed on an
     idle server) of the measured TTFT less the simulated one, the configuration simulated
     with these profiles (calibrated, no latency of their own) and each request's TTFT
-    averaged over `runs` seeds; 0 where the simulation's TTFTs are the longer.
+    averaged over `runs` seeds (one without a step spread); 0 where the simulation's
+    TTFTs are the longer.
 
     Measured on this 2-core machine, the TTFT of the requests of a served trace ran a
     median 28-49 ms over their simulated TTFT (one or two colocated workers, fp32
@@ -214,7 +216,8 @@ def response_latency(prefill: Profile, decode: Profile, shape: ClusterShape,
     if not ok.any():
         raise ValueError("no pilot request has a measured first token")
     prefill, decode = (replace(p, response_latency_s=0.0) for p in (prefill, decode))
+    seeds = range(runs if max(prefill.step_cv, decode.step_cv) > 0 else 1)  # else all alike
     simulated = np.nanmean([Simulation(shape, prefill, decode, seed).run(requests).ttft
-                            for seed in range(runs)], axis=0)
+                            for seed in seeds], axis=0)
     ok &= np.isfinite(simulated)
     return max(float(np.median(measured[ok] - simulated[ok])), 0.0) if ok.any() else 0.0

@@ -186,7 +186,7 @@ def simulate(request: PlanRequest, shape: ClusterShape,
     """`shape` on the request's trace (or on `requests`), run with seeds 0, 1, ... until
     `request.simulated_requests` requests are simulated, the runs laid end to end. With
     `verdict_only`, the runs stop as soon as the SLO is certain to be missed
-    (`miss_budget`; the result is then `stopped`, its figures partial): for `meets`.
+    (`miss_budget`; the result is then `stopped`, its figures partial): for `meets_slo_at`.
 
     With a step-time spread one run of a short trace is one draw of its percentiles, not
     their expected value: on a 100-request point whose decode steps were bimodal (those

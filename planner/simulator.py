@@ -294,9 +294,9 @@ class Simulation:
         for index, r in enumerate(requests):
             self._check(index, r)
             self._at(r.timestamp, lambda i=index, r=r: self._arrive(i, r))
-            if budget is not None:  # just after the bound: a token at it is within it
-                self._at(r.timestamp + budget.ttft_s * (1 + 1e-9) + 1e-9,
-                         lambda i=index: self._deadline(i, budget))
+            if budget is not None:  # the bound on the engine's clock, and just after it
+                self._at(r.timestamp + max(budget.ttft_s - self._latency, 0.0) * (1 + 1e-9)
+                         + 1e-9, lambda i=index: self._deadline(i, budget))
         self._at(0.0, self._push_stats)
         while self._events and self._remaining and not (budget and budget.spent):
             self.now, _, action = heapq.heappop(self._events)

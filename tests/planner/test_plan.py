@@ -191,6 +191,26 @@ def test_a_verdict_stops_the_simulation_once_the_miss_is_certain() -> None:
     assert stopped >= 2 and meets_slo_at(request, shape, at_rate(requests, 0.6))
 
 
+def test_the_verdicts_deadline_counts_the_serving_paths_latency() -> None:
+    """With 1.5 s of the 4 s TTFT bound spent on the serving path, the early verdict is
+    still the full simulation's, and the overload stops sooner than without it."""
+    requests = trace(poisson_arrivals(50, 1.0, seed=4), random_prompts(50, 1000, seed=5), 1)
+    shape = ClusterShape("colocated", 0, 1)
+    late = replace(PROFILE, response_latency_s=1.5)
+    verdicts = []
+    for rate in (0.5, 0.7, 1.6):
+        at = at_rate(requests, rate)
+        request = PlanRequest(late, late, at, Slo.parse("ttft_p90_ms=4000"))
+        full = simulate(request, shape)
+        verdicts.append(meets_slo_at(request, shape, at))
+        assert verdicts[-1] == request.slo.meets(figures(full, request.slo))
+    assert verdicts[0] and not verdicts[-1]
+    at = at_rate(requests, 1.6)
+    steps = [simulate(PlanRequest(p, p, at, Slo.parse("ttft_p90_ms=4000")), shape,
+                      verdict_only=True).num_steps for p in (PROFILE, late)]
+    assert steps[1] < steps[0]
+
+
 def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown key 'ttft_p95_ms'"):
         Slo.parse("ttft_p95_ms=100")

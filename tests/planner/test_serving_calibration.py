@@ -3,12 +3,13 @@ workload's replays pooled, and the pilot trace drawn from a trace's own distribu
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
 import pytest
 
+from bench.loadgen import RequestRecord
 from bench.run import Target
 from cluster.serving_calibration import (
     ServingCalibrator,
@@ -152,10 +153,12 @@ def test_the_serving_paths_latency_is_the_pilots_median_first_token_gap() -> Non
 def test_first_tokens_are_read_from_a_report_in_request_order() -> None:
     """Send to first chunk, as the bench defines TTFT; NaN for a failed request or one that
     streamed nothing."""
-    report = {"requests": [
-        {"index": 2, "send": 1.0, "chunks": [[1.25, 1]], "error": None},
-        {"index": 0, "send": 0.0, "chunks": [[0.5, 1], [0.6, 1]], "error": None},
-        {"index": 1, "send": 0.5, "chunks": [], "error": None},
-        {"index": 3, "send": 2.0, "chunks": [[2.1, 1]], "error": "aborted"}]}
+    def record(index: int, send: float, chunks: list, error: str | None = None) -> dict:
+        return asdict(RequestRecord(index, send, 2, send=send, chunks=chunks,
+                                    finish_reason="error" if error else "length",
+                                    error=error))
+
+    report = {"requests": [record(2, 1.0, [[1.25, 1]]), record(0, 0.0, [[0.5, 1], [0.6, 1]]),
+                           record(1, 0.5, []), record(3, 2.0, [[2.1, 1]], "aborted")]}
     assert first_token_seconds(report) == pytest.approx([0.5, np.nan, 0.25, np.nan],
                                                         nan_ok=True)
