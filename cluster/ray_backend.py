@@ -25,10 +25,14 @@ from cluster.pool import Detached, WorkerPool
 from cluster.scaling import Scaler
 from engine import defaults
 from protocol import Role
+from protocol.status import WorkerStats
 from protocol.tracing import Tracer
 from router.backend import Backend, GenerateRequest, ModelInfo, TokenDelta
 
 log = logging.getLogger(__name__)
+
+# How long `status` waits for a worker's own snapshot before showing its pushed one.
+FRESH_STATS_TIMEOUT_S = 1.0
 
 
 class ClusterBackend(Backend):
@@ -137,10 +141,18 @@ class ClusterBackend(Backend):
         return self.dispatcher.abort(request_id)
 
     async def status(self) -> dict[str, Any]:
+        """The pools as they are now: each live worker's figures are a snapshot taken for
+        this call (its pushed stats lag by up to an interval, so right after the pools
+        drained they could still show blocks in use); a worker that does not answer within
+        `FRESH_STATS_TIMEOUT_S` (a long step, a stalled engine) shows its last pushed ones,
+        with their age."""
+        handles = list(self.workers.values())
+        fresh = await _fresh_stats(handles, FRESH_STATS_TIMEOUT_S)
         pools: dict[str, list[dict[str, Any]]] = {}
         now = time.monotonic()
-        for h in self.workers.values():
-            pools.setdefault(str(h.role), []).append(msgspec.to_builtins(h.status(now)))
+        for h in handles:
+            pools.setdefault(str(h.role), []).append(
+                msgspec.to_builtins(h.status(now, fresh.get(h.worker_id))))
         return {"mode": self.config.mode, "model": self.config.model, "pools": pools,
                 "pool_settings": self.config.pool_settings(),
                 "num_streams": len(self.dispatcher.requests)}
@@ -150,3 +162,20 @@ class ClusterBackend(Backend):
         (`cluster.scaling`)."""
         await self.scaler.scale(num_prefill, num_decode)
         return await self.status()
+
+
+async def _fresh_stats(handles: list[WorkerHandle], timeout_s: float
+                       ) -> dict[str, WorkerStats]:
+    """Snapshots from the live workers that answer within `timeout_s`, by worker id."""
+    live = [h for h in handles if h.actor is not None and h.state != "dead"]
+    calls = {asyncio.ensure_future(_stats_of(h)): h.worker_id for h in live}
+    if not calls:
+        return {}
+    done, pending = await asyncio.wait(calls, timeout=timeout_s)
+    for call in pending:
+        call.cancel()
+    return {calls[call]: call.result() for call in done if call.exception() is None}
+
+
+async def _stats_of(handle: WorkerHandle) -> WorkerStats:
+    return msgspec.convert(await handle.actor.stats.remote(), WorkerStats)

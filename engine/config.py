@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from engine import defaults
-from engine.hardware import cpu_features
+from engine.hardware import cpu_paths
 from engine.kv_quant import KVCacheDtype, check_kv_cache_dtype
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """Map a user-facing dtype name to a torch dtype; `auto` (vLLM's default name) is
     bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), float32 on CPUs
-    where bf16 would be emulated (`CpuFeatures.auto_dtype`); the choice is logged.
+    where bf16 would be emulated (`CpuPaths.auto_dtype`); the choice is logged.
 
     Raises:
         ValueError: the name is not one of the supported dtypes.
@@ -36,9 +36,9 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) ->
     if dtype == "auto":
         if device is not None and device.type == "cuda":
             return torch.bfloat16
-        cpu = cpu_features()
-        log.info("dtype auto: %s (%s)", cpu.auto_dtype, cpu.describe())
-        return _DTYPES[cpu.auto_dtype]
+        paths = cpu_paths()
+        log.info("dtype auto: %s (%s)", paths.auto_dtype, paths.describe())
+        return _DTYPES[paths.auto_dtype]
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not supported; use auto or one of "
                          f"{sorted(_DTYPES)}")

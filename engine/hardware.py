@@ -1,4 +1,5 @@
-"""What this device is (CPU features) and its measured limits (FLOP/s, read bandwidth)."""
+"""What this device is (CPU features), which CPU paths the engine takes on it, and its
+measured limits (FLOP/s, read bandwidth)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,27 @@ from pathlib import Path
 
 import torch
 
+# The ISA levels the engine's CPU paths are chosen by, lowest first: the kernels' variants
+# (`engine.kernels.ISA_TARGETS`) carry the same names. `PDCLUSTER_CPU_ISA` caps them.
+ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
+ISA_CAP_ENV = "PDCLUSTER_CPU_ISA"
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})
+# The CPU flags (`/proc/cpuinfo` names) each level above the baseline needs.
+_LEVEL_FLAGS = {"avx2": frozenset({"avx2", "fma", "f16c"}), "avx512": _AVX512,
+                "avx512_bf16": _AVX512 | {"avx512_bf16"},
+                "amx": _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}}
+
 
 @dataclass(frozen=True)
 class CpuFeatures:
-    """The CPU facts the engine picks paths by.
+    """The CPU's facts, as the hardware reports them (no cap applied: see `CpuPaths`).
 
     Args:
         model: the CPU's name.
         cores: cores this process may run on.
         isa: the widest SIMD level torch's kernels use here (`AVX2`, `AVX512`, ...).
         avx512: AVX-512 foundation present.
-        native_bf16: bf16 arithmetic in hardware (`avx512_bf16` or AMX); without it bf16
-            matmuls are emulated and slower than fp32.
+        native_bf16: bf16 arithmetic in hardware (`avx512_bf16` or AMX).
         amx: AMX tiles present.
         flags: the CPU's feature flags (`/proc/cpuinfo`).
     """
@@ -36,27 +46,71 @@ class CpuFeatures:
     flags: frozenset[str] = frozenset()
 
     @property
-    def kernel_isas(self) -> tuple[str, ...]:
-        """The engine kernels' ISA variants (`engine.kernels.ISA_TARGETS`) this CPU runs,
-        baseline first, best last."""
-        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}
-        runs = {"avx2": {"avx2", "fma", "f16c"}, "avx512": avx512,
-                "avx512_bf16": avx512 | {"avx512_bf16"},
-                "amx": avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}}
-        return ("generic", *(isa for isa, needs in runs.items() if needs <= self.flags))
+    def isa_levels(self) -> tuple[str, ...]:
+        """The `ISA_LEVELS` this CPU runs, baseline first, best last."""
+        return ("baseline", *(level for level, needs in _LEVEL_FLAGS.items()
+                              if needs <= self.flags))
+
+
+@dataclass(frozen=True)
+class CpuPaths:
+    """Which CPU paths the engine takes on this machine: decided in one place,
+    `cpu_paths()`, from the CPU's flags, what torch's oneDNN supports here and the
+    `PDCLUSTER_CPU_ISA` cap.
+
+    Args:
+        cpu: the CPU's facts.
+        levels: the ISA levels in use, lowest first (the CPU's, up to the cap); the
+            kernels run the last one's variant.
+        cap: the cap's level; None when `PDCLUSTER_CPU_ISA` is unset.
+        fp32_small_rows: fp32 linears of 2 to 16 rows run on oneDNN's fp32 GEMM on a copy
+            prepacked at load (AVX-512; on AVX2 OpenBLAS is faster at every row count).
+        bf16_onednn: bf16 linears run on oneDNN's bf16 GEMM on prepacked weights. oneDNN
+            has a bf16 path only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere,
+            or capped below AVX-512, bf16 linears take torch's own kernels (emulated,
+            slower than fp32).
+    """
+
+    cpu: CpuFeatures
+    levels: tuple[str, ...]
+    cap: str | None
+    fp32_small_rows: bool
+    bf16_onednn: bool
+
+    @property
+    def level(self) -> str:
+        """The highest level in use: the kernels' variant."""
+        return self.levels[-1]
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 arithmetic in hardware at the level in use (AVX512-BF16 or AMX)."""
+        return self.level in ("avx512_bf16", "amx")
 
     @property
     def auto_dtype(self) -> str:
-        """`--dtype auto` on this CPU: bfloat16 where it is native (AVX512-BF16 or AMX; the
-        linears, glue, attention and KV cache then move half the bytes), float32 where
-        bf16 would be emulated and slower."""
+        """`--dtype auto` here: bfloat16 where it is native (the linears, glue, attention
+        and KV cache then move half the bytes), float32 where bf16 would be emulated and
+        slower."""
         return "bfloat16" if self.native_bf16 else "float32"
 
+    def linears(self, dtype: torch.dtype) -> str:
+        """The path a CPU linear of `dtype` takes (logged, and in the worker's status)."""
+        if dtype == torch.float32:
+            return "OpenBLAS fp32, oneDNN fp32 prepacked at 2-16 rows" \
+                if self.fp32_small_rows else "OpenBLAS fp32"
+        if dtype == torch.bfloat16 and self.bf16_onednn:
+            return "oneDNN bf16, prepacked"
+        return f"torch {str(dtype).removeprefix('torch.')} (emulated)" \
+            if dtype in (torch.bfloat16, torch.float16) and not self.native_bf16 else "torch"
+
     def describe(self) -> str:
+        cpu = self.cpu
         bf16 = "native" if self.native_bf16 else "emulated (fp32 is faster)"
-        return (f"{self.model}, {self.cores} cores, {self.isa}"
-                f"{'' if self.avx512 else ' (no AVX-512)'}, bf16 {bf16}"
-                f"{', AMX' if self.amx else ''}")
+        cap = f", capped at {self.cap} ({ISA_CAP_ENV})" if self.cap else ""
+        return (f"{cpu.model}, {cpu.cores} cores, {cpu.isa}"
+                f"{'' if cpu.avx512 else ' (no AVX-512)'}, bf16 {bf16}"
+                f"{', AMX' if self.level == 'amx' else ''}{cap}")
 
 
 @functools.cache
@@ -77,6 +131,50 @@ def cpu_features() -> CpuFeatures:
                        isa=torch.backends.cpu.get_cpu_capability(),
                        avx512="avx512f" in flags, native_bf16=amx or "avx512_bf16" in flags,
                        amx=amx, flags=frozenset(flags))
+
+
+def isa_cap() -> str | None:
+    """`PDCLUSTER_CPU_ISA`, checked: one of `ISA_LEVELS`, or None when unset or empty.
+
+    Raises:
+        ValueError: another value; the message lists the levels.
+    """
+    cap = os.environ.get(ISA_CAP_ENV, "").strip().lower()
+    if cap and cap not in ISA_LEVELS:
+        raise ValueError(f"{ISA_CAP_ENV}={cap!r} is not an ISA level; use one of "
+                         f"{', '.join(ISA_LEVELS)}")
+    return cap or None
+
+
+def decide_cpu_paths(cpu: CpuFeatures, cap: str | None, onednn_bf16: bool,
+                     mkldnn: bool = True) -> CpuPaths:
+    """The paths for `cpu` under `cap` (see `CpuPaths`).
+
+    Args:
+        cpu: the CPU's facts.
+        cap: the highest level to use; None for the CPU's best.
+        onednn_bf16: torch's oneDNN has a bf16 GEMM on this CPU.
+        mkldnn: torch was built with oneDNN.
+    """
+    top = ISA_LEVELS.index(cap) if cap else len(ISA_LEVELS) - 1
+    levels = tuple(level for level in cpu.isa_levels if ISA_LEVELS.index(level) <= top)
+    avx512 = ISA_LEVELS.index(levels[-1]) >= ISA_LEVELS.index("avx512")
+    # A cap below AVX-512 keeps bf16 off oneDNN as a CPU without AVX-512 would have it.
+    capped_below_avx512 = cap is not None and top < ISA_LEVELS.index("avx512")
+    return CpuPaths(cpu=cpu, levels=levels, cap=cap, fp32_small_rows=avx512 and mkldnn,
+                    bf16_onednn=mkldnn and onednn_bf16 and not capped_below_avx512)
+
+
+@functools.cache
+def cpu_paths() -> CpuPaths:
+    """This machine's CPU paths (decided once per process; see `CpuPaths`).
+
+    Raises:
+        ValueError: `PDCLUSTER_CPU_ISA` is not an ISA level.
+    """
+    mkldnn = torch.backends.mkldnn.is_available()
+    onednn_bf16 = mkldnn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return decide_cpu_paths(cpu_features(), isa_cap(), onednn_bf16, mkldnn)
 
 
 def _best_of(fn: object, repeats: int) -> float:

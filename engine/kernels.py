@@ -1,7 +1,7 @@
 """The engine's CPU kernels (`engine/csrc/`): paged decode attention and the fused layer
 glue, in one build per source and flags with torch's C++ extension tooling, holding a
-variant per ISA (baseline x86-64, AVX2, AVX-512, AVX512-BF16, AMX); the CPU's features pick one
-at load (`CpuFeatures.kernel_isas`), so a build made on one CPU runs its best on another."""
+variant per ISA level (baseline x86-64, AVX2, AVX-512, AVX512-BF16, AMX); the CPU's paths pick one
+at load (`engine.hardware.cpu_paths`), so a build made on one CPU runs its best on another."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-# Variant name -> GCC target of its copy of isa_kernels.cpp ("" for the baseline) and the
-# switches of that copy: AVX-512 intrinsics, vdpbf16ps for bf16 dot products, AMX tiles for
-# bf16 GEMMs of a few dozen rows. What a CPU needs to run each one is
-# `CpuFeatures.kernel_isas`.
+# Variant name (an `engine.hardware.ISA_LEVELS` level) -> GCC target of its copy of
+# isa_kernels.cpp ("" for the baseline) and the switches of that copy: AVX-512 intrinsics,
+# vdpbf16ps for bf16 dot products, AMX tiles for bf16 GEMMs of a few dozen rows. What a CPU
+# needs to run each one is `CpuFeatures.isa_levels`.
 _AVX512 = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
-ISA_TARGETS = {"generic": ("", (0, 0, 0)), "avx2": ("avx2,fma,f16c", (0, 0, 0)),
+ISA_TARGETS = {"baseline": ("", (0, 0, 0)), "avx2": ("avx2,fma,f16c", (0, 0, 0)),
                "avx512": (_AVX512, (1, 0, 0)),
                "avx512_bf16": (_AVX512 + ",avx512bf16", (1, 1, 0)),
                "amx": (_AVX512 + ",avx512bf16,amx-tile,amx-bf16", (1, 1, 1))}
@@ -49,17 +49,18 @@ def kernel_source() -> str:
         parts.append(copy)
     tables = ", ".join(f"&isa_{name}::table" for name in ISA_TARGETS)
     parts.append(f"#if defined(__x86_64__)\n#define PDK_TABLES {tables}\n#else\n"
-                 "#define PDK_TABLES &isa_generic::table\n#endif\n")
+                 "#define PDK_TABLES &isa_baseline::table\n#endif\n")
     parts += [(csrc / name).read_text() for name in _WRAPPERS]
     return "\n".join(parts)
 
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """Build (once; cached under ~/.cache/torch_extensions) and load the kernels, with the
-    best ISA variant this CPU runs selected (logged); None, with a warning, where they
-    cannot be built (no C++ compiler): the engine then runs the plain torch paths, slower
-    but the same result.
+    """Build (once; cached under `$TORCH_EXTENSIONS_DIR`, by default
+    ~/.cache/torch_extensions) and load the kernels, with the variant of the highest ISA
+    level in use selected (`cpu_paths().level`: the CPU's best, or the cap's; logged);
+    None, with a warning, where they cannot be built (no C++ compiler): the engine then
+    runs the plain torch paths, slower but the same result.
 
     The build is named by a hash of the sources and the flags and compiled from a copy of
     the sources in its build folder: checkouts of the same code share one build (the
@@ -67,7 +68,7 @@ def cpu_kernels() -> ModuleType | None:
     """
     from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-    from engine.hardware import cpu_features
+    from engine.hardware import cpu_paths
 
     start = time.perf_counter()
     source = kernel_source()
@@ -85,12 +86,12 @@ def cpu_kernels() -> ModuleType | None:
                         "%s", str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
         log.info("CPU kernels built in %.1f s", time.perf_counter() - start)
-    runnable = [isa for isa in cpu_features().kernel_isas if isa in module.isas()]
+    runnable = [isa for isa in cpu_paths().levels if isa in module.isas()]
     if "amx" in runnable and not module.request_amx():
         log.warning("the kernel refused this process AMX tile state: the AMX kernels are off")
         runnable.remove("amx")
     module.select_isa(runnable[-1])
-    log.info("CPU kernels: the %s variant (this CPU runs %s; compiled: %s)", module.isa(),
+    log.info("CPU kernels: the %s variant (in use here: %s; compiled: %s)", module.isa(),
              ", ".join(runnable), ", ".join(module.isas()))
     return module
 

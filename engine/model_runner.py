@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, BatchLayout
-from engine.hardware import cpu_features
+from engine.hardware import cpu_paths
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
-from engine.models.llama import BlasLinear, LayerHook, LlamaForCausalLM, fp32_small_rows
+from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -88,20 +88,13 @@ class ModelRunner:
             log.info("%s; %d torch threads", self.hardware, torch.get_num_threads())
 
     def _cpu_paths(self, dtype: torch.dtype) -> str:
-        cpu = cpu_features()
-        # fp32 linears run on OpenBLAS (BlasLinear; oneDNN prepacked for 2-16 rows on AVX-512),
-        # bf16 ones on oneDNN's bf16 GEMM with prepacked weights (OneDnnLinear); fp16 takes
-        # torch's kernels.
-        fp32 = f"OpenBLAS fp32, oneDNN fp32 prepacked at 2-{BlasLinear.SMALL_ROWS} rows" \
-            if fp32_small_rows() else "OpenBLAS fp32"
-        linears = {torch.float32: fp32,
-                   torch.bfloat16: "oneDNN bf16, prepacked"}.get(dtype, "torch")
+        paths = cpu_paths()
         kernels = cpu_kernels()
         glue = f"{kernels.isa()} kernels" if kernels is not None else "torch glue"
-        if dtype in (torch.bfloat16, torch.float16) and not cpu.native_bf16:
+        if dtype in (torch.bfloat16, torch.float16) and not paths.native_bf16:
             log.warning("%s on a CPU without native bf16/AMX is emulated: expect it slower "
                         "than float32", str(dtype).removeprefix("torch."))
-        return f"CPU: {cpu.describe()}; linears: {linears}; {glue}"
+        return f"CPU: {paths.describe()}; linears: {paths.linears(dtype)}; {glue}"
 
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput, layer_hook: LayerHook | None = None

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.hardware import cpu_features
+from engine.hardware import cpu_paths
 from engine.tokenizer import apply_chat_template, load_tokenizer
 from experiments import RESULTS
 from experiments.engine_bench import PdclusterRunner, decode_step_s, default_model_dir
@@ -72,7 +72,7 @@ def run(max_tokens: int) -> dict[str, Any]:
     workload = Workload("oracle", 0, [BenchRequest(p, max_tokens) for p in prompts])
     hf = {str(d).removeprefix("torch."): hf_tokens(model_dir, d, workload)
           for d in (torch.float32, torch.bfloat16)}
-    report: dict[str, Any] = {"cpu": cpu_features().describe(), "max_tokens": max_tokens,
+    report: dict[str, Any] = {"cpu": cpu_paths().describe(), "max_tokens": max_tokens,
                               "num_prompts": len(prompts)}
     for dtype in ("float32", "bfloat16"):
         runner = PdclusterRunner(model_dir, dtype)

@@ -47,7 +47,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from engine.hardware import cpu_features
+from engine.hardware import cpu_features, cpu_paths
 from experiments import REPO_ROOT, RESULTS
 from experiments.workloads import BenchRequest, Workload, uniform, w_mixed
 
@@ -359,7 +359,7 @@ def cpu_flags() -> list[str]:
 
 def default_dtypes() -> list[str]:
     """float32, and bfloat16 where the CPU has it natively (each engine's best is compared)."""
-    return ["float32", "bfloat16"] if cpu_features().native_bf16 else ["float32"]
+    return ["float32", "bfloat16"] if cpu_paths().native_bf16 else ["float32"]
 
 
 def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: int, out: Path,
@@ -409,7 +409,7 @@ def run(engines: list[str], model_dir: Path, workload_name: str, num_requests: i
                      "num_requests": num_requests, "prompt_tokens": workload.prompt_tokens,
                      "output_tokens": workload.output_tokens},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "cpu": cpu_features().describe(), "cpu_flags": cpu_flags(),
+                    "cpu": cpu_paths().describe(), "cpu_flags": cpu_flags(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     "load_average_at_start": load_at_start},
         "dtypes": dtypes, "engines": {key: results[key] for key in order},

@@ -26,7 +26,7 @@ import torch
 from threadpoolctl import threadpool_limits
 from torch import nn
 
-from engine.hardware import cpu_features
+from engine.hardware import cpu_features, cpu_paths
 from engine.models.llama import BlasLinear
 from experiments import RESULTS
 
@@ -88,7 +88,7 @@ def run(runs: int, out: Path) -> dict[str, Any]:
         summary[str(rows)]["layer_vs_one_row"] = {
             path: [round(r[path]["layer_us"] / o[path]["layer_us"], 2)
                    for r, o in zip(mine, one, strict=True)] for path in paths}
-    report = {"cpu": cpu.describe(), "torch_threads": torch.get_num_threads(),
+    report = {"cpu": cpu_paths().describe(), "torch_threads": torch.get_num_threads(),
               "blas_threads": cpu.cores, "torch": torch.__version__, "runs": runs,
               "rows": rows_out, "summary": summary}
     out.parent.mkdir(parents=True, exist_ok=True)

