@@ -8,6 +8,7 @@ from typing import Any
 
 import ray
 
+from engine import defaults as engine_defaults
 from protocol import Role
 from protocol.defaults import DRAIN_TIMEOUT_S, LOCAL_PREFILL_THRESHOLD, RESERVE_TIMEOUT_S
 from protocol.tracing import TracingConfig
@@ -29,7 +30,9 @@ class PoolSpec:
 
     Args:
         num_cpus: Ray CPUs per worker.
-        num_gpus: Ray GPUs per worker (fractional shares a GPU).
+        num_gpus: Ray GPUs per worker; a fraction shares a GPU, and then each worker's
+            `gpu_memory_utilization` must fit in that fraction (or `kv_cache_memory_gb`
+            size its KV pool).
         resource: a Ray custom resource every worker of the pool asks a sliver of, so the
             pool lands only on nodes started with it (`ray start --resources`); None: the
             pool's default label (`pd_prefill`, `pd_decode`) where some node offers it,
@@ -38,7 +41,8 @@ class PoolSpec:
             `max_num_seqs`, `torch_threads`, ...).
 
     Raises:
-        ValueError: a field out of range, naming it.
+        ValueError: a field out of range, or workers sharing a GPU that would claim more
+            of its memory than their share, naming the flags.
     """
 
     num_cpus: float = 1.0
@@ -55,6 +59,25 @@ class PoolSpec:
             raise ValueError("gpu-memory-utilization sizes the KV pool from accelerator "
                              "memory, but these workers get no GPU (num-gpus-per-worker 0): "
                              "size it with kv-cache-gb")
+        self._check_gpu_share()
+
+    def _check_gpu_share(self) -> None:
+        """Workers sharing a GPU must each claim at most their share of its memory: the
+        default share is the whole GPU's (as in vLLM), so two workers on one GPU would each
+        size their KV pool for 90 % of it and the second would run out of memory."""
+        if not 0 < self.num_gpus < 1 or self.engine.get("kv_cache_memory_gb") is not None:
+            return  # a whole GPU each, none, or an absolute KV pool instead of a share
+        share = self.engine.get("gpu_memory_utilization")
+        claimed = engine_defaults.GPU_MEMORY_UTILIZATION if share is None else share
+        if claimed <= self.num_gpus:
+            return
+        given = "the default " if share is None else ""
+        fit = engine_defaults.GPU_MEMORY_UTILIZATION * self.num_gpus
+        raise ValueError(f"num-gpus-per-worker {self.num_gpus:g} puts up to "
+                         f"{int(1 / self.num_gpus)} workers on one GPU, but each would hold "
+                         f"{given}gpu-memory-utilization {claimed:g} of its memory: give "
+                         f"each at most its share (--gpu-memory-utilization {fit:g}) or an "
+                         "absolute KV pool (--kv-cache-gb)")
 
     def settings(self) -> dict[str, Any]:
         """Everything that builds one worker of the pool, flat (for `status`)."""

@@ -193,6 +193,38 @@ def test_a_gpu_share_on_a_pool_without_gpus_is_refused(
     assert captured == []
 
 
+def test_workers_sharing_a_gpu_without_their_share_of_its_memory_are_refused() -> None:
+    with pytest.raises(ValueError) as default:
+        PoolSpec(num_gpus=0.5)
+    assert str(default.value) == (
+        "num-gpus-per-worker 0.5 puts up to 2 workers on one GPU, but each would hold the "
+        "default gpu-memory-utilization 0.9 of its memory: give each at most its share "
+        "(--gpu-memory-utilization 0.45) or an absolute KV pool (--kv-cache-gb)")
+    with pytest.raises(ValueError) as given:
+        PoolSpec(num_gpus=0.25, engine={"gpu_memory_utilization": 0.3})
+    assert str(given.value) == (
+        "num-gpus-per-worker 0.25 puts up to 4 workers on one GPU, but each would hold "
+        "gpu-memory-utilization 0.3 of its memory: give each at most its share "
+        "(--gpu-memory-utilization 0.225) or an absolute KV pool (--kv-cache-gb)")
+
+
+def test_a_gpu_share_within_the_workers_share_or_a_whole_gpu_is_accepted() -> None:
+    specs = [PoolSpec(num_gpus=0.5, engine={"gpu_memory_utilization": 0.45}),
+             PoolSpec(num_gpus=0.5, engine={"gpu_memory_utilization": 0.5}),
+             PoolSpec(num_gpus=0.5, engine={"kv_cache_memory_gb": 2.0}),  # absolute, no share
+             PoolSpec(num_gpus=1), PoolSpec(num_gpus=2), PoolSpec()]
+    assert [spec.num_gpus for spec in specs] == [0.5, 0.5, 0.5, 1, 2, 0]
+
+
+def test_serve_refuses_a_gpu_fraction_without_a_memory_share_before_starting(
+        captured: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--num-gpus-per-worker", "0.5"]) == 2
+    assert "num-gpus-per-worker 0.5 puts up to 2 workers on one GPU" in capsys.readouterr().err
+    assert captured == []
+    options = serve(captured, "--num-gpus-per-worker", "0.5", "--gpu-memory-utilization", "0.45")
+    assert options.cluster.decode.engine["gpu_memory_utilization"] == 0.45
+
+
 def test_the_example_file_is_valid_and_the_guide_shows_it(captured: list[Any]) -> None:
     example = REPO / "deploy" / "pdcluster.yaml"
     config = serve(captured, "--config", str(example)).cluster
