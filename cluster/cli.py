@@ -91,6 +91,7 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
     """One model's pools and router settings from its flags."""
     from cluster.config import TRANSPORTS, ClusterConfig
     from cluster.serve import ServedModel
+    from engine import parse_generation_override
     from router.frontend import RouterConfig
 
     shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
@@ -114,7 +115,10 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
                           served_model_name=args.served_model_name,
                           request_timeout_s=args.request_timeout,
                           sse_keepalive_s=args.sse_keepalive or None,
-                          log_prompts=args.log_prompts)
+                          log_prompts=args.log_prompts,
+                          generation_config=args.generation_config,
+                          override_generation_config=parse_generation_override(
+                              args.override_generation_config))
     return ServedModel(cluster, router)
 
 
@@ -372,6 +376,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests the router runs at once; more wait in its queue")
     serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE,
                        help="requests that may wait in the router's queue; more get 429")
+    serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="sampling defaults for what a request omits (temperature, "
+                            "top_p, top_k, min_p, repetition_penalty, max_tokens), as vLLM: "
+                            "auto, the model folder's generation_config.json; vllm, none; "
+                            "or a FOLDER holding a generation_config.json")
+    serve.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help="generation_config.json keys over those defaults, e.g. "
+                            "'{\"temperature\": 0.5}' (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty, max_new_tokens; null removes one); default: "
+                            "none")
     worker = serve.add_argument_group(WORKER_GROUP)
     worker.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         default="auto",

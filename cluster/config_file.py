@@ -1,7 +1,8 @@
 """`serve --config FILE.yaml` and the `PDCLUSTER_*` environment: more defaults for `serve`.
 
 The file's top-level keys are `serve`'s long flag names without the dashes (`port: 8000`,
-`max-num-seqs: 32`); its `prefill:` and `decode:` sections hold `replicas`, `resource` and
+`max-num-seqs: 32`; a JSON flag such as `override-generation-config` takes a mapping or
+its JSON text); its `prefill:` and `decode:` sections hold `replicas`, `resource` and
 any per-worker flag, for that pool alone. Every flag also reads `PDCLUSTER_<FLAG>`
 (`PDCLUSTER_MAX_NUM_SEQS=32`). The command line wins over the environment, the environment
 over the file, the file over the built-in defaults; a pool's section wins over the shared
@@ -20,6 +21,7 @@ flag added there is a key of the file and an environment variable with no more c
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,8 @@ _NOT_TOP_LEVEL = {"prefill", "decode", "config", "help"}
 # What a `models:` entry may set besides the per-worker flags and its pool sections: what
 # builds that model's pools and its router.
 MODEL_KEYS = ("model", "served_model_name", "mode", "max_model_len", "policy",
-              "local_prefill_threshold", "max_running", "max_queue")
+              "local_prefill_threshold", "max_running", "max_queue", "generation_config",
+              "override_generation_config")
 
 
 class ConfigError(ValueError):
@@ -82,6 +85,9 @@ def _field_type(action: argparse.Action) -> Any:
         convert = action.type
         kind = Annotated[kind, pydantic.BeforeValidator(
             lambda v: convert(v) if isinstance(v, str) else v)]
+    if action.metavar == "JSON":  # a JSON object's text: the file may write the mapping
+        kind = Annotated[kind, pydantic.BeforeValidator(
+            lambda v: json.dumps(v) if isinstance(v, dict) else v)]
     return kind | None if action.default is None else kind
 
 

@@ -18,6 +18,7 @@ from cluster.config import ClusterConfig
 from cluster.metrics import VllmCompatCollector, WorkerCollector
 from cluster.pool import Detached
 from cluster.ray_backend import ClusterBackend
+from engine import load_generation_defaults
 from engine.model_loader import cache_dir, resolve_model_dir
 from planner.autoscale_policy import Autoscaler
 from router.auth import SecurityConfig, check_bind, is_loopback
@@ -130,7 +131,11 @@ async def run(options: ServeOptions, stop: asyncio.Event | None = None,
         raise ValueError(f"--detach serves one model; this config serves {len(models)}")
     for model in models:
         with console.status(f"Preparing model {model.cluster.model!r}"):
-            resolve_model_dir(model.cluster.model)  # convert once here, not in every worker
+            model_dir = resolve_model_dir(model.cluster.model)  # once here, not per worker
+        # The folder's generation_config.json fails here, before any worker starts, rather
+        # than in the router once they all have.
+        load_generation_defaults(model.router.generation_config, model_dir,
+                                 model.router.override_generation_config)
     num_workers = sum(m.cluster.num_workers for m in models)
     with console.status(f"Starting Ray and {num_workers} workers "
                         f"({', '.join(f'{m.name}: {m.cluster.mode}' for m in models)})"):

@@ -3,7 +3,9 @@
 The public surface other packages may use: `LLM`, `LLMEngine`, `SamplingParams`,
 `RequestOutput`, `CompletionOutput`, `EngineOutput`, the configs (`SpeculativeConfig`
 too), the tokenizer helpers, `check_request`, `hash_blocks` (the prefix cache's chained
-block hash, which the router's prefix affinity shares) and `defaults`. Names load on first
+block hash, which the router's prefix affinity shares), the generation-config reader
+(`load_generation_defaults` and its checks, which the router's defaults share) and
+`defaults`. Names load on first
 use, so reading `engine.defaults` (the CLI does, for its help text) does not import torch.
 """
 
@@ -15,6 +17,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.block_pool import hash_blocks
     from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from engine.generation_config import (
+        GenerationDefaults,
+        check_generation_config,
+        load_generation_defaults,
+        parse_generation_override,
+    )
     from engine.llm import LLM
     from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, LLMEngine
     from engine.request import CompletionOutput, RequestOutput
@@ -33,6 +41,10 @@ _WHERE = {
     "IncrementalDetokenizer": "engine.tokenizer", "apply_chat_template": "engine.tokenizer",
     "load_tokenizer": "engine.tokenizer", "check_request": "engine.validation",
     "fit_context": "engine.validation", "hash_blocks": "engine.block_pool",
+    "GenerationDefaults": "engine.generation_config",
+    "check_generation_config": "engine.generation_config",
+    "load_generation_defaults": "engine.generation_config",
+    "parse_generation_override": "engine.generation_config",
 }
 
 __all__ = [
@@ -41,6 +53,7 @@ __all__ = [
     "CompletionOutput",
     "EngineOutput",
     "EngineStepError",
+    "GenerationDefaults",
     "IncrementalDetokenizer",
     "KVCacheFullError",
     "LLMEngine",
@@ -50,10 +63,13 @@ __all__ = [
     "SchedulerConfig",
     "SpeculativeConfig",
     "apply_chat_template",
+    "check_generation_config",
     "check_request",
     "fit_context",
     "hash_blocks",
+    "load_generation_defaults",
     "load_tokenizer",
+    "parse_generation_override",
 ]
 
 

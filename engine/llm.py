@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.config import CacheConfig
+from engine.generation_config import load_generation_defaults
 from engine.llm_engine import EngineOutput, LLMEngine
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -23,17 +24,33 @@ class LLM:
         model: `smollm2`, `tiny`, a `.gguf` file or a local Hugging Face directory.
         dtype: `float32`, `bfloat16` or `float16`.
         kv_cache_dtype: `auto` (the model's dtype) or `int8`; sets `cache.kv_cache_dtype`.
+        generation_config: where `generate` without sampling params takes its defaults
+            (vLLM's): `auto`, the model folder's generation_config.json; `vllm`, none; or a
+            folder holding that file.
+        override_generation_config: generation_config.json keys over those defaults.
         **engine_kwargs: passed to `LLMEngine` (cache, scheduler, device, ...).
+
+    Raises:
+        ValueError: a bad generation config or override (the message names the setting).
     """
 
     def __init__(self, model: str = "smollm2", dtype: str = "float32",
-                 kv_cache_dtype: str = "auto", **engine_kwargs: Any) -> None:
+                 kv_cache_dtype: str = "auto", generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None,
+                 **engine_kwargs: Any) -> None:
         if kv_cache_dtype != "auto":
             cache = engine_kwargs.get("cache") or CacheConfig()
             engine_kwargs["cache"] = replace(cache, kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(model, dtype, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
+        self.generation = load_generation_defaults(generation_config, self.engine.model_dir,
+                                                   override_generation_config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling params: SamplingParams with the
+        generation config's defaults (vLLM's name)."""
+        return self.generation.sampling_params()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -42,7 +59,8 @@ class LLM:
 
         Args:
             prompts: one prompt or a list; a prompt is text or a list of token ids.
-            sampling_params: one for all prompts, or one per prompt; default SamplingParams().
+            sampling_params: one for all prompts, or one per prompt; None:
+                `get_default_sampling_params()` (the generation config's defaults).
 
         Returns:
             One RequestOutput per prompt, in order.
@@ -52,6 +70,8 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _expand_params(sampling_params, len(prompts))
         token_lists = [self._encode(p, i) for i, p in enumerate(prompts)]
         for ids, p in zip(token_lists, params, strict=True):
@@ -132,10 +152,8 @@ class _Collector:
                              num_cached_tokens=self.num_cached_tokens)
 
 
-def _expand_params(params: SamplingParams | Sequence[SamplingParams] | None,
+def _expand_params(params: SamplingParams | Sequence[SamplingParams],
                    n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

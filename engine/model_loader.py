@@ -18,13 +18,18 @@ import torch
 from rich.console import Console
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from engine.config import ModelConfig
+from engine.generation_config import FILE_NAME as GENERATION_CONFIG
 from engine.models import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling SmolLM2-135M-Instruct's model card generates with; the GGUF file does not
+# carry it, so the converted folder's generation_config.json gets it (`do_sample` too, which
+# transformers needs to accept the file; vLLM ignores it).
+SMOLLM2_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _TINY_VERSION = "v1"
 _console = Console(stderr=True)
@@ -50,7 +55,7 @@ def resolve_model_dir(model: str) -> Path:
         ModelLoadError: the path does not exist or is not a model.
     """
     if model == "smollm2":
-        return _convert_gguf(_smollm2_gguf(), "smollm2-135m-instruct")
+        return _convert_gguf(_smollm2_gguf(), "smollm2-135m-instruct", SMOLLM2_SAMPLING)
     if model == "tiny":
         return _tiny_model_dir()
     path = Path(model).expanduser()
@@ -166,12 +171,24 @@ def _file_key(path: Path) -> str:
                         ).hexdigest()[:12]
 
 
-def _convert_gguf(gguf_path: Path, name: str) -> Path:
-    """Dequantize a GGUF file into `cache_dir()/name-<key>` once (atomic rename)."""
+def _convert_gguf(gguf_path: Path, name: str,
+                  sampling: dict[str, object] | None = None) -> Path:
+    """Dequantize a GGUF file into `cache_dir()/name-<key>` once (atomic rename).
+
+    Args:
+        gguf_path: the file.
+        name: the cache folder's name before its key.
+        sampling: generation_config.json keys the model's card gives (the bundled model's);
+            None: only what transformers writes (bos/eos ids).
+    """
     if not gguf_path.is_file():
         raise ModelLoadError(f"model: GGUF file {gguf_path} does not exist")
     target = cache_dir() / f"{name}-{_file_key(gguf_path)}"
     if (target / "model.safetensors").is_file():
+        if sampling and not (target / GENERATION_CONFIG).is_file():
+            # Converted before the file was written: add it rather than convert again.
+            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(target))
+            _write_generation_config(config, sampling, target)
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -184,6 +201,7 @@ def _convert_gguf(gguf_path: Path, name: str) -> Path:
             hf_model = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, dtype=torch.float32, **kwargs)
         _save_hf_dir(hf_model, tokenizer, tmp)
+        _write_generation_config(hf_model.generation_config, sampling or {}, tmp)
         _publish(tmp, target)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -219,6 +237,19 @@ def _save_hf_dir(hf_model: torch.nn.Module, tokenizer: object, out: Path) -> Non
     data.pop("quantization_config", None)
     cfg_path.write_text(json.dumps(data, indent=2))
     tokenizer.save_pretrained(out)
+
+
+def _write_generation_config(config: GenerationConfig, sampling: dict[str, object],
+                             out: Path) -> None:
+    """`config` (as transformers writes it) with `sampling` over it, as `out`'s
+    generation_config.json; replaced whole, so a reader never sees half a file."""
+    config.update(**sampling)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".generation-"))
+    try:
+        config.save_pretrained(tmp)
+        os.replace(tmp / GENERATION_CONFIG, out / GENERATION_CONFIG)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tiny_model_dir() -> Path:

@@ -6,16 +6,18 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing, suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine import (
     IncrementalDetokenizer,
     SamplingParams,
+    check_generation_config,
     check_request,
     fit_context,
+    load_generation_defaults,
     load_tokenizer,
 )
 from protocol.tracing import NO_SPAN, Span, Tracer
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Admission limits.
+    """Admission limits and request defaults.
 
     Args:
         max_running: most requests inside the backend at once.
@@ -55,6 +57,11 @@ class RouterConfig:
             None sends none.
         log_prompts: the request log line also carries the prompt and the output text
             (`--log-prompts`); off, it never does.
+        generation_config: where the sampling defaults of the fields a request omits come
+            from (`--generation-config`, as vLLM's): `auto`, the model folder's
+            generation_config.json; `vllm`, none; else a folder holding that file.
+        override_generation_config: generation_config.json keys over what was read
+            (`--override-generation-config`; `max_new_tokens` is max_tokens; null removes).
     """
 
     max_running: int = 256
@@ -64,6 +71,8 @@ class RouterConfig:
     request_timeout_s: float | None = None
     sse_keepalive_s: float | None = 15.0
     log_prompts: bool = False
+    generation_config: str = "auto"
+    override_generation_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -74,6 +83,12 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
+        # A plain dict: the config travels to a detached front door by pickle.
+        object.__setattr__(self, "override_generation_config",
+                           dict(self.override_generation_config))
+        # Here, at start, rather than when the first request needs the defaults; the model
+        # folder's own file (`auto`) is read once the model is known (`Router`).
+        check_generation_config(self.generation_config, self.override_generation_config)
 
 
 class Router:
@@ -81,8 +96,11 @@ class Router:
 
     Args:
         backend: what serves the requests (the cluster, or one in-process engine).
-        config: admission limits.
+        config: admission limits and request defaults.
         tracer: spans for each request (`request`, `admission`, `response`); None: none.
+
+    Raises:
+        ValueError: the model folder's generation_config.json (`auto`) is unusable.
     """
 
     def __init__(self, backend: Backend, config: RouterConfig | None = None,
@@ -94,6 +112,9 @@ class Router:
         if self.config.served_model_name:
             self.model_info = replace(self.model_info, name=self.config.served_model_name)
         self.tokenizer = load_tokenizer(self.model_info.model_dir)
+        self.generation = load_generation_defaults(self.config.generation_config,
+                                                   self.model_info.model_dir,
+                                                   self.config.override_generation_config)
         self.chat_template = ChatTemplate(self.tokenizer)
         self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
         self.metrics = RouterMetrics(self.admission, self.model_info.name)
@@ -109,19 +130,24 @@ class Router:
                 params: dict[str, Any] | None = None, model: str | None = None,
                 request_id: str | None = None,
                 tools: list[dict[str, Any]] | None = None,
-                traceparent: str | None = None) -> GenerateRequest:
+                traceparent: str | None = None,
+                default_max_tokens: int | None = None) -> GenerateRequest:
         """Validate and tokenize a request; exactly one of prompt, prompt_token_ids, messages.
 
         Args:
             prompt: text.
             prompt_token_ids: token ids.
             messages: a chat, rendered with the model's chat template (see `router.chat`).
-            params: SamplingParams fields; a missing or None field takes the default.
+            params: SamplingParams fields; a missing or None field takes the generation
+                config's default (`RouterConfig.generation_config`), else SamplingParams'.
             model: the model asked for; None or empty for the served one.
             request_id: the client's id; None to have one made.
             tools: OpenAI tool definitions, rendered into a chat's prompt.
             traceparent: the client's W3C `traceparent` (HTTP header or gRPC metadata):
                 with tracing on, the request's span is its child.
+            default_max_tokens: an omitted max_tokens when the generation config sets none
+                (chat: the context's length); None: SamplingParams' (16). A max_tokens from
+                either default is cut to what fits after the prompt.
 
         Returns:
             The request, ready for `generate`.
@@ -133,10 +159,13 @@ class Router:
         arrival = time.monotonic()
         try:
             self._check_model(model)
-            sampling = _sampling_params(params or {})
+            params = params or {}
+            filled = self._with_defaults(params, default_max_tokens)
+            sampling = _sampling_params(filled)
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, sampling,
                                                tools)
-            sampling = self._fit_context(len(token_ids), sampling)
+            defaulted = params.get("max_tokens") is None and "max_tokens" in filled
+            sampling = self._fit_context(len(token_ids), sampling, defaulted)
             rid = _request_id(request_id)
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
@@ -199,7 +228,23 @@ class Router:
             raise InvalidRequestError(str(e)) from None
         return ids
 
-    def _fit_context(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+    def _with_defaults(self, params: dict[str, Any],
+                       default_max_tokens: int | None) -> dict[str, Any]:
+        """`params` with the generation config's defaults, then `default_max_tokens`; a
+        field still missing takes SamplingParams' default."""
+        filled = {k: v for k, v in self.generation.apply(params).items() if v is not None}
+        if "max_tokens" not in filled and default_max_tokens is not None:
+            filled["max_tokens"] = default_max_tokens
+        return filled
+
+    def _fit_context(self, num_prompt_tokens: int, params: SamplingParams,
+                     max_tokens_defaulted: bool) -> SamplingParams:
+        """Raises InvalidRequestError when max_tokens does not fit, unless it is a default
+        (`max_tokens_defaulted`), which is cut to fit."""
+        room = self.model_info.max_model_len - num_prompt_tokens
+        if max_tokens_defaulted and params.max_tokens > room:
+            # A default is a most, not a demand: cut to what fits, as vLLM does.
+            return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         try:
             return fit_context(num_prompt_tokens, params, self.model_info.max_model_len)
         except ValueError as e:
@@ -350,12 +395,14 @@ class Router:
         return request_id in self._active
 
     async def status(self) -> dict[str, Any]:
-        """The backend's status plus `model` and the router's own queue (`router`)."""
+        """The backend's status plus `model`, the router's own queue (`router`) and the
+        sampling defaults in force (`generation_config`)."""
         status = await self.backend.status()
         queue = self.admission
         return {**status, "model": self.model_info.name,
                 "router": {"num_running": queue.num_running, "num_waiting": queue.num_waiting,
-                           "max_running": queue.max_running, "max_queue": queue.max_queue}}
+                           "max_running": queue.max_running, "max_queue": queue.max_queue},
+                "generation_config": self.generation.status()}
 
     async def scale(self, prefill: int | None, decode: int | None) -> dict[str, Any]:
         """Resize the pools; None leaves a pool as it is.

@@ -115,11 +115,11 @@ def build_app(routers: Routers, security: SecurityConfig | None = None) -> FastA
         calling = _checked(router, lambda: body.tool_calling(router.chat_template))
         messages = _checked(router, body.message_dicts)
         try:
-            request = router.prepare(messages=messages,
-                                     params=body.params(router.model_info.max_model_len, calling),
+            request = router.prepare(messages=messages, params=body.params(calling),
                                      model=body.model, request_id=raw.headers.get(_REQUEST_ID),
                                      tools=body.tool_dicts(),
-                                     traceparent=raw.headers.get(TRACEPARENT))
+                                     traceparent=raw.headers.get(TRACEPARENT),
+                                     default_max_tokens=router.model_info.max_model_len)
         except InvalidRequestError as e:
             if calling is None or e.param != "json_schema":
                 raise

@@ -99,7 +99,8 @@ class CompletionRequest(_Request):
     echo: bool = False
 
     def params(self) -> dict[str, Any]:
-        """SamplingParams fields; an unset max_tokens takes the default (16, as OpenAI)."""
+        """SamplingParams fields; an unset max_tokens takes the router's default (the
+        generation config's, else 16, as OpenAI's)."""
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo: not supported together with logprobs (prompt "
                                       "logprobs are not computed)", "echo")
@@ -211,11 +212,13 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    def params(self, max_model_len: int, calling: ToolCalling | None = None) -> dict[str, Any]:
-        """SamplingParams fields; as OpenAI does, an unset max_tokens runs to the end of the
-        context. A forced tool call's grammar takes the place of `response_format`'s."""
+    def params(self, calling: ToolCalling | None = None) -> dict[str, Any]:
+        """SamplingParams fields; `max_completion_tokens` wins over `max_tokens`, and with
+        neither max_tokens is None (the router's default: the generation config's, else to
+        the end of the context, as OpenAI's). A forced tool call's grammar takes the place
+        of `response_format`'s."""
         given = (self.max_completion_tokens, self.max_tokens)
-        max_tokens = next((n for n in given if n is not None), max_model_len)
+        max_tokens = next((n for n in given if n is not None), None)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         fields = {**self.sampling(), "max_tokens": max_tokens, "logprobs": logprobs}
         if calling is not None and not calling.auto:

@@ -26,7 +26,8 @@ _ROUTER_FIELDS = ("num_running", "num_waiting", "max_running", "max_queue")
 
 
 def params_from_proto(params: pb.SamplingParams) -> dict[str, Any]:
-    """The SamplingParams fields a request set (unset ones take the engine default)."""
+    """The SamplingParams fields a request set (unset ones take the router's defaults:
+    the generation config's, else SamplingParams')."""
     fields = {name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)}
     fields.update({name: list(getattr(params, name)) for name in _REPEATED_PARAMS
                    if getattr(params, name)})

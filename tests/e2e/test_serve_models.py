@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import grpc
 import httpx
@@ -137,8 +138,12 @@ def test_openai_surface_on_both_models(two_models, smollm2, tiny):
                                           max_tokens=12, temperature=1.0, seed=11).choices[0]
                   for _ in range(2)]
         assert seeded[0].text == seeded[1].text
-        offline = llm.generate(llm.tokenizer.encode("Once upon a time"), SamplingParams(
-            temperature=1.0, max_tokens=12, seed=11))[0].outputs[0].text
+        # The fields the request omits (SmolLM2's top_p) take the generation config's
+        # defaults on the server and offline alike.
+        params = replace(llm.get_default_sampling_params(), temperature=1.0, max_tokens=12,
+                         seed=11)
+        offline = llm.generate(llm.tokenizer.encode("Once upon a time"),
+                               params)[0].outputs[0].text
         assert seeded[0].text == offline
     with pytest.raises(openai.NotFoundError) as e:
         http.completions.create(model="nope", prompt="hi", max_tokens=2)
