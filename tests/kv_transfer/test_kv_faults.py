@@ -94,6 +94,7 @@ def test_sender_killed_mid_transfer_fails_on_the_receiver(transport: str) -> Non
         assert "lost the sender" in reason
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_checksum_mismatch_fails_both_sides(transport: str) -> None:
     with receiver_for(transport) as rx, child(sender_main, transport, True) as (_, conn):

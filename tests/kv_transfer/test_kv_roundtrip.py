@@ -28,6 +28,7 @@ ROUND_TRIPS = [pytest.param(*p.values, "auto", marks=p.marks, id=f"{p.values[0]}
     [pytest.param(t, "int8", id=f"{t}-int8") for t in ("shm", "zmq")]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("transport", "kv_cache_dtype"), ROUND_TRIPS)
 def test_received_kv_is_bit_identical(transport: str, kv_cache_dtype: str) -> None:
     # Blocks travel whole, so a partly filled last block arrives with its unused slots too.

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine import LLM, CacheConfig
@@ -62,6 +63,7 @@ def test_a_container_quota_caps_the_threads(tmp_path: Path):
         torch.set_num_threads(1)
 
 
+@pytest.mark.subprocess
 def test_busy_processes_on_every_core_leave_the_engine_one_thread():
     cpus = os.sched_getaffinity(0)
     engine = LLM("tiny", cache=CacheConfig(num_blocks=16)).engine
