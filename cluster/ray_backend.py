@@ -140,28 +140,33 @@ class ClusterBackend(Backend):
     async def abort(self, request_id: str) -> bool:
         return self.dispatcher.abort(request_id)
 
-    async def status(self) -> dict[str, Any]:
-        """The pools as they are now: each live worker's figures are a snapshot taken for
-        this call (its pushed stats lag by up to an interval, so right after the pools
-        drained they could still show blocks in use); a worker that does not answer within
-        `FRESH_STATS_TIMEOUT_S` (a long step, a stalled engine) shows its last pushed ones,
-        with their age."""
+    async def status(self, fresh: bool = True) -> dict[str, Any]:
+        """The pools as they are now.
+
+        Args:
+            fresh: each live worker's figures are a snapshot taken for this call (its
+                pushed stats lag by up to an interval, so right after the pools drained
+                they could still show blocks in use); a worker that does not answer
+                within `FRESH_STATS_TIMEOUT_S` (a long step, a stalled engine) shows its
+                last pushed ones, with their age. False: the pushed ones only, at once.
+        """
         handles = list(self.workers.values())
-        fresh = await _fresh_stats(handles, FRESH_STATS_TIMEOUT_S)
+        snapshots = await _fresh_stats(handles, FRESH_STATS_TIMEOUT_S) if fresh else {}
         pools: dict[str, list[dict[str, Any]]] = {}
         now = time.monotonic()
         for h in handles:
             pools.setdefault(str(h.role), []).append(
-                msgspec.to_builtins(h.status(now, fresh.get(h.worker_id))))
+                msgspec.to_builtins(h.status(now, snapshots.get(h.worker_id))))
         return {"mode": self.config.mode, "model": self.config.model, "pools": pools,
                 "pool_settings": self.config.pool_settings(),
                 "num_streams": len(self.dispatcher.requests)}
 
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:
         """Add workers (returns once they are ready) or drain and remove some
-        (`cluster.scaling`)."""
+        (`cluster.scaling`); the pools as their pushed stats show them (the new layout
+        at once, without waiting on a worker busy with a long step)."""
         await self.scaler.scale(num_prefill, num_decode)
-        return await self.status()
+        return await self.status(fresh=False)
 
 
 async def _fresh_stats(handles: list[WorkerHandle], timeout_s: float
