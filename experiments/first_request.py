@@ -1,13 +1,13 @@
 """The README's first request, as a new user sends it: `make serve`'s cluster (SmolLM2,
 1 prefill + 1 decode worker) and the README's `curl` body, tried `--tries` times in a row;
-each try's answer, finish reason, completion tokens and wall time. `--body bare` sends the
-body without `max_tokens`, as the README once did, to show what the generation config's
-defaults alone change.
+each try's answer, finish reason, completion tokens and wall time. `--body sampled` leaves
+the temperature out, so the model's generation config samples (SmolLM2's card: temperature
+0.2, top_p 0.9).
 
 Protocol: one server, the tries one after another (no concurrency), nothing else running;
 every try is reported, none dropped.
 
-Rerun: `.venv/bin/python -m experiments.first_request [--tries 5] [--body readme|bare]`.
+Rerun: `.venv/bin/python -m experiments.first_request [--tries 5] [--body readme|sampled]`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from engine.hardware import cpu_paths
 RESULTS = Path("experiments/results/first_request")
 QUESTION = "What is the capital of France?"
 BODIES = {
-    "readme": {"model": "smollm2", "max_tokens": 64,
+    "readme": {"model": "smollm2", "max_tokens": 64, "temperature": 0,
                "messages": [{"role": "user", "content": QUESTION}]},
-    "bare": {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}]},
+    "sampled": {"model": "smollm2", "max_tokens": 64,
+                "messages": [{"role": "user", "content": QUESTION}]},
 }
 
 
