@@ -37,6 +37,8 @@ from pathlib import Path
 # Packages are folders (a license file may be listed at the top as well).
 tops = sorted({f.parts[0] for f in files("pdcluster") if len(f.parts) > 1 and f.parts[0].isidentifier()})
 print("installed packages:", " ".join(tops))
+data = sorted(str(f) for f in files("pdcluster") if f.parts[0] in tops and f.suffix != ".py")
+print(f"{len(files('pdcluster'))} files, data: {' '.join(data)}")
 expected = ["bench", "cluster", "decode_worker", "engine", "kv_transfer", "planner",
             "prefill_worker", "protocol", "router"]
 assert tops == expected, f"the wheel holds {tops}, expected {expected}"
@@ -90,11 +92,14 @@ http=${http/0.0.0.0/127.0.0.1}
 
 pdcluster generate "Hello" --address "$grpc" --max-tokens 4 --temperature 0
 pdcluster status --address "$grpc" --json >/dev/null
-"$py" - "$http" <<'PY'
-import json, sys, urllib.request
+# The README's first request, its body as the README writes it, answers as the README says.
+"$py" - "$http" "$root/README.md" <<'PY'
+import json, re, sys, urllib.request
+from pathlib import Path
 
-body = json.dumps({"model": "smollm2", "max_tokens": 32, "temperature": 0, "messages": [
-    {"role": "user", "content": "What is the capital of France?"}]}).encode()
+readme = Path(sys.argv[2]).read_text()
+body = re.search(r"curl localhost:8000/v1/chat/completions .*?-d '(\{.*?\})'", readme, re.S)[1]
+body = json.dumps(json.loads(body)).encode()
 request = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", body,
                                  {"Content-Type": "application/json",
                                   "Authorization": "Bearer install-check-key"})
