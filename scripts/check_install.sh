@@ -37,7 +37,8 @@ from pathlib import Path
 # Packages are folders (a license file may be listed at the top as well).
 tops = sorted({f.parts[0] for f in files("pdcluster") if len(f.parts) > 1 and f.parts[0].isidentifier()})
 print("installed packages:", " ".join(tops))
-data = sorted(str(f) for f in files("pdcluster") if f.parts[0] in tops and f.suffix != ".py")
+data = sorted(str(f) for f in files("pdcluster")
+              if f.parts[0] in tops and f.suffix not in (".py", ".pyc"))
 print(f"{len(files('pdcluster'))} files, data: {' '.join(data)}")
 expected = ["bench", "cluster", "decode_worker", "engine", "kv_transfer", "planner",
             "prefill_worker", "protocol", "router"]
