@@ -42,6 +42,7 @@ class FakePool:
         self.workers: dict[str, WorkerHandle] = {}
         self.sent: list[tuple[str, Command]] = []
         self.starting: asyncio.Event | None = None  # set when a worker being started is ready
+        self.waiting = asyncio.Event()  # set once a request waits for that worker
 
     def add(self, worker_id: str, role: Role, num_blocks: int = 64) -> WorkerHandle:
         info = {"num_blocks": num_blocks, "block_bytes": BLOCK_BYTES,
@@ -56,6 +57,7 @@ class FakePool:
     async def wait_for_worker(self, deadline: float) -> None:
         if self.starting is None:
             raise RuntimeError("no healthy decode worker")
+        self.waiting.set()
         await asyncio.wait_for(self.starting.wait(), deadline - time.monotonic())
 
     def to(self, worker_id: str, kind: type | None = None) -> list[Command]:
@@ -262,8 +264,8 @@ def test_with_no_decode_worker_a_request_fails_at_once_or_waits_for_a_replacemen
         await until(lambda: h.streams["alone"].done())
         h.pool.starting = asyncio.Event()  # a replacement is being started
         h.start("waits", SHORT, max_tokens=1)
-        await asyncio.sleep(0.05)
-        assert not h.pool.sent  # nothing placed yet: it waits
+        await h.pool.waiting.wait()
+        assert not h.pool.sent  # nothing placed: it waits for the replacement
         h.pool.add("decode-1", Role.DECODE)
         h.pool.starting.set()
         await until(lambda: h.pool.to("decode-1"))
