@@ -79,6 +79,18 @@ CPU_LACKS = "CPU lacks "
 ALLOWED_SKIPS = (CUDA_ONLY, CPU_LACKS)
 
 
+# The PDCLUSTER_* variables a test run itself needs; every other one is a serve flag's
+# value (`PDCLUSTER_<FLAG>`), which a test of the command line clears first.
+RUN_ENV = ("PDCLUSTER_CACHE", STRICT_SKIPS_ENV, SKIP_LIST_ENV, "PDCLUSTER_CPU_ISA")
+
+
+def clear_flag_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remove the serve flags' `PDCLUSTER_*` variables from the environment (for this
+    test): the command line under test reads only what the test sets."""
+    for name in [k for k in os.environ if k.startswith("PDCLUSTER_") and k not in RUN_ENV]:
+        monkeypatch.delenv(name)
+
+
 def cpu_lacks(level: str) -> str:
     """The skip reason of a test of an ISA level this CPU does not run."""
     return f"{CPU_LACKS}{level}"

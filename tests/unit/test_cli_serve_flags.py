@@ -8,24 +8,9 @@ from typing import Any
 
 import pytest
 
-import cluster.serve
 from cluster.cli import main
 from cluster.config import TRANSPORTS
 from tests.pki import make_pki
-
-
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Replaces `cluster.serve.run`: the options are kept, nothing is started."""
-    seen: list[Any] = []
-
-    async def run(options: Any) -> None:
-        seen.append(options)
-
-    monkeypatch.setattr(cluster.serve, "run", run)
-    monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
-    monkeypatch.delenv("PDCLUSTER_ADMIN_KEY", raising=False)
-    return seen
 
 
 def test_colocated_mode_and_pool_flags(captured: list[Any]) -> None:

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import re
 import shlex
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ import cluster.cli
 import cluster.serve
 import router.logs
 from cluster.cli import build_parser, parse_args
+from tests.conftest import clear_flag_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -282,8 +282,7 @@ def why_not(command: DocCommand, scratch: Path, captured: Captured,
     It runs in the repository (the docs' relative paths are from there), with only the
     `PDCLUSTER_*` variables the doc sets.
     """
-    for name in [k for k in os.environ if k.startswith("PDCLUSTER_")]:
-        monkeypatch.delenv(name)
+    clear_flag_env(monkeypatch)
     for name, value in command.env:
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(ROOT)

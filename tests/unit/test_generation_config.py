@@ -6,13 +6,11 @@ SmolLM2's converted folder."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import cluster.serve
 from cluster.cli import main
 from engine import (
     LLM,
@@ -146,21 +144,6 @@ def test_router_config_refuses_at_once(tmp_path: Path) -> None:
 
 
 # ---- `pdcluster serve`: command line, environment, config file ---------------------------
-
-
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Replaces `cluster.serve.run`: the options are kept, nothing is started."""
-    seen: list[Any] = []
-
-    async def run(options: Any) -> None:
-        seen.append(options)
-
-    monkeypatch.setattr(cluster.serve, "run", run)
-    for name in list(os.environ):
-        if name.startswith("PDCLUSTER_") and name != "PDCLUSTER_CACHE":
-            monkeypatch.delenv(name)
-    return seen
 
 
 def test_the_flags_reach_the_router(captured: list[Any], tmp_path: Path) -> None:
