@@ -23,10 +23,12 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from cluster.serve import ServeOptions, run
+    from engine.hardware import isa_cap
     from protocol.tracing import TracingConfig
     from router.auth import SecurityConfig
     from router.logs import configure_logging
 
+    isa_cap()  # a bad PDCLUSTER_CPU_ISA fails here, not in every worker
     try:
         tracing = TracingConfig.from_flag(args.otlp_traces_endpoint)
     except RuntimeError as exc:  # OpenTelemetry not installed: say what to install

@@ -141,3 +141,14 @@ def test_speculative_config_reaches_the_decode_pool_and_a_bad_key_is_named(
     assert exit_info.value.code == 2
     assert "speculative_config: unknown key 'lookup_max'" in capsys.readouterr().err
     assert len(captured) == 1  # nothing started
+
+
+def test_a_bad_cpu_isa_cap_is_refused_before_anything_starts(
+        captured: list[Any], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PDCLUSTER_CPU_ISA", "avx10")
+    assert main(["serve", "--model", "tiny"]) == 2
+    assert not captured
+    assert capsys.readouterr().err == (
+        "error: PDCLUSTER_CPU_ISA='avx10' is not an ISA level; use one of baseline, avx2, "
+        "avx512, avx512_bf16, amx\n")
