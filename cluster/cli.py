@@ -276,6 +276,12 @@ def _print_status(out: Any, status: dict[str, Any]) -> None:
         for key in sorted({k for values in pools.values() for k in values}):
             settings.add_row(key, *(str(values.get(key, "")) for values in pools.values()))
         out.print(settings)
+    generation = status.get("generation_config")
+    if generation:
+        defaults = ", ".join(f"{k} {v}" for k, v in generation["defaults"].items()) or "none"
+        out.print(f"sampling defaults for omitted fields: {defaults} "
+                  f"(--generation-config {generation['source']}"
+                  f"{': ' + generation['file'] if generation.get('file') else ''})")
 
 
 def _scale(args: argparse.Namespace) -> int:

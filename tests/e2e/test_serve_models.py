@@ -171,10 +171,16 @@ def test_status_and_metrics_per_model(two_models, capsys):
     document = json.loads(capsys.readouterr().out)["models"]
     assert {name: (s["mode"], sorted(s["pools"])) for name, s in document.items()} == {
         "smollm2": ("disaggregated", ["decode", "prefill"]), "tiny": ("colocated", ["mixed"])}
+    # Each model's sampling defaults: SmolLM2's card's, none for tiny.
+    assert {name: (s["generation_config"]["source"], s["generation_config"]["defaults"])
+            for name, s in document.items()} == {
+        "smollm2": ("auto", {"temperature": 0.2, "top_p": 0.9}), "tiny": ("auto", {})}
     assert main(["status", "--address", two_models.grpc]) == 0
     table = capsys.readouterr().out
     assert "pdcluster · smollm2 · disaggregated" in table
     assert "pdcluster · tiny · colocated" in table
+    assert "sampling defaults for omitted fields: temperature 0.2, top_p 0.9" in table
+    assert "sampling defaults for omitted fields: none (--generation-config auto)" in table
     families = _families(two_models)
     usage = families["pdcluster:worker_kv_usage"].samples
     by_model = {(s.labels["model_name"], s.labels["role"]) for s in usage}
