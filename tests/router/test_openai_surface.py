@@ -4,10 +4,11 @@ reason), SSE keep-alive comments, `/tokenize`, `/detokenize`, `/version`."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
+import tomllib
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 import openai
@@ -190,4 +191,6 @@ def test_tokenize_an_unknown_model_is_404(servers):
 def test_version(servers):
     resp = httpx.get(f"http://127.0.0.1:{servers.http_port}/version")
     assert resp.status_code == 200
-    assert resp.json() == {"version": importlib.metadata.version("pdcluster")}
+    # The version pyproject.toml declares (the installed metadata is what the server reads).
+    declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert resp.json() == {"version": declared["project"]["version"]}
