@@ -42,20 +42,25 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab
                          f"[0, {vocab_size})")
 
 
-def fit_context(num_prompt_tokens: int, params: SamplingParams,
-                max_model_len: int) -> SamplingParams:
+def fit_context(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
+                defaulted: bool = False) -> SamplingParams:
     """Prompt + `max_tokens` must fit the context (vLLM answers 400 otherwise).
 
-    `max_tokens` equal to `max_model_len` is the chat default ("to the end of the context")
-    and is cut to what fits.
+    Args:
+        num_prompt_tokens: the prompt's length.
+        params: the request's parameters.
+        max_model_len: the context.
+        defaulted: `max_tokens` is a default, not the request's own (the generation
+            config's, or chat's "to the end of the context"): a most, cut to what fits.
 
     Raises:
-        ValueError: `max_tokens` does not fit; the message says how many do.
+        ValueError: the request's own `max_tokens` does not fit; the message says how many
+            do.
     """
     room = max_model_len - num_prompt_tokens
     if params.max_tokens <= room:
         return params
-    if params.max_tokens == max_model_len:
+    if defaulted:
         return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
     raise ValueError(
         f"max_tokens: {params.max_tokens} plus the prompt's {num_prompt_tokens} tokens "

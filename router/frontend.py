@@ -238,15 +238,12 @@ class Router:
         return filled
 
     def _fit_context(self, num_prompt_tokens: int, params: SamplingParams,
-                     max_tokens_defaulted: bool) -> SamplingParams:
-        """Raises InvalidRequestError when max_tokens does not fit, unless it is a default
-        (`max_tokens_defaulted`), which is cut to fit."""
-        room = self.model_info.max_model_len - num_prompt_tokens
-        if max_tokens_defaulted and params.max_tokens > room:
-            # A default is a most, not a demand: cut to what fits, as vLLM does.
-            return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+                     defaulted: bool) -> SamplingParams:
+        """Raises InvalidRequestError when the request's own max_tokens does not fit (a
+        default is cut to fit: `fit_context`)."""
         try:
-            return fit_context(num_prompt_tokens, params, self.model_info.max_model_len)
+            return fit_context(num_prompt_tokens, params, self.model_info.max_model_len,
+                               defaulted)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
 
