@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Regenerate the Python stubs for pdcluster.v1 (run from anywhere; the stubs are checked in).
-#   router/proto/generate.sh [OUT_DIR]   (default: next to the .proto, i.e. router/proto)
+#   scripts/generate_proto.sh [OUT_DIR]   (default: router/proto, next to the .proto)
 # Two tweaks after protoc: the gRPC stub's `from pdcluster.v1 import ...` becomes absolute
 # within this repository (the stubs import as `router.proto.pdcluster.v1`), and the type
 # stub gets a `# ruff: noqa` line (pyproject excludes the generated .py files, not the .pyi).
 set -euo pipefail
-HERE="$(cd "$(dirname "$0")" && pwd)"
+HERE="$(cd "$(dirname "$0")/../router/proto" && pwd)"
 OUT="${1:-$HERE}"
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$OUT/pdcluster/v1"

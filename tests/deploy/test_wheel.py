@@ -25,7 +25,6 @@ PACKAGES = [p.rstrip("*") for p in
             PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]]
 # Tracked under a package folder, but never read by the installed package.
 NOT_SHIPPED = {
-    "router/proto/generate.sh": "regenerates the stubs from the .proto, in a checkout",
     "planner/data/models/README.md": "says where the model configs come from",
 }
 

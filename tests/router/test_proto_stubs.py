@@ -1,4 +1,5 @@
-"""The checked-in gRPC stubs are exactly what `router/proto/generate.sh` makes from the .proto."""
+"""The checked-in gRPC stubs are exactly what `scripts/generate_proto.sh` makes from the
+.proto."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parents[2] / "router" / "proto"
+ROOT = Path(__file__).resolve().parents[2]
+PROTO_DIR = ROOT / "router" / "proto"
 STUBS = ("pdcluster_pb2.py", "pdcluster_pb2.pyi", "pdcluster_pb2_grpc.py")
 
 
 def test_stubs_match_proto(tmp_path: Path) -> None:
-    subprocess.run(["bash", str(PROTO_DIR / "generate.sh"), str(tmp_path)], check=True,
+    subprocess.run(["bash", str(ROOT / "scripts" / "generate_proto.sh"), str(tmp_path)], check=True,
                    env={**os.environ, "PYTHON": sys.executable}, timeout=60)
     for name in STUBS:
         fresh = (tmp_path / "pdcluster" / "v1" / name).read_text()
         checked_in = (PROTO_DIR / "pdcluster" / "v1" / name).read_text()
-        assert fresh == checked_in, f"{name} is stale: run router/proto/generate.sh"
+        assert fresh == checked_in, f"{name} is stale: run scripts/generate_proto.sh"

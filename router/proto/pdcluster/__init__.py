@@ -1,1 +1,1 @@
-"""Generated gRPC stubs for pdcluster.v1 (see router/proto/generate.sh)."""
+"""Generated gRPC stubs for pdcluster.v1 (see scripts/generate_proto.sh)."""
