@@ -29,8 +29,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.backend import ClusterBackend
 from cluster.pool import Detached
-from cluster.ray_backend import ClusterBackend
 from cluster.serve import ServeOptions, run
 from router.servers import Servers
 

@@ -14,16 +14,16 @@ import ray
 from rich.console import Console
 
 from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
+from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig
 from cluster.metrics import VllmCompatCollector, WorkerCollector
 from cluster.pool import Detached
-from cluster.ray_backend import ClusterBackend
 from engine import load_generation_defaults
 from engine.model_loader import cache_dir, resolve_model_dir
 from planner.autoscale_policy import Autoscaler
 from router.auth import SecurityConfig, check_bind, is_loopback
 from router.backend import Backend
-from router.frontend import RouterConfig
+from router.router import RouterConfig
 from router.servers import Servers, start_servers
 
 console = Console(stderr=True)

@@ -203,12 +203,12 @@ class Worker:
                 log.warning("dropped an undecodable command (%d bytes): %s", len(data), e)
                 continue
             try:
-                self._dispatch(command)
+                self._apply(command)
             except Exception as e:  # a bad command must not kill the reader
                 log.exception("command %s failed", type(command).__name__)
                 self._fail(command.request_id, f"{type(e).__name__}: {e}")
 
-    def _dispatch(self, command: Command) -> None:
+    def _apply(self, command: Command) -> None:
         if isinstance(command, Abort):
             self.loop.submit(lambda e: self.send(self.role.abort(e, command.request_id)))
             return

@@ -61,9 +61,9 @@ from bench.run import RunSettings, Target, bench_run
 from bench.serving_metrics import met
 from bench.traces import arrival_times
 from cluster.autoscaler import serving
-from cluster.launch import Endpoints, pdcluster_serve
-from cluster.serving_calibration import ServingCalibrator
-from cluster.validate import warmup_requests
+from commands.launch import Endpoints, pdcluster_serve
+from commands.serving_calibration import ServingCalibrator
+from commands.validate import warmup_requests
 from experiments import RESULTS
 from experiments.planner_accuracy import random_request
 from experiments.runner import markdown_table

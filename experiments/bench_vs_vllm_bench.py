@@ -77,7 +77,7 @@ def write_prompts(out: Path, model_dir: Path, num: int, seed: int) -> tuple[Path
 
 def start_serve(log: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", "smollm2", "--prefill", "1",
+        [sys.executable, "-m", "commands.cli", "serve", "--model", "smollm2", "--prefill", "1",
          "--decode", "1", "--grpc-port", "0", "--http-port", "0"],
         cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from cluster.launch import pdcluster_serve
+from commands.launch import pdcluster_serve
 from engine.hardware import cpu_paths
 
 RESULTS = Path("experiments/results/first_request")

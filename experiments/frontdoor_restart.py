@@ -73,7 +73,7 @@ def main() -> None:
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
     address, name = ray.get_runtime_context().gcs_address, f"exp{os.getpid()}"
     launched = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "serve", "--detach", "--name", name,
+        [sys.executable, "-m", "commands.cli", "serve", "--detach", "--name", name,
          "--address", address, "--model", args.model, "--kv-cache-gb", "0.25",
          "--grpc-port", "0", "--http-port", "0"], capture_output=True, text=True, check=True)
     grpc_address, http_base = READY.search(launched.stdout).groups()
@@ -98,7 +98,7 @@ def main() -> None:
                                         "summary": summary}, indent=2))
         print(json.dumps(summary, indent=2))
     finally:
-        subprocess.run([sys.executable, "-m", "cluster.cli", "stop", "--address", address,
+        subprocess.run([sys.executable, "-m", "commands.cli", "stop", "--address", address,
                         "--name", name], capture_output=True, timeout=180)
         ray.shutdown()
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.worker_pair import DEFAULT_SPEC, WorkerPair
+from commands.worker_pair import DEFAULT_SPEC, WorkerPair
 from protocol.serving import DEFAULT_VOCAB_RANGE
 
 

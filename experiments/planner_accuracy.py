@@ -20,7 +20,7 @@ the configuration's predicted maximum rate under that SLO.
 Each point is predicted, and written, just before its trace is replayed (with
 `--calibrate`, from the profile scaled to probe steps timed right then:
 `planner.calibrate.Calibrator` on a bare engine,
-`cluster.serving_calibration.ServingCalibrator` on the serving
+`commands.serving_calibration.ServingCalibrator` on the serving
 workers, which also pools the steps of the workload's last replay, or of a pilot replay
 before its first point);
 nothing measured from a point's own trace feeds its prediction. After the replay each
@@ -45,8 +45,8 @@ import numpy as np
 
 from bench.run import Target, status_snapshot
 from bench.traces import arrival_times
-from cluster.serving_calibration import ServingCalibrator
-from cluster.validate import errors, run_config
+from commands.serving_calibration import ServingCalibrator
+from commands.validate import errors, run_config
 from experiments import RESULTS
 from experiments.runner import markdown_table
 from planner.calibrate import Calibrator, replay_window, scale_to_steps, scaled_by_record

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from cluster.launch import ManagedProcess
+from commands.launch import ManagedProcess
 
 # ---- tables ----
 

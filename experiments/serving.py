@@ -4,7 +4,7 @@
     python -m experiments.serving ladder [--rate 0.3] [--steps static,continuous,...]
     python -m experiments.serving vs-vllm [--rate 0.2]
 
-Each experiment starts its servers as subprocesses (`python -m cluster.cli serve ... --grpc-port
+Each experiment starts its servers as subprocesses (`python -m commands.cli serve ... --grpc-port
 0 --http-port 0`, read back from its ready line; vLLM's OpenAI server on a free port,
 polled on `/v1/models`), always stops them (SIGINT, then SIGKILL to the process group), and writes
 under `experiments/results/serving/<name>/` (`--out` moves the root): one folder per run with
@@ -83,7 +83,7 @@ from bench.report import compare_reports, fmt
 from bench.run import RunSettings, Target, bench_run
 from bench.serving_metrics import succeeded, tpot, ttft
 from bench.traces import WorkloadSpec, arrival_times, make_workload
-from cluster.launch import pdcluster_serve
+from commands.launch import pdcluster_serve
 from experiments import REPO_ROOT, RESULTS
 from experiments.runner import markdown_table, pct, vllm_serve
 from protocol.defaults import MAX_QUEUE, MAX_RUNNING

@@ -55,7 +55,7 @@ class Tally:
 
 
 def _serve(api_key: str, admin_key: str) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", "tiny", "--prefill", "2",
+    cmd = [sys.executable, "-m", "commands.cli", "serve", "--model", "tiny", "--prefill", "2",
            "--decode", "2", "--grpc-port", "0", "--http-port", "0", "--kv-cache-gb", "0.05",
            "--dtype", "float32", "--local-prefill-threshold", "32", "--drain-timeout", "20",
            "--api-key", api_key, "--admin-key", admin_key]

@@ -29,8 +29,8 @@ from typing import Any
 
 import ray
 
+from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig, PoolSpec
-from cluster.ray_backend import ClusterBackend
 from engine import SamplingParams, defaults
 from experiments import RESULTS
 from router.backend import GenerateRequest

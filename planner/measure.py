@@ -12,7 +12,7 @@ schedules:
 
 The exposed KV transfer needs real prefill and decode workers in two processes over the
 chosen transport: the caller passes that measurement in (`TransferSampler`; the CLI's is
-`cluster.worker_pair.transfer_samples`). The neighbour slowdown is the ratio
+`commands.worker_pair.transfer_samples`). The neighbour slowdown is the ratio
 of a few steps timed beside a second engine process that keeps stepping a decode batch (a
 busy worker on the same host) to the same steps timed alone. Every sample is kept in the file;
 each model is scored on held-out samples before being refitted on all of them.

@@ -207,7 +207,7 @@ class Profile:
             token, beyond the engine's steps (the gRPC stream, the router, the hop to the
             worker, the CPU they share with busy workers). 0 as measured or modelled (a
             profile times bare steps); a served calibration measures it
-            (`cluster.serving_calibration.response_latency`). The simulator adds it to
+            (`commands.serving_calibration.response_latency`). The simulator adds it to
             every first and last token: TTFT and end-to-end latency grow by it, TPOT not.
         fit_error: held-out relative error of each model.
         samples: the raw samples, per model: `{"x": [...], "y": seconds}`.

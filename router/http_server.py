@@ -30,7 +30,6 @@ from router.errors import (
     RouterError,
     UnavailableError,
 )
-from router.frontend import Router
 from router.models import Routers
 from router.openai_protocol import (
     ChatCompletionRequest,
@@ -43,6 +42,7 @@ from router.openai_protocol import (
     total_usage,
 )
 from router.outputs import GenerateOutput
+from router.router import Router
 from router.tool_calls import ToolCalling
 
 T = TypeVar("T")

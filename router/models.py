@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from router.errors import InvalidRequestError, ModelNotFoundError, RequestNotFoundError
-from router.frontend import Router
+from router.router import Router
 
 
 class Routers:

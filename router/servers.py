@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from protocol.tracing import Tracer
 from router.auth import SecurityConfig
 from router.backend import Backend
-from router.frontend import Router, RouterConfig
 from router.grpc_server import GrpcServer
 from router.http_server import HttpServer
 from router.models import Routers
+from router.router import Router, RouterConfig
 
 
 @dataclass

@@ -40,7 +40,7 @@ print("installed packages:", " ".join(tops))
 data = sorted(str(f) for f in files("pdcluster")
               if f.parts[0] in tops and f.suffix not in (".py", ".pyc"))
 print(f"{len(files('pdcluster'))} files, data: {' '.join(data)}")
-expected = ["bench", "cluster", "decode_worker", "engine", "kv_transfer", "planner",
+expected = ["bench", "cluster", "commands", "decode_worker", "engine", "kv_transfer", "planner",
             "prefill_worker", "protocol", "router"]
 assert tops == expected, f"the wheel holds {tops}, expected {expected}"
 import engine

@@ -197,7 +197,7 @@ def markdown_code(text: str) -> str:
 
 def cli_subcommands() -> dict[str, argparse.ArgumentParser]:
     """The project's CLI subcommands and their parsers; an import error fails the test."""
-    from cluster.cli import build_parser
+    from commands.cli import build_parser
 
     (subparsers,) = [action for action in build_parser()._actions
                      if isinstance(action, argparse._SubParsersAction)]
@@ -539,9 +539,9 @@ def test_liveness_path_answers_without_a_key_or_a_worker_and_health_does_not(tin
 
     from router.auth import SecurityConfig
     from router.backend import ModelInfo
-    from router.frontend import Router
     from router.http_server import build_app
     from router.models import Routers
+    from router.router import Router
 
     info = ModelInfo("tiny", tiny_dir, max_model_len=1024, vocab_size=1024)
     backend = SimpleNamespace(healthy=lambda: False, model_info=lambda: info)
@@ -733,7 +733,7 @@ def test_dockerfile_runs_as_non_root_with_pdcluster_entrypoint():
 def test_image_serves_on_every_interface_whatever_the_serve_arguments(monkeypatch):
     """`docker run IMAGE serve --prefill 1 --decode 1` replaces the CMD: the image's
     environment, not its CMD, must make serve bind 0.0.0.0."""
-    from cluster.cli import HOST_ENV, parse_args
+    from commands.cli import HOST_ENV, parse_args
 
     env = dockerfile_env()
     assert env[HOST_ENV] == "0.0.0.0"

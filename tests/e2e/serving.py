@@ -49,7 +49,7 @@ def serve(*flags: str, timeout_s: float = 240.0,
     killed) on exit. `env` adds variables to this process's environment."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+        [sys.executable, "-m", "commands.cli", "serve", "--grpc-port", "0", "--http-port", "0",
          "--kv-cache-gb", "0.25", "--dtype", "float32", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []

@@ -45,7 +45,7 @@ def ray_head():
 
 
 def _cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", *argv]
+    return [sys.executable, "-m", "commands.cli", *argv]
 
 
 def _greedy_tokens(grpc_address: str, max_tokens: int) -> list[int]:
@@ -108,7 +108,7 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
              "--local-prefill-threshold", "8", "--grpc-port", "0", "--http-port", "0"]
     # The real CLI, whose process then stays connected to Ray until it is SIGKILLed.
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from cluster.cli import main; "
+        [sys.executable, "-c", "import sys, time; from commands.cli import main; "
          f"code = main({flags!r}); print('launched', code, flush=True); time.sleep(3600)"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

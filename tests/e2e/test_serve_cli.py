@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from cluster.cli import main
+from commands.cli import main
 from engine import SamplingParams, apply_chat_template
 from router.client import PdClusterClient
 from tests.conftest import SMOL_CHATS, hf_greedy

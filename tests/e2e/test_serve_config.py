@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
+from commands.cli import main
 from engine import LLM, CacheConfig, SamplingParams
 from router.client import PdClusterClient
 from tests.e2e.serving import serve

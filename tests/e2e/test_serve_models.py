@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster.cli import main
+from commands.cli import main
 from engine import LLM, CacheConfig, SamplingParams, apply_chat_template
 from router.client import PdClusterClient
 from tests.conftest import SMOL_CHATS, hf_greedy

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.cli import main
+from commands.cli import main
 from engine import LLM, CacheConfig, SamplingParams
 from router.client import PdClusterClient
 from tests.e2e.serving import Served, ServerSlot, wait_for
@@ -97,7 +97,7 @@ def _migrations(served: Served, pki: dict[str, str]) -> float:
 def test_binding_every_interface_without_a_key_is_refused() -> None:
     """The real process exits 2 with the reason before Ray or a port is touched (the other
     refusals and every flag's destination: tests/unit/test_cli_serve_flags.py)."""
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", "tiny",
+    done = subprocess.run([sys.executable, "-m", "commands.cli", "serve", "--model", "tiny",
                            "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items()
                                if k not in ("PDCLUSTER_API_KEY", "PDCLUSTER_ADMIN_KEY")})

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cluster.validate import errors
+from commands.validate import errors
 from engine.engine_loop import record_step
 from experiments.planner_accuracy import (
     LEVELS,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.validate import errors
+from commands.validate import errors
 from experiments.planner_validate_default import SEEDS, summary, trace
 
 PLAN = {"ttft_p50_ms": 100.0, "ttft_p90_ms": 200.0, "tpot_p50_ms": 10.0, "tpot_p90_ms": 20.0,

@@ -1,5 +1,5 @@
 """The pure parts of `experiments.serving` (workloads, SLO derivation, tables, ladder flags), of
-`bench.run` (utilization) and of `cluster.launch` (the server-process wrapper on a stand-in
+`bench.run` (utilization) and of `commands.launch` (the server-process wrapper on a stand-in
 process); no cluster, no model."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from bench.loadgen import LoadResult, RequestRecord
 from bench.report import build_report
 from bench.run import utilization_summary
 from bench.serving_metrics import summarize
-from cluster.launch import READY_LINE, ManagedProcess
+from commands.launch import READY_LINE, ManagedProcess
 from experiments import serving as ex
 from protocol.defaults import MAX_QUEUE, MAX_RUNNING
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import ray
 
+from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig, PoolSpec
-from cluster.ray_backend import ClusterBackend
 from engine import LLM, CacheConfig, SamplingParams
 from router.backend import GenerateRequest, TokenDelta
 

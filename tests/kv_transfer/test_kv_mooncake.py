@@ -117,7 +117,7 @@ def test_without_the_extra_the_transport_and_serve_say_what_to_install() -> None
     assert ("RuntimeError: the mooncake transport needs pip install 'pdcluster[mooncake]' "
             "(mooncake-transfer-engine) and apt-get install -y libibverbs1") in receiver.stderr
     serve = subprocess.run(
-        [sys.executable, "-c", hide + "from cluster.cli import main; "
+        [sys.executable, "-c", hide + "from commands.cli import main; "
          "sys.exit(main(['serve', '--transport', 'mooncake']))"],
         capture_output=True, text=True, timeout=120)
     assert serve.returncode == 2

@@ -81,7 +81,7 @@ class Cluster:
         log = self.hosts["head"].dir / "serve.log"
         start = log.stat().st_size if log.exists() else 0
         self.serve_proc = self.hosts.popen("head", [
-            sys.executable, "-m", "cluster.cli", "serve", "--model", "smollm2",
+            sys.executable, "-m", "commands.cli", "serve", "--model", "smollm2",
             "--address", f"{self.head}:6379", "--host", self.head,
             "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
             "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--kv-cache-gb", "0.25",

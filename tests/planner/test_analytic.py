@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
+from commands.cli import main
 from planner.analytic import StepModel, analytic_profile, check_against
 from planner.plan import PlanRequest, predict
 from planner.profile import Profile

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
-from cluster.cli import _autoscaler, build_parser, main
+from commands.cli import _autoscaler, build_parser, main
 from engine import SamplingParams
 from planner.autoscale_policy import REBALANCE_MARGIN, Autoscaler, AutoscalerConfig, Window
 from protocol.serving import Slo, TraceRequest

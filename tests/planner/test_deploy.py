@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import build_parser, main
+from commands.cli import build_parser, main
 from engine.hardware import cpu_features
 from planner.analytic import StepModel, analytic_profile
 from planner.deploy import deployment

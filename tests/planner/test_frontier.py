@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
+from commands.cli import main
 from planner.frontier import pareto_front
 from planner.plan import PlanRequest, plan
 from planner.search import search

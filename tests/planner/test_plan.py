@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.cli import main
+from commands.cli import main
 from planner.plan import (
     PlanRequest,
     at_rate,

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.worker_pair import transfer_samples
+from commands.worker_pair import transfer_samples
 from engine import CacheConfig, LLMEngine
 from engine.hardware import cpu_features
 from planner.measure import ProfileSettings, fit_profile, measure

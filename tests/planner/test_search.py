@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.cli import main
+from commands.cli import main
 from planner.search import BudgetRequest, candidates, search
 from protocol.serving import Slo
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace

@@ -1,4 +1,4 @@
-"""Calibration through a running server (`cluster.serving_calibration`): the probe and a
+"""Calibration through a running server (`commands.serving_calibration`): the probe and a
 workload's replays pooled, and the pilot trace drawn from a trace's own distribution."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from bench.loadgen import RequestRecord
 from bench.run import Target
-from cluster.serving_calibration import (
+from commands.serving_calibration import (
     ServingCalibrator,
     first_token_seconds,
     pilot_trace,

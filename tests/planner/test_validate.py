@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from bench.run import Target
-from cluster.cli import main
-from cluster.serving_calibration import ServingCalibrator
-from cluster.validate import (
+from commands.cli import main
+from commands.serving_calibration import ServingCalibrator
+from commands.validate import (
     PILOT_SEED,
     errors,
     repredict,

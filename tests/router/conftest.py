@@ -16,7 +16,7 @@ from engine import LLM, CacheConfig, LLMEngine
 from protocol.tracing import Tracer
 from router.auth import SecurityConfig
 from router.client import PdClusterClient
-from router.frontend import RouterConfig
+from router.router import RouterConfig
 from router.servers import Servers, start_servers
 from tests.conftest import assert_pool_free
 

@@ -16,7 +16,7 @@ import pytest
 from cluster.engine_backend import EngineBackend
 from engine import CacheConfig, LLMEngine, SamplingParams
 from router.client import PdClusterClient
-from router.frontend import RouterConfig
+from router.router import RouterConfig
 from router.servers import Servers, start_servers
 from tests.conftest import assert_pool_free
 from tests.router.conftest import LoopThread, engine_stalled, wait_for

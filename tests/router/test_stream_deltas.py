@@ -7,7 +7,7 @@ import time
 
 from engine import SamplingParams
 from router.backend import GenerateRequest, TokenDelta
-from router.frontend import Router, _Stream
+from router.router import Router, _Stream
 
 
 def test_a_multi_token_step_is_cut_at_the_stop_string(backend):

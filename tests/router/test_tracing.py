@@ -107,7 +107,7 @@ def test_the_flag_errors(monkeypatch):
 @pytest.mark.subprocess
 def test_tracing_off_imports_no_opentelemetry():
     code = ("import sys\n"
-            "import cluster.dispatch, decode_worker.role, prefill_worker.role, router.frontend\n"
+            "import cluster.dispatch, decode_worker.role, prefill_worker.role, router.router\n"
             "from protocol.tracing import Tracer\n"
             "Tracer(None, 'router').start('request', None).end()\n"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n")

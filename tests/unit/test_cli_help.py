@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from cluster.cli import build_parser, main
+from commands.cli import build_parser, main
 from protocol.serving import Slo
 
 

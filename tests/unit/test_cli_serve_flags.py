@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from cluster.cli import main
 from cluster.config import TRANSPORTS
+from commands.cli import main
 from tests.pki import make_pki
 
 

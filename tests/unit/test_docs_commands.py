@@ -1,5 +1,5 @@
 """Every `pdcluster ...` command README.md and docs/*.md show runs as shown: it parses with
-the real command line (`cluster.cli.parse_args`), and a `serve` passes every check `serve`
+the real command line (`commands.cli.parse_args`), and a `serve` passes every check `serve`
 makes before it starts anything (each model's pools and router, the key a non-loopback
 host needs, each worker's share of a shared GPU), with `cluster.serve.run` replaced so
 nothing starts: no Ray, no server.
@@ -29,16 +29,16 @@ from typing import Any
 import pytest
 from markdown_it import MarkdownIt  # CommonMark's reference parser; rich brings it
 
-import cluster.cli
 import cluster.serve
+import commands.cli
 import router.logs
-from cluster.cli import build_parser, parse_args
+from commands.cli import build_parser, parse_args
 from tests.conftest import clear_flag_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
-# `python -m cluster.cli` is the module behind the `pdcluster` console script.
-ENTRY_POINTS = (("pdcluster",), ("python", "-m", "cluster.cli"))
+# `python -m commands.cli` is the module behind the `pdcluster` console script.
+ENTRY_POINTS = (("pdcluster",), ("python", "-m", "commands.cli"))
 SHELL_OPERATORS = set("();<>|&")
 
 SLO = "ttft_p90_ms=2000,tpot_p90_ms=200"  # README's
@@ -298,7 +298,7 @@ def why_not(command: DocCommand, scratch: Path, captured: Captured,
     if args.command != "serve":
         return None
     try:
-        args.func(args)  # as `cluster.cli.main` does; `run` only records its options
+        args.func(args)  # as `commands.cli.main` does; `run` only records its options
     except ValueError as e:  # what `main` prints as `error: ...`, exit 2
         return f"serve refuses to start: {e}"
     if len(captured.options) != 1:
@@ -319,7 +319,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> Captured:
         return 0
 
     monkeypatch.setattr(cluster.serve, "run", run)
-    monkeypatch.setattr(cluster.cli, "_serve_detached", detached)
+    monkeypatch.setattr(commands.cli, "_serve_detached", detached)
     monkeypatch.setattr(router.logs, "configure_logging", lambda *_: None)
     return seen
 
@@ -364,7 +364,7 @@ def test_the_docs_commands_are_found_and_every_table_entry_is_used() -> None:
         by_doc[command.doc] += 1
     for doc in ("README.md", "docs/operators.md", "docs/planner.md", "docs/reliability.md"):
         assert by_doc[doc] > 0, f"no command found in {doc}: {by_doc}"
-    assert [c.doc for c in COMMANDS if c.text.startswith("python -m cluster.cli")] == [
+    assert [c.doc for c in COMMANDS if c.text.startswith("python -m commands.cli")] == [
         "README.md"]
     used = {(c.words[k - 1], w) for c in RUNNABLE for k, w in enumerate(c.words) if k}
     assert sorted(set(VALUES) - used) == [], "placeholders no doc writes any more"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.cli import main
+from commands.cli import main
 from engine import (
     LLM,
     CacheConfig,
@@ -21,7 +21,7 @@ from engine import (
     parse_generation_override,
 )
 from engine.model_loader import resolve_model_dir
-from router.frontend import RouterConfig
+from router.router import RouterConfig
 
 KEYS_MESSAGE = "the keys are max_new_tokens, min_p, repetition_penalty, temperature, top_k, top_p"
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 import cluster.serve
-from cluster.cli import main
 from cluster.config import ClusterConfig, PoolSpec
+from commands.cli import main
 from engine import CacheConfig, defaults
 from engine.config import kv_pool_bytes, parse_dtype
 

@@ -1,7 +1,7 @@
 """`plan --validate`: serve configurations for real, replay the trace, compare with the plan.
 
 Each configuration is started with `pdcluster serve` on local Ray (or `--address`) as a
-child process (`cluster.launch`), warmed up with a few requests, and sent the plan's trace
+child process (`commands.launch`), warmed up with a few requests, and sent the plan's trace
 (same prompts, same arrivals, same output lengths) by the `pdcluster bench` load generator.
 The measured figures use the bench's definitions, which the planner's predictions share,
 and are written beside the predicted ones with the error of each:
@@ -11,7 +11,7 @@ and are written beside the predicted ones with the error of each:
 
 The prediction compared is, by default (`calibration="serving"`), made again on the served
 configuration just before its replay: the profile is calibrated through the server
-(`cluster.serving_calibration.ServingCalibrator`: a probe stream, then a pilot trace drawn
+(`commands.serving_calibration.ServingCalibrator`: a probe stream, then a pilot trace drawn
 from the trace's own lengths, mix and arrival gaps with fresh token ids, `pilot_trace`;
 the pilot's first tokens against the simulated ones give the serving path's latency,
 `response_latency`), and the configuration is simulated again with that profile on the
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from bench.run import RunSettings, Target, bench_run
-from cluster.launch import pdcluster_serve
-from cluster.serving_calibration import (
+from commands.launch import pdcluster_serve
+from commands.serving_calibration import (
     ServingCalibrator,
     pilot_trace,
     probe_prompts,

@@ -1,8 +1,8 @@
 """`pdcluster profile` and `pdcluster plan`: the planner's subcommands.
 
 The planner is a library (`planner/`); these commands add what it must not import: real
-workers for the KV transfer measurement (`cluster.worker_pair`) and, for `--validate`,
-configurations served for real (`cluster.validate`)."""
+workers for the KV transfer measurement (`commands.worker_pair`) and, for `--validate`,
+configurations served for real (`commands.validate`)."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def run_profile(args: argparse.Namespace) -> int:
         raise ValueError("--hardware and --model-config describe an --analytic profile")
     from rich.progress import BarColumn, Progress, TimeElapsedColumn
 
-    from cluster.worker_pair import transfer_samples
+    from commands.worker_pair import transfer_samples
     from planner.measure import ProfileSettings, measure
 
     settings = ProfileSettings(args.model or "smollm2", args.dtype or engine_defaults.DTYPE,
@@ -338,7 +338,7 @@ def run_plan(args: argparse.Namespace) -> int:
         doc = {**plan(request), "calibration": calibration}
     _plots(doc, args.plot)
     if args.validate:
-        from cluster.validate import PILOT_REQUESTS, validate
+        from commands.validate import PILOT_REQUESTS, validate
 
         doc = validate(doc, request, args.validate_configs, args.address,
                        (args.output or Path("plan.json")).with_suffix(".runs"),

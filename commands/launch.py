@@ -1,7 +1,7 @@
 """Run `pdcluster serve` as a child process: what `plan --validate` and the experiments
 serve their configurations with.
 
-`pdcluster_serve` starts `python -m cluster.cli serve ... --grpc-port 0 --http-port 0`
+`pdcluster_serve` starts `python -m commands.cli serve ... --grpc-port 0 --http-port 0`
 (its endpoints read back from its ready line) and always stops it: SIGINT, then SIGKILL to
 its process group (Ray's daemons included).
 """
@@ -156,7 +156,7 @@ def pdcluster_serve(model: str, flags: Sequence[str], log_path: Path,
     Yields:
         Its endpoints, once it is ready.
     """
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", model,
+    command = [sys.executable, "-m", "commands.cli", "serve", "--model", model,
                "--grpc-port", "0", "--http-port", "0", *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     print(f"starting: pdcluster serve --model {model} {shlex.join(flags)}", flush=True)

@@ -4,7 +4,7 @@ and a pilot trace, timed by the workers' own step totals (`Status`).
 `planner.calibrate` scales a profile to steps (`scale_to_steps`); this module makes the
 steps, on a served configuration, so the scaled profile includes what serving adds to a
 step (the workers' other threads, the router, Ray, the load generator). `plan --validate`
-(`cluster.validate`) and the planner experiments use it.
+(`commands.validate`) and the planner experiments use it.
 """
 
 from __future__ import annotations

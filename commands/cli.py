@@ -94,7 +94,7 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
     from cluster.config import TRANSPORTS, ClusterConfig
     from cluster.serve import ServedModel
     from engine import parse_generation_override
-    from router.frontend import RouterConfig
+    from router.router import RouterConfig
 
     shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
     if args.transport == "mooncake":
@@ -319,7 +319,7 @@ WORKER_GROUP = "per-worker settings (a config file's prefill: and decode: sectio
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.cli_planner import slo_arg
+    from commands.planner import slo_arg
 
     parser = _Parser(prog="pdcluster", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
-    from cluster.cli_planner import add_parsers as add_planner_parsers
+    from commands.planner import add_parsers as add_planner_parsers
 
     add_planner_parsers(sub)
     for command, func in ((gen, _generate), (status, _status), (scale, _scale)):

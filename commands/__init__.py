@@ -1,0 +1,1 @@
+"""`pdcluster`'s command line: one module per subcommand, above the runtime (cluster)."""
