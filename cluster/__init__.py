@@ -1,1 +1,1 @@
-"""Ray actors and pools, placement, health, scaling and draining, and the `pdcluster` CLI."""
+"""The runtime: Ray actors and pools, placement, health, scaling and draining, `serve`."""

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.backend import ClusterBackend
 from cluster.pool import Detached
 from cluster.serve import ServeOptions, run
+from protocol.defaults import DRAIN_TIMEOUT_S
 from router.servers import Servers
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,8 @@ def launch(options: ServeOptions, name: str = DEFAULT_NAME,
         raise
 
 
-def stop(address: str | None, name: str = DEFAULT_NAME, drain_timeout_s: float = 30.0) -> int:
+def stop(address: str | None, name: str = DEFAULT_NAME,
+         drain_timeout_s: float = DRAIN_TIMEOUT_S) -> int:
     """Drain and stop a detached cluster: its front door, workers and registry.
 
     Returns:

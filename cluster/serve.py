@@ -21,6 +21,7 @@ from cluster.pool import Detached
 from engine import load_generation_defaults
 from engine.model_loader import cache_dir, resolve_model_dir
 from planner.autoscale_policy import Autoscaler
+from protocol.defaults import DRAIN_TIMEOUT_S
 from router.auth import SecurityConfig, check_bind, is_loopback
 from router.backend import Backend
 from router.router import RouterConfig
@@ -77,7 +78,7 @@ class ServeOptions:
     autoscaler: Autoscaler | None = None
     security: SecurityConfig = field(default_factory=SecurityConfig)
     allow_unauthenticated: bool = False
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     more_models: tuple[ServedModel, ...] = ()
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.spec_decode import verify
+from engine.spec_verify import verify
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,12 @@
-"""Speculative decoding: configuration, draft proposers and the verification rule.
+"""Speculative decoding: configuration, draft proposers and what a step leaves to account.
 
 A speculative decode step of one request: a proposer drafts up to K tokens after its last
 token; one batched forward of the target model computes the last token and the K drafts
 (K + 1 query positions over the paged cache, with every other request of the batch); the
 verifier accepts a prefix of the drafts and adds one token of its own, so a step emits 1 to
-K + 1 tokens. KV slots of rejected drafts are rolled back by the scheduler (blocks past the
-accepted length freed; only verified tokens ever reach the prefix cache).
-
-Drafts are deterministic (the n-gram continuation, the draft model's argmax), so the draft
-distribution is a point mass and the rejection-sampling rule is: accept draft x with
-probability p(x), else sample from p with x removed and renormalised; p is the target's
-distribution after the request's own processing (bias, penalties with the drafted prefix as
-history) and filtering (temperature, top-k, top-p, min-p). Greedy requests accept a draft
-exactly when it is the argmax, so their output equals plain decoding.
+K + 1 tokens (the rule: `engine/spec_verify.py`, which the model runner applies). KV
+slots of rejected drafts are rolled back by the scheduler (blocks past the accepted length
+freed; only verified tokens ever reach the prefix cache).
 """
 
 from __future__ import annotations
@@ -20,17 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
-import torch
 
-from engine.sampler import filtered_probs, process_row, top_logprobs
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.request import Request
-    from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 Method = Literal["ngram", "draft"]
 
@@ -311,73 +301,23 @@ class SpecCounters:
                 if self.verify_steps else 0.0}
 
 
-# ---- verification ----------------------------------------------------------------------
-
-
-class _Prefix:
-    """A request seen with some drafted tokens appended to its output: the history that
-    penalties read at a verified position."""
-
-    def __init__(self, request: Request, drafted: list[int]) -> None:
-        self.params = request.params
-        self.generator = request.generator
-        self.prompt_token_ids = request.prompt_token_ids
-        self.output_token_ids = request.output_token_ids + drafted
-        self.grammar = None
-
-
-def verify(logits: torch.Tensor, request: Request, draft: list[int]
-           ) -> tuple[list[int], list[dict[int, float]] | None]:
-    """Accept a prefix of `draft` and add one token.
+def finish_step(schedule: SchedulerOutput, new_tokens: Mapping[str, Sequence[int]],
+                counters: SpecCounters) -> None:
+    """Account for a step once the scheduler has advanced its requests: count each verified
+    request-step, back off drafting where all drafts missed (`record_verified`) and keep a
+    draft model's KV to the verified tokens (`trim_draft`).
 
     Args:
-        logits: `[len(draft) + 1, vocab]`, row j the target's logits after the request's
-            tokens and `draft[:j]`.
-        request: the request (its params, output so far and generator).
-        draft: the drafted tokens.
-
-    Returns:
-        The emitted tokens (the accepted drafts, then the correction or bonus token) and,
-        when asked for, their logprobs (of the raw logits, as plain sampling reports them).
+        schedule: the step's schedule, as the proposer left it (a request that drafted
+            computed its last token and its drafts: `num_new_tokens` is 1 + drafted).
+        new_tokens: request id -> the tokens the step appended, for the requests it changed.
+        counters: the engine's running totals.
     """
-    raw = logits.float()
-    p = request.params
-    processed = raw
-    if p.logit_bias or p.has_penalties:
-        processed = raw.clone()
-        for j in range(len(draft) + 1):
-            process_row(processed[j], _Prefix(request, draft[:j]))
-    tokens = _accept_greedy(processed, draft) if p.greedy else \
-        _accept_sampled(processed, draft, request)
-    logprobs = None
-    if p.logprobs is not None:
-        rows = torch.log_softmax(raw[:len(tokens)], dim=-1)
-        logprobs = [top_logprobs(rows[j], p.logprobs, t) for j, t in enumerate(tokens)]
-    return tokens, logprobs
-
-
-def _accept_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
-    best = logits.argmax(dim=-1).tolist()
-    out = []
-    for j, x in enumerate(draft):
-        out.append(best[j])
-        if best[j] != x:
-            return out
-    out.append(best[len(draft)])
-    return out
-
-
-def _accept_sampled(logits: torch.Tensor, draft: list[int], request: Request) -> list[int]:
-    gen = request.generator
-    out = []
-    for j, x in enumerate(draft):
-        probs = filtered_probs(logits[j], request.params)
-        if torch.rand(1, generator=gen).item() < probs[x].item():
-            out.append(x)
-            continue
-        probs[x] = 0.0
-        out.append(int(torch.multinomial(probs / probs.sum(), 1, generator=gen)[0]))
-        return out
-    probs = filtered_probs(logits[len(draft)], request.params)
-    out.append(int(torch.multinomial(probs, 1, generator=gen)[0]))
-    return out
+    for s in schedule.scheduled:
+        request = s.request
+        trim_draft(request)
+        num_drafted = s.num_new_tokens - 1 if s.num_lookahead else 0
+        emitted = new_tokens.get(request.request_id)
+        if num_drafted and emitted is not None:
+            counters.record(num_drafted, len(emitted))
+            record_verified(request, len(emitted) - 1)

@@ -20,6 +20,7 @@ from engine import (
     load_generation_defaults,
     load_tokenizer,
 )
+from protocol import defaults
 from protocol.tracing import NO_SPAN, Span, Tracer
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
@@ -64,8 +65,8 @@ class RouterConfig:
             (`--override-generation-config`; `max_new_tokens` is max_tokens; null removes).
     """
 
-    max_running: int = 256
-    max_queue: int = 1024
+    max_running: int = defaults.MAX_RUNNING
+    max_queue: int = defaults.MAX_QUEUE
     queue_timeout_s: float | None = 60.0
     served_model_name: str | None = None
     request_timeout_s: float | None = None

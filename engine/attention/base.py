@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -60,18 +59,3 @@ class AttentionBackend(ABC):
         Returns:
             `[T, num_heads, head_dim]`.
         """
-
-
-def get_backend(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
-                name: str = "auto") -> AttentionBackend:
-    """FlashInfer on CUDA when installed, torch otherwise (or as asked by `name`)."""
-    if name == "auto":
-        has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-        name = "flashinfer" if device.type == "cuda" and has_flashinfer else "torch"
-    if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    if name == "flashinfer":
-        from engine.attention.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(num_heads, num_kv_heads, head_dim, device)
-    raise ValueError(f"attention backend must be auto, torch or flashinfer, got {name!r}")

@@ -733,7 +733,8 @@ def test_dockerfile_runs_as_non_root_with_pdcluster_entrypoint():
 def test_image_serves_on_every_interface_whatever_the_serve_arguments(monkeypatch):
     """`docker run IMAGE serve --prefill 1 --decode 1` replaces the CMD: the image's
     environment, not its CMD, must make serve bind 0.0.0.0."""
-    from commands.cli import HOST_ENV, parse_args
+    from commands.cli import parse_args
+    from commands.serve import HOST_ENV
 
     env = dockerfile_env()
     assert env[HOST_ENV] == "0.0.0.0"

@@ -19,7 +19,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
-from commands.cli import _autoscaler, build_parser, main
+from commands.cli import build_parser, main
+from commands.serve import _autoscaler
 from engine import SamplingParams
 from planner.autoscale_policy import REBALANCE_MARGIN, Autoscaler, AutoscalerConfig, Window
 from protocol.serving import Slo, TraceRequest

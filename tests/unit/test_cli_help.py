@@ -26,6 +26,23 @@ def test_every_flag_of_every_command_has_help() -> None:
     assert missing == []
 
 
+SUBCOMMANDS = ["serve", "stop", "generate", "status", "scale", "bench", "profile", "plan"]
+
+
+def test_every_subcommand_is_registered_in_order() -> None:
+    (subparsers,) = [a for a in build_parser()._actions
+                     if isinstance(a, argparse._SubParsersAction)]
+    assert list(subparsers.choices) == SUBCOMMANDS
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: pdcluster {command} ")
+
+
 def test_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--help"])

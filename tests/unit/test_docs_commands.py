@@ -30,7 +30,7 @@ import pytest
 from markdown_it import MarkdownIt  # CommonMark's reference parser; rich brings it
 
 import cluster.serve
-import commands.cli
+import commands.serve
 import router.logs
 from commands.cli import build_parser, parse_args
 from tests.conftest import clear_flag_env
@@ -176,14 +176,14 @@ def commands_in(line: str) -> Iterator[tuple[str, list[str], dict[str, str]]]:
 
 def written(line: str, subcommand: str) -> str:
     """The command as `line` writes it, from its entry point on, one space between words."""
-    match = re.search(rf"(pdcluster|python -m cluster\.cli)\s+{re.escape(subcommand)}", line)
+    match = re.search(rf"(pdcluster|python -m commands\.cli)\s+{re.escape(subcommand)}", line)
     text = line[match.start() if match else 0:]
     return " ".join(re.sub(r"\s#\s.*", "", text).split())
 
 
 def entry_line(lines: list[str], subcommand: str) -> int:
     """Which of a logical line's physical lines holds the command's start."""
-    pattern = re.compile(rf"(?<![\w.:/-])(pdcluster|cluster\.cli)\s+{re.escape(subcommand)}")
+    pattern = re.compile(rf"(?<![\w.:/-])(pdcluster|commands\.cli)\s+{re.escape(subcommand)}")
     return next((k for k, line in enumerate(lines) if pattern.search(line)), 0)
 
 
@@ -319,7 +319,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> Captured:
         return 0
 
     monkeypatch.setattr(cluster.serve, "run", run)
-    monkeypatch.setattr(commands.cli, "_serve_detached", detached)
+    monkeypatch.setattr(commands.serve, "_serve_detached", detached)
     monkeypatch.setattr(router.logs, "configure_logging", lambda *_: None)
     return seen
 

@@ -29,8 +29,8 @@ from engine.spec_decode import (
     draft_allowed,
     ngram_propose,
     record_verified,
-    verify,
 )
+from engine.spec_verify import verify
 from engine.tokenizer import apply_chat_template
 from tests.conftest import SMOL_CHATS, assert_pool_free, hf_greedy, truncated_model
 from tests.unit.test_roles import _prefill_then_hand_over, _run_until_idle
@@ -210,13 +210,13 @@ def test_tiny_greedy_matches_hf_in_a_mixed_batch(mode, tiny_draft):
     for prompt, out in zip(prompts, outputs, strict=False):
         assert out.outputs[0].token_ids == hf_greedy("tiny", prompt, GREEDY.max_tokens)
     stats = llm.engine.stats()
-    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+    assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > 0
     assert_pool_free(llm.engine)
     llm.engine.set_speculative_config(None)
     plain = llm.generate(prompts[:2], others)
     assert [o.outputs[0].token_ids for o in outputs[-2:]] == \
         [o.outputs[0].token_ids for o in plain]
-    assert llm.engine.stats()["spec_verify_steps"] == stats["spec_verify_steps"]
+    assert llm.engine.stats().spec_verify_steps == stats.spec_verify_steps
 
 
 def test_drafts_that_miss_back_off_and_a_hit_resets_the_wait():
@@ -255,8 +255,8 @@ def test_smollm2_ngram_greedy_matches_hf_with_accepted_drafts(speculative):
     for out in outputs:
         assert out.outputs[0].token_ids == hf_greedy("smollm2", out.prompt_token_ids, 32)
     stats = speculative.engine.stats()
-    assert stats["spec_accepted_tokens"] > 0
-    assert stats["spec_tokens_per_step"] > 1.0
+    assert stats.spec_accepted_tokens > 0
+    assert stats.spec_tokens_per_step > 1.0
 
 
 @pytest.mark.slow
@@ -292,7 +292,7 @@ def test_smollm2_features_in_one_batch_equal_plain_decoding(speculative):
         assert got.keys() == want.keys()
         assert all(math.isclose(got[t], want[t], abs_tol=1e-4) for t in got)
     stats = speculative.engine.stats()
-    assert stats["spec_accepted_tokens"] > 20
+    assert stats.spec_accepted_tokens > 20
 
 
 @pytest.mark.slow
@@ -400,7 +400,7 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _figures(engine: LLMEngine) -> tuple[int, int, int]:
     stats = engine.stats()
-    return stats["spec_draft_tokens"], stats["spec_accepted_tokens"], stats["spec_verify_steps"]
+    return stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_verify_steps
 
 
 def test_a_truncated_draft_model_drafts_what_the_self_draft_does(tiny_draft):
@@ -441,10 +441,10 @@ def test_a_draft_models_pages_share_the_kv_budget(tiny_draft, kv_cache_dtype):
     llm = LLM("tiny", cache=cache, speculative_config=model_draft(tiny_draft))
     engine = llm.engine
     layer_block = _TINY_LAYER_BLOCK[kv_cache_dtype]
-    assert plain.engine.stats()["kv_block_bytes"] == 3 * layer_block
-    assert plain.engine.stats()["draft_kv_block_bytes"] == 0
+    assert plain.engine.stats().kv_block_bytes == 3 * layer_block
+    assert plain.engine.stats().draft_kv_block_bytes == 0
     stats = engine.stats()
-    assert (stats["kv_block_bytes"], stats["draft_kv_block_bytes"]) == \
+    assert (stats.kv_block_bytes, stats.draft_kv_block_bytes) == \
         (5 * layer_block, 2 * layer_block)
     assert plain.engine.block_pool.num_blocks == budget // (3 * layer_block)
     assert engine.block_pool.num_blocks == budget // (5 * layer_block)

@@ -1,0 +1,415 @@
+"""`pdcluster serve`: start the cluster and its gRPC + OpenAI endpoints.
+
+Its flags build one `ServeOptions` (`cluster.serve`): per model, the pools' `ClusterConfig`
+and the router's `RouterConfig`; with `--autoscale`, the planner's autoscaling policy;
+with `--detach`, the front door runs as a detached Ray actor (`cluster.frontdoor`). Every
+flag also reads `$PDCLUSTER_<FLAG>` and the `--config` file (`config_layers`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from commands.arguments import slo_arg
+from engine import defaults as engine_defaults
+from protocol import defaults
+from protocol.serving import SLO_HELP
+from router.logs import LOG_LEVELS
+
+if TYPE_CHECKING:
+    from cluster.config_file import Layers
+
+# `docker run IMAGE serve ...` must listen on every interface; the image sets this.
+HOST_ENV = "PDCLUSTER_HOST"
+
+# The `serve` flags that build one worker: shared by both pools unless a pool's section of
+# the config file sets them (`cluster.config_file`). Adding one is one `add_argument` in
+# this group, its `dest` a `WorkerSpec` field.
+WORKER_GROUP = "per-worker settings (a config file's prefill: and decode: sections may set " \
+               "them per pool)"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `serve` with the `pdcluster` subcommands.
+
+    Args:
+        sub: what `ArgumentParser.add_subparsers()` returned.
+
+    Returns:
+        The subcommand's parser.
+    """
+    serve = sub.add_parser("serve", help="start the cluster and its gRPC + OpenAI endpoints",
+                           epilog="Every flag also reads $PDCLUSTER_<FLAG> (--max-num-seqs:\n"
+                                  "$PDCLUSTER_MAX_NUM_SEQS) and the --config file; the command\n"
+                                  "line wins over the environment, which wins over the file.")
+    serve.add_argument("--config", type=Path, default=None, metavar="FILE.yaml",
+                       help="YAML file of serve's flags (long names without the dashes: "
+                            "'port: 8000') and per-pool sections 'prefill:' and 'decode:' "
+                            "(replicas, resource and any per-worker setting); see "
+                            "docs/operators.md")
+    serve.add_argument("--model", default="smollm2",
+                       help="model name (smollm2, tiny), HF directory or .gguf file")
+    serve.add_argument("--mode", choices=["disaggregated", "colocated"],
+                       default="disaggregated",
+                       help="separate prefill and decode pools, or one pool of mixed workers")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    serve.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
+    serve.add_argument("--transport", choices=["shm", "zmq", "torch", "mooncake"],
+                       default="shm",
+                       help="KV transport (shm falls back to zmq across hosts; mooncake: "
+                            "Mooncake's Transfer Engine, pip install 'pdcluster[mooncake]')")
+    serve.add_argument("--mooncake-protocol", choices=["auto", "tcp", "rdma"], default="auto",
+                       help="what --transport mooncake speaks; auto: rdma where the node "
+                            "lists an RDMA device, else tcp (NICs are picked by the engine)")
+    serve.add_argument("--address", default=None,
+                       help="existing Ray cluster ('auto', 'ray://host:10001'); "
+                            "None: embedded local Ray")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help=f"interface of the front doors (${HOST_ENV} in the image)")
+    serve.add_argument("--worker-host", default=None,
+                       help="address workers and the router bind for ZMQ and KV; 'auto' "
+                            "(each node's IP) with --address, else 127.0.0.1")
+    serve.add_argument("--prefill-resource", default=None, metavar="NAME",
+                       help="Ray custom resource each prefill worker asks a sliver of, so the "
+                            "pool runs only on nodes started with ray start --resources "
+                            "'{\"NAME\": N}' (None: pd_prefill where a node offers it)")
+    serve.add_argument("--decode-resource", default=None, metavar="NAME",
+                       help="the same for decode (and colocated) workers (None: pd_decode "
+                            "where offered)")
+    serve.add_argument("--internal-auth", choices=["auto", "curve", "off"], default="auto",
+                       help="internal ZMQ sockets (router <-> workers, KV transfer): 'curve' "
+                            "encrypts them and admits only holders of the cluster's key; "
+                            "'auto' is 'curve' unless they are all on loopback of one node")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free)")
+    serve.add_argument("--http-port", "--port", type=int, default=8000,
+                       help="OpenAI HTTP port (--port, as in vLLM; 0: any free)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API and the metrics (None: --model)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (None: the model's and the KV pool's "
+                            "limit)")
+    serve.add_argument("--local-prefill-threshold", type=int,
+                       default=defaults.LOCAL_PREFILL_THRESHOLD,
+                       help="uncached prompts this short prefill on the decode worker")
+    serve.add_argument("--policy", choices=["continuous", "static"], default="continuous",
+                       help="batching policy of every worker (static: for comparison)")
+    serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING,
+                       help="requests the router runs at once; more wait in its queue")
+    serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE,
+                       help="requests that may wait in the router's queue; more get 429")
+    serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="sampling defaults for what a request omits (temperature, "
+                            "top_p, top_k, min_p, repetition_penalty, max_tokens), as vLLM: "
+                            "auto, the model folder's generation_config.json; vllm, none; "
+                            "or a FOLDER holding a generation_config.json")
+    serve.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help="generation_config.json keys over those defaults, e.g. "
+                            "'{\"temperature\": 0.5}' (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty, max_new_tokens; null removes one); default: "
+                            "none")
+    worker = serve.add_argument_group(WORKER_GROUP)
+    worker.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default="auto",
+                        help="model and KV dtype; auto: bfloat16 on CUDA and on CPUs with "
+                             "native bf16 (AVX512-BF16/AMX), else float32 (the exact "
+                             "reference)")
+    worker.add_argument("--kv-cache-gb", dest="kv_cache_memory_gb", type=float, default=None,
+                        metavar="GB", help="KV pool per worker in GB (None: "
+                             f"{engine_defaults.KV_CACHE_GB:g} on CPU; on CUDA sized by "
+                             "--gpu-memory-utilization)")
+    worker.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="KV pages: auto (the model's dtype) or int8 (a scale per token "
+                             "and KV head: about 2x the blocks of bf16 per GB, half the bytes "
+                             "per transfer; CPU/torch attention); both pools must match")
+    worker.add_argument("--speculative-config", type=speculative_arg, default=None,
+                        metavar="JSON",
+                        help="speculative decoding on decode and colocated workers, vLLM's "
+                             "keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                             "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft\", "
+                             "\"model\": \"self\", \"draft_layers\": 8, "
+                             "\"num_speculative_tokens\": 3}' (or \"model\": a draft model "
+                             "directory sharing the target's tokenizer, without "
+                             "draft_layers); prefill workers ignore it")
+    worker.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                        help="share of the GPU's memory a worker may hold (weights + KV); "
+                             "the KV pool gets what the weights leave (None: "
+                             f"{engine_defaults.GPU_MEMORY_UTILIZATION:g} on CUDA unless "
+                             "--kv-cache-gb is given); only for workers with a GPU")
+    worker.add_argument("--max-num-batched-tokens", type=int,
+                        default=engine_defaults.MAX_NUM_BATCHED_TOKENS,
+                        help="token budget of one engine step")
+    worker.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS,
+                        help="most requests a worker runs at once")
+    worker.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads per worker")
+    worker.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false",
+                        help="do not reuse cached prompt blocks (by default they are)")
+    worker.add_argument("--num-cpus-per-worker", type=float, default=1.0,
+                        help="Ray CPUs each worker reserves")
+    worker.add_argument("--num-gpus-per-worker", type=float, default=0.0,
+                        help="Ray GPUs each worker reserves (a fraction shares a GPU)")
+    serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                       help="level of the server's log; INFO includes one line per finished "
+                            "request (ids, token counts, latencies, workers; never the text)")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="json: one object per line, for log shippers")
+    serve.add_argument("--log-prompts", action="store_true",
+                       help="the per-request log line also carries the prompt and output "
+                            "text (off: never)")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export OpenTelemetry traces over OTLP/gRPC to this collector, "
+                            "e.g. http://localhost:4317 (OTEL_EXPORTER_OTLP_* variables "
+                            "apply; needs pdcluster[tracing]); default: no tracing")
+    serve.add_argument("--sse-keepalive", type=float, default=15.0, metavar="SECONDS",
+                       help="an HTTP stream silent this long (a long prefill or queue) sends "
+                            "an SSE comment so proxies keep it open; 0 turns it off")
+    serve.add_argument("--metrics-compat", choices=["vllm"], default=None,
+                       help="also export vLLM's metric names (vllm:num_requests_waiting, "
+                            "vllm:kv_cache_usage_perc, ...) for existing dashboards and "
+                            "autoscalers")
+    _add_security_flags(serve)
+    serve.set_defaults(serve_parser=serve)  # `cli.parse_args` layers its defaults
+    auto = serve.add_argument_group("autoscaling (the planner on the router's recent window)")
+    auto.add_argument("--autoscale", action="store_true",
+                      help="resize the pools live to meet --slo (needs --profile)")
+    auto.add_argument("--profile", type=Path, default=None, help="PROFILE.json of the workers")
+    auto.add_argument("--slo", default=None, type=slo_arg, metavar="KEY=MS,...",
+                      help=SLO_HELP)
+    auto.add_argument("--attainment", type=float, default=0.9,
+                      help="share of requests that must meet --slo")
+    auto.add_argument("--min-workers", type=int, default=None,
+                      help="fewest workers (None: 2 disaggregated, 1 colocated)")
+    auto.add_argument("--max-workers", type=int, default=None,
+                      help="most workers (None: the starting size, at least 2)")
+    auto.add_argument("--min-prefill", type=int, default=1,
+                      help="fewest prefill workers (disaggregated); 0 lets the autoscaler "
+                           "leave prefill to the decode workers")
+    auto.add_argument("--autoscale-interval", type=float, default=10.0, help="seconds")
+    auto.add_argument("--autoscale-window", type=float, default=60.0, help="seconds")
+    auto.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds")
+    auto.add_argument("--autoscale-min-requests", type=int, default=10,
+                      help="fewest requests a decision looks at: while the window holds "
+                           "fewer, it reaches back by whole windows")
+    auto.add_argument("--autoscale-reuse", type=float, default=0.1,
+                      help="hold without simulating while the window's rate and mean "
+                           "lengths stay within this fraction of the last simulated hold's "
+                           "(0: simulate every decision)")
+    serve.add_argument("--detach", action="store_true",
+                       help="run the front door and the workers as detached Ray actors on the "
+                            "Ray cluster at --address, then exit: serving survives this "
+                            "process, Ray restarts a dead front door, `pdcluster stop` ends it")
+    serve.add_argument("--name", default="pdcluster",
+                       help="with --detach: the cluster's name (its Ray actors' prefix)")
+    serve.set_defaults(func=_serve)
+    return serve
+
+
+def _add_security_flags(serve: argparse.ArgumentParser) -> None:
+    """`serve`: keys, TLS, drain and deadlines."""
+    serve.add_argument("--api-key", default=os.environ.get("PDCLUSTER_API_KEY"),
+                       help="key every request must present (HTTP 'Authorization: Bearer', "
+                            "gRPC metadata 'authorization'); default $PDCLUSTER_API_KEY")
+    serve.add_argument("--admin-key", default=os.environ.get("PDCLUSTER_ADMIN_KEY"),
+                       help="key ScalePool needs; default $PDCLUSTER_ADMIN_KEY")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="bind a non-loopback --host without any key")
+    serve.add_argument("--tls-cert", default=None, help="server certificate (PEM), both doors")
+    serve.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    serve.add_argument("--tls-client-ca", default=None,
+                       help="CA (PEM) client certificates must chain to: mutual TLS")
+    serve.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
+                       help="seconds running requests get to finish on SIGTERM or when their "
+                            "worker is scaled away (then they move or are aborted)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="longest a request may run, queue included (a shorter gRPC "
+                            "deadline wins); default: no limit")
+    serve.add_argument("--no-migration", action="store_true",
+                       help="end a dead worker's requests with an error instead of moving "
+                            "them to another worker")
+
+
+def speculative_arg(text: str) -> str:
+    """`--speculative-config`, checked as it is parsed (a bad key fails here, not in a
+    worker)."""
+    from engine.spec_decode import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from cluster.serve import ServeOptions, run
+    from engine.hardware import isa_cap
+    from protocol.tracing import TracingConfig
+    from router.auth import SecurityConfig
+    from router.logs import configure_logging
+
+    isa_cap()  # a bad PDCLUSTER_CPU_ISA fails here, not in every worker
+    try:
+        tracing = TracingConfig.from_flag(args.otlp_traces_endpoint)
+    except RuntimeError as exc:  # OpenTelemetry not installed: say what to install
+        raise ValueError(str(exc)) from None
+    per_model = _per_model(args)
+    for flag, given in (("--autoscale", args.autoscale), ("--detach", args.detach)):
+        if given and len(per_model) > 1:
+            raise ValueError(f"{flag} serves one model; this config serves {len(per_model)}")
+    models = []
+    for i, model_args in enumerate(per_model):
+        try:
+            models.append(_served_model(model_args, tracing))
+        except ValueError as e:
+            if len(per_model) == 1:
+                raise
+            raise ValueError(f"models.{i} ({model_args.model}): {e}") from None
+    security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              tls_client_ca=args.tls_client_ca)
+    options = ServeOptions(models[0].cluster, args.address, args.host, args.grpc_port,
+                           args.http_port, models[0].router,
+                           security=security,
+                           allow_unauthenticated=args.allow_unauthenticated,
+                           drain_timeout_s=args.drain_timeout,
+                           metrics_compat=args.metrics_compat,
+                           autoscaler=_autoscaler(args), more_models=tuple(models[1:]))
+    configure_logging(args.log_level, args.log_format)
+    logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
+    if args.detach:
+        return _serve_detached(options, args.name, (args.log_level, args.log_format))
+    asyncio.run(run(options))
+    return 0
+
+
+def _per_model(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The flags of each model served: `args` itself, or with a config file's `models:`,
+    one copy per entry with the entry's values and pool sections over the shared ones."""
+    from cluster.config_file import POOLS
+
+    entries = getattr(args, "model_layers", None)
+    if not entries:
+        return [args]
+    shared = getattr(args, "pool_overrides", {})
+    return [argparse.Namespace(**{**vars(args), **entry.defaults, "pool_overrides": {
+        pool: {**shared.get(pool, {}), **entry.pools.get(pool, {})} for pool in POOLS}})
+        for entry in entries]
+
+
+def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
+    """One model's pools and router settings from its flags."""
+    from cluster.config import TRANSPORTS, ClusterConfig
+    from cluster.serve import ServedModel
+    from engine import parse_generation_override
+    from router.router import RouterConfig
+
+    shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
+    if args.transport == "mooncake":
+        from kv_transfer.transports.mooncake import check_installed
+
+        try:
+            check_installed()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+        shared["mooncake_protocol"] = args.mooncake_protocol
+    cluster = ClusterConfig(
+        model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
+        transports=TRANSPORTS[args.transport],
+        host=args.worker_host or ("auto" if args.address else "127.0.0.1"),
+        local_prefill_threshold=args.local_prefill_threshold,
+        drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
+        internal_auth=args.internal_auth, tracing=tracing,
+        prefill=_pool_spec(args, "prefill", shared), decode=_pool_spec(args, "decode", shared))
+    router = RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
+                          served_model_name=args.served_model_name,
+                          request_timeout_s=args.request_timeout,
+                          sse_keepalive_s=args.sse_keepalive or None,
+                          log_prompts=args.log_prompts,
+                          generation_config=args.generation_config,
+                          override_generation_config=parse_generation_override(
+                              args.override_generation_config))
+    return ServedModel(cluster, router)
+
+
+def _pool_spec(args: argparse.Namespace, pool: str, shared: dict[str, Any]) -> Any:
+    """One pool's spec: the shared per-worker flags, then its config file section."""
+    from cluster.config import PoolSpec
+
+    values = {dest: getattr(args, dest) for dest in _worker_dests(args.serve_parser)}
+    values.update(getattr(args, "pool_overrides", {}).get(pool, {}))
+    return PoolSpec(num_cpus=values.pop("num_cpus_per_worker"),
+                    num_gpus=values.pop("num_gpus_per_worker"),
+                    resource=values.pop("resource", getattr(args, f"{pool}_resource")),
+                    engine={**shared, **values})
+
+
+def _serve_detached(options: Any, name: str, log: tuple[str, str]) -> int:
+    """`serve --detach`: start the cluster as detached Ray actors, print its endpoints and
+    exit; it serves on until `pdcluster stop` (`cluster.frontdoor`)."""
+    from cluster.frontdoor import launch
+    from cluster.serve import announce
+
+    endpoints = launch(options, name, log)
+    if endpoints["existing"]:
+        print(f"{name!r} already runs: its settings are kept (`pdcluster stop --name {name}` "
+              f"first to change them)", flush=True)
+    announce(options, endpoints["grpc_port"], endpoints["http_port"])
+    print(f"detached as {name!r} (Ray namespace pdcluster): `pdcluster stop --name {name}` "
+          f"stops it", flush=True)
+    return 0
+
+
+def _autoscaler(args: argparse.Namespace) -> Any:
+    """The autoscaling policy `serve --autoscale` asked for, or None."""
+    if not args.autoscale:
+        return None
+    from planner.autoscale_policy import Autoscaler, AutoscalerConfig
+    from planner.profile import Profile, check_same_model
+    from protocol.serving import Slo
+
+    if args.profile is None or args.slo is None:
+        raise ValueError("--autoscale needs --profile and --slo")
+    profile = Profile.load(args.profile)
+    check_same_model([profile], args.model)
+    low = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
+    config = AutoscalerConfig(
+        Slo.parse(args.slo, args.attainment), args.mode,
+        min_workers=args.min_workers or (2 if args.mode == "disaggregated" else 1),
+        max_workers=args.max_workers or max(low, 2), min_prefill=args.min_prefill,
+        interval_s=args.autoscale_interval,
+        window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown,
+        min_requests=args.autoscale_min_requests, reuse_tolerance=args.autoscale_reuse,
+        local_prefill_threshold=args.local_prefill_threshold,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    return Autoscaler(config, profile, profile)
+
+
+def _worker_dests(serve: argparse.ArgumentParser) -> list[str]:
+    return [a.dest for a in _worker_actions(serve)]
+
+
+def _worker_actions(serve: argparse.ArgumentParser) -> list[argparse.Action]:
+    (group,) = [g for g in serve._action_groups if g.title == WORKER_GROUP]
+    return list(group._group_actions)
+
+
+def config_layers(args: argparse.Namespace) -> Layers:
+    """What the `--config` file (or `$PDCLUSTER_CONFIG`) and the `PDCLUSTER_*` variables
+    set under the command line (`cluster.config_file`); an error in them exits with code 2,
+    as argparse's do."""
+    from cluster.config_file import ConfigError, layers
+
+    serve = args.serve_parser
+    path = args.config or (Path(os.environ["PDCLUSTER_CONFIG"])
+                           if os.environ.get("PDCLUSTER_CONFIG") else None)
+    try:
+        return layers(serve, _worker_actions(serve), path, os.environ)
+    except ConfigError as e:
+        serve.exit(2, f"{serve.prog}: error: {e}\n")
