@@ -128,8 +128,8 @@ class ClusterBackend(Backend):
         info = self.pool.first_info
         if info is None:
             raise RuntimeError("the cluster has not started")
-        return ModelInfo(self.config.model, info["model_dir"], info["max_model_len"],
-                         info["vocab_size"])
+        return ModelInfo(self.config.model, info.model_dir, info.max_model_len,
+                         info.vocab_size)
 
     def healthy(self) -> bool:
         return any(h.state == "ready" and h.role.decodes for h in self.workers.values())
@@ -183,4 +183,4 @@ async def _fresh_stats(handles: list[WorkerHandle], timeout_s: float
 
 
 async def _stats_of(handle: WorkerHandle) -> WorkerStats:
-    return msgspec.convert(await handle.actor.stats.remote(), WorkerStats)
+    return await handle.actor.stats.remote()

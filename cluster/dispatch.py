@@ -11,6 +11,36 @@ its unit tests.
 Every request's stream is one `RequestState`; the workers know each placement of it by
 its attempt id (`<request id>@<attempt>`), so a late message about an earlier attempt is
 recognised and dropped.
+
+A request's life here, and what holds it in each state. Before it, the router's
+`AdmissionQueue` holds it (queued); from `generate` to its end `requests` holds its
+`RequestState` by the client's id and `_attempts` by the current attempt id.
+
+- placing: `_place_attempt` takes a new attempt id and picks a decode worker (and a
+  prefill worker for a first attempt whose uncached prompt is long). With no decode worker
+  ready it waits for one being started (`Pool.wait_for_worker`), up to
+  `reserve_timeout_s`.
+- placed, prefilled on the decode worker: `Generate` goes to it; its handle's `in_flight`
+  holds the request (`RequestState.decode`).
+- reserving: for a remote prefill, `Generate(remote_prefill=True)` goes to the decode
+  worker and `RequestState.reply` waits for `Reserved`, `Rejected` (asked again every
+  `RESERVE_RETRY_S` until `reserve_timeout_s`), or None (that worker died: placed again).
+- prefilling and transferring: on `Reserved`, `Prefill` (with the decode worker's
+  `KVPeerInfo` and the reserved blocks) goes to the prefill worker, whose handle's
+  `in_flight` holds it too (`RequestState.prefill`, `num_kv_blocks`).
+- decoding: each `Step` record of the decode worker goes to `RequestState.queue` (the
+  client's stream) and its tokens to `generated`; the first record of a remote prefill
+  carries its timings and lets go of the prefill worker.
+- finished: a record with a finish reason sets `finished`; the stream ends and the
+  request leaves `requests`, `_attempts` and its workers' `in_flight`.
+- failed: a `Failed` that is not a transfer's, a second failed transfer, or no placement
+  in time ends the stream with `error`.
+- migrated: its worker died or was drained (`migrate_off`), its KV transfer failed (once,
+  `_retry_transfer`), or a joining worker evens the load (`spread_onto`): `migrate` aborts
+  the attempt and places the request again, prefilled on the new decode worker with the
+  tokens already streamed (`Generate.output_token_ids`).
+- aborted: the client's abort (or its stream closing) sends `Abort` to its workers; the
+  decode worker's last record ends it with `abort`.
 """
 
 from __future__ import annotations
@@ -19,11 +49,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.handle import WorkerHandle
 from cluster.metrics import ClusterMetrics
+from engine import defaults
 from protocol import (
     Abort,
     Command,
@@ -36,6 +67,7 @@ from protocol import (
     Role,
     Step,
     TokenRecord,
+    WireSamplingParams,
 )
 from protocol.defaults import RESERVE_RETRY_S
 from protocol.tracing import Tracer
@@ -79,7 +111,7 @@ class DispatchConfig:
     local_prefill_threshold: int
     reserve_timeout_s: float
     migrate: bool = True
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
 
 
 @dataclass
@@ -215,7 +247,7 @@ class Dispatcher:
         self._attempts[state.attempt_id] = state
         prompt = request.prompt_token_ids
         generated = list(state.generated)
-        params = asdict(request.params)
+        params = WireSamplingParams.from_params(request.params)
         deadline = time.monotonic() + self.config.reserve_timeout_s
         while True:
             placement = self._choose(prompt + generated, exclude, remote_prefill=not generated)
@@ -256,11 +288,13 @@ class Dispatcher:
                              self.config.local_prefill_threshold)
 
     def _start_prefill(self, state: RequestState, prefill_id: str, decode: WorkerHandle,
-                       reply: Reserved, params: dict[str, Any]) -> None:
+                       reply: Reserved, params: WireSamplingParams) -> None:
         prefill = self.pool.workers.get(prefill_id)
-        if prefill is None or prefill.state != "ready" or prefill.role != Role.PREFILL:
-            # Gone, draining or changing its role since the placement: the decode worker
-            # prefills instead.
+        peer_info = decode.info.peer_info
+        if prefill is None or prefill.state != "ready" or prefill.role != Role.PREFILL \
+                or peer_info is None:
+            # Gone, draining or changing its role since the placement (the decode worker
+            # too: no KV receiver left): the decode worker prefills instead.
             self._send_nowait(decode, Abort(request_id=state.attempt_id))
             self._spawn(self.migrate(state, "its prefill worker went away", count=False))
             return
@@ -270,7 +304,7 @@ class Dispatcher:
         prefill.add(state.request.request_id)
         self._send_nowait(prefill, Prefill(
             request_id=state.attempt_id, prompt_token_ids=state.request.prompt_token_ids,
-            params=params, peer_info=decode.info["peer_info"],
+            params=params, peer_info=peer_info,
             dst_block_ids=reply.dst_block_ids, num_cached_tokens=reply.num_cached_tokens,
             traceparent=state.request.traceparent))
 
@@ -376,7 +410,7 @@ class Dispatcher:
         if record.timings:  # the remote prefill's KV landed: the prefill worker is done
             state.timings.update(record.timings)
             self.metrics.transfer_seconds.observe(record.timings.get("transfer", 0.0))
-            shipped = state.num_kv_blocks * handle.info["block_bytes"]
+            shipped = state.num_kv_blocks * handle.info.block_bytes
             self.metrics.transfer_bytes.labels(record.transport or "unknown").inc(shipped)
             self.metrics.request_transfer_bytes.labels(record.transport or "unknown").observe(
                 shipped)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 import msgspec
@@ -77,7 +78,8 @@ class EngineBackend(Backend):
 
     async def status(self) -> dict[str, Any]:
         stats = await asyncio.to_thread(self.loop.call, lambda e: e.stats())
-        worker = WorkerStatus(**stats, worker_id=WORKER_ID, role="mixed", pid=os.getpid())
+        worker = WorkerStatus(**asdict(stats), worker_id=WORKER_ID, role="mixed",
+                              pid=os.getpid())
         return {"mode": "engine", "pools": {"mixed": [msgspec.to_builtins(worker)]}}
 
     async def scale(self, num_prefill: int | None, num_decode: int | None) -> dict[str, Any]:

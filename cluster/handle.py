@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol import Role, WorkerStats, WorkerStatus
+from protocol import Role, WorkerInfo, WorkerStats, WorkerStatus
 from protocol.defaults import STATS_INTERVAL_S
 from router.placement import WorkerLoad
 
@@ -31,7 +31,7 @@ class WorkerHandle:
 
     worker_id: str
     role: Role
-    info: dict[str, Any]
+    info: WorkerInfo
     actor: Any = None
     pg: Any = None
     socket: Any = None
@@ -47,9 +47,9 @@ class WorkerHandle:
 
     def load(self) -> WorkerLoad:
         """Placement's view: the last stats, the KV size before any, the router's count."""
-        s = self.stats or WorkerStats(num_free_blocks=self.info["num_blocks"])
+        s = self.stats or WorkerStats(num_free_blocks=self.info.num_blocks)
         return WorkerLoad(self.worker_id, self.role, num_free_blocks=s.num_free_blocks,
-                          num_blocks=self.info["num_blocks"], num_running=s.num_running,
+                          num_blocks=self.info.num_blocks, num_running=s.num_running,
                           num_waiting=s.num_waiting,
                           queued_prefill_tokens=s.queued_prefill_tokens,
                           in_flight=len(self.in_flight))
@@ -62,15 +62,15 @@ class WorkerHandle:
     def status(self, now: float, fresh: WorkerStats | None = None) -> WorkerStatus:
         """The worker as `Status` reports it: from `fresh`, a snapshot just taken (age 0),
         else from its last pushed stats."""
-        stats = fresh or self.stats or WorkerStats(num_blocks=self.info["num_blocks"],
-                                                   num_free_blocks=self.info["num_blocks"])
+        stats = fresh or self.stats or WorkerStats(num_blocks=self.info.num_blocks,
+                                                   num_free_blocks=self.info.num_blocks)
+        peer_info = self.info.peer_info
         return WorkerStatus(
             **{f: getattr(stats, f) for f in WorkerStats.__struct_fields__},
             worker_id=self.worker_id, role=str(self.role), state=self.shown_state(now),
-            node=self.info.get("node_id", ""), host=self.info.get("host", ""),
-            endpoint=self.info.get("endpoint", ""),
-            kv_endpoint=(self.info.get("peer_info") or {}).get("endpoint", ""),
-            pid=self.info.get("pid", 0), stats_age_s=0.0 if fresh else now - self.stats_at,
+            node=self.info.node_id, host=self.info.host, endpoint=self.info.endpoint,
+            kv_endpoint=peer_info.endpoint if peer_info is not None else "",
+            pid=self.info.pid, stats_age_s=0.0 if fresh else now - self.stats_at,
             in_flight=len(self.in_flight))
 
     def add(self, request_id: str) -> None:

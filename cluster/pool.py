@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import ClusterConfig, resolve_host, uses_curve
 from cluster.handle import WorkerHandle
 from cluster.worker import WorkerSpec
-from protocol import Command, Reply, Role, Stats, decode_reply, encode
+from protocol import Command, Reply, Role, Stats, WorkerInfo, WorkerStats, decode_reply, encode
 from protocol.secure import ClusterKey, SocketGuard
 
 log = logging.getLogger(__name__)
@@ -49,19 +49,20 @@ class WorkerActor:
 
         self.worker = Worker(replace(spec, host=resolve_host(spec.host)))
 
-    def info(self) -> dict[str, Any]:
-        return {**self.worker.info(), "node_id": ray.get_runtime_context().get_node_id()}
+    def info(self) -> WorkerInfo:
+        return msgspec.structs.replace(self.worker.info(),
+                                       node_id=ray.get_runtime_context().get_node_id())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         """A stats snapshot taken on the engine thread (waits for the current step)."""
-        return msgspec.to_builtins(self.worker.loop.call(self.worker.stats))
+        return self.worker.loop.call(self.worker.stats)
 
-    def change_role(self, role: str) -> dict[str, Any]:
+    def change_role(self, role: str) -> WorkerInfo:
         """Prefill <-> decode in place (the worker must be idle); `info` in the new role."""
         self.worker.change_role(Role(role))
         return self.info()
 
-    def adopt(self, router_endpoint: str) -> dict[str, Any]:
+    def adopt(self, router_endpoint: str) -> WorkerInfo:
         """Serve a restarted front door's router (its old requests end); `info`."""
         self.worker.adopt(router_endpoint)
         return self.info()
@@ -137,7 +138,7 @@ class WorkerPool:
         self.sockets = SocketGuard(self._ctx, self.cluster_key)
         self._pull = self._ctx.socket(zmq.PULL)
         self.endpoint = self.sockets.bind(self._pull, f"tcp://{host}:0")
-        self.first_info: dict[str, Any] | None = None  # the first worker's, for model facts
+        self.first_info: WorkerInfo | None = None  # the first worker's, for model facts
         self._starting = 0  # workers being started (a request may wait for one)
         self._worker_ready = asyncio.Event()  # set (and replaced) whenever one is ready
 
@@ -242,7 +243,7 @@ class WorkerPool:
                 ray.kill(actor)
             remove_placement_group(pg)
             raise
-        return self._join(worker_id, role, info, actor, pg)
+        return self._join(info, actor, pg)
 
     async def adopt(self) -> int:
         """After a restart: take over the live workers the old front door left (detached
@@ -277,18 +278,17 @@ class WorkerPool:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
             raise
-        return self._join(info["worker_id"], Role(info["role"]), info, actor, pg)
+        return self._join(info, actor, pg)
 
-    def _join(self, worker_id: str, role: Role, info: dict[str, Any], actor: Any,
-              pg: Any) -> WorkerHandle:
+    def _join(self, info: WorkerInfo, actor: Any, pg: Any) -> WorkerHandle:
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
-        self.sockets.connect(socket, info["endpoint"])
-        handle = WorkerHandle(worker_id, role, info, actor, pg, socket)
-        self.workers[worker_id] = handle
+        self.sockets.connect(socket, info.endpoint)
+        handle = WorkerHandle(info.worker_id, info.role, info, actor, pg, socket)
+        self.workers[info.worker_id] = handle
         self._spawn(self._watch(handle))
         self.first_info = self.first_info or info
-        log.info("worker %s ready at %s (pid %s)", worker_id, info["endpoint"], info["pid"])
+        log.info("worker %s ready at %s (pid %s)", info.worker_id, info.endpoint, info.pid)
         self.joined(handle)
         return handle
 
@@ -366,7 +366,7 @@ class WorkerPool:
             error = e
         if not handle.stopping and self.workers.get(handle.worker_id) is handle:
             log.error("worker %s (pid %s) is gone: %s", handle.worker_id,
-                      handle.info.get("pid"),
+                      handle.info.pid,
                       str(error).splitlines()[0] if str(error) else type(error).__name__)
             await self._on_death(handle, error)
 

@@ -32,6 +32,7 @@ from protocol import (
     Role,
     Stats,
     Utilization,
+    WorkerInfo,
     WorkerStats,
     decode_command,
     encode,
@@ -294,12 +295,12 @@ class Worker:
     def stats(self, engine: LLMEngine) -> WorkerStats:
         """Load, memory and utilization figures; call on the engine thread only."""
         return WorkerStats(
-            **engine.stats(), busy_seconds=self.loop.busy_seconds,
+            **asdict(engine.stats()), busy_seconds=self.loop.busy_seconds,
             uptime_s=time.monotonic() - self.started, num_steps=self.loop.num_steps,
             step_totals={k: list(v) for k, v in self.loop.step_totals.items()},
             transfer_wait_seconds=self.loop.transfer_wait_seconds,
             peak_flops=self.peaks["flops"], peak_bandwidth=self.peaks["bandwidth"],
-            utilization=self.utilization, **self.role.load(engine))
+            utilization=self.utilization, **asdict(self.role.load(engine)))
 
     def _tick_stats(self) -> None:
         """Every interval, ask the engine thread for a snapshot and push it.
@@ -330,23 +331,18 @@ class Worker:
             flops_utilization=flops / self.peaks["flops"],
             bandwidth_utilization=nbytes / self.peaks["bandwidth"])
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> WorkerInfo:
         """What the router needs: endpoints, role, model facts, KV peer info, pid."""
         cfg = self.engine.model_config
         receiver = self.role.endpoint if self.spec.role == Role.DECODE else None
-        return {
-            "worker_id": self.spec.worker_id, "role": str(self.spec.role),
-            "endpoint": self.endpoint, "model_dir": str(self.engine.model_dir),
-            "max_model_len": self.engine.max_model_len, "vocab_size": cfg.vocab_size,
-            "block_size": self.spec.block_size, "num_blocks": self.engine.block_pool.num_blocks,
-            "block_bytes": self.engine.kv_cache.block_bytes * cfg.num_layers,
-            "peer_info": receiver.peer_info() if receiver is not None else None,
-            # Neither the cluster's key nor the OTLP settings (headers may hold a token).
-            "spec": {k: v for k, v in asdict(self.spec).items()
-                     if k not in ("cluster_key", "tracing")},
-            "torch_threads": torch.get_num_threads(),
-            "pid": os.getpid(), "host": self.spec.host,
-        }
+        return WorkerInfo(
+            worker_id=self.spec.worker_id, role=self.spec.role, endpoint=self.endpoint,
+            host=self.spec.host, pid=os.getpid(), model_dir=str(self.engine.model_dir),
+            max_model_len=self.engine.max_model_len, vocab_size=cfg.vocab_size,
+            block_size=self.spec.block_size, num_blocks=self.engine.block_pool.num_blocks,
+            block_bytes=self.engine.kv_cache.block_bytes * cfg.num_layers,
+            torch_threads=torch.get_num_threads(),
+            peer_info=receiver.peer_info() if receiver is not None else None)
 
     def adopt(self, router_endpoint: str) -> None:
         """Serve a new router (a restarted front door, `cluster.frontdoor`): replies go to

@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from protocol import (
     Reserved,
     Step,
     TokenRecord,
+    WireSamplingParams,
     decode_reply,
     encode,
 )
@@ -76,7 +76,7 @@ class WorkerPair:
             self.pipes.append(ours)
             self.infos[role] = ours.recv()
             self.push[role] = self.ctx.socket(zmq.PUSH)
-            self.push[role].connect(self.infos[role]["endpoint"])
+            self.push[role].connect(self.infos[role].endpoint)
 
     def _reserved(self, request_id: str) -> Reserved:
         while True:
@@ -104,14 +104,15 @@ class WorkerPair:
             `prefill_s` (on the prefill worker), `exposed_s` (the KV wait beyond it) and
             their ratio `share`.
         """
-        params = asdict(SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        params = WireSamplingParams.from_params(
+            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         self.push["decode"].send(encode(Generate(
             request_id=request_id, prompt_token_ids=prompt, params=params,
             remote_prefill=True)))
         reserved = self._reserved(request_id)
         self.push["prefill"].send(encode(Prefill(
             request_id=request_id, prompt_token_ids=prompt, params=params,
-            peer_info=self.infos["decode"]["peer_info"], dst_block_ids=reserved.dst_block_ids,
+            peer_info=self.infos["decode"].peer_info, dst_block_ids=reserved.dst_block_ids,
             num_cached_tokens=reserved.num_cached_tokens)))
         timings = self._first_token(request_id).timings or {}
         return {"prefill_s": timings["prefill"], "exposed_s": timings["transfer"],

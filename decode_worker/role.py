@@ -6,16 +6,49 @@ tokens; per-request errors ride inside it). All engine calls happen on the engin
 With tracing on, each request gets a `decode` span, a child of the router's request span:
 from the moment it joins the batch (its remote KV landed, or it was added to prefill
 here) to its finish.
+
+A request's life here, and what holds it in each state:
+
+- queued (prefilled here: a short prompt, a colocated worker, or a migrated request that
+  recomputes its streamed tokens): `handle` adds it to the engine, in the scheduler's
+  `waiting` queue.
+- reserved (a remote prefill): `handle` has the engine allocate its prompt's blocks
+  (prefix-cache hits reused) and park it (the scheduler's `parked`,
+  `WAITING_FOR_REMOTE_KV`); the receiver `expect`s KV into the missing blocks (its
+  `_requests`) and `_expecting` holds when they were reserved; the router gets
+  `Reserved`. A full pool answers `Rejected` and holds nothing.
+- transferring: the prefill worker writes into exactly those blocks; the request stays
+  parked until the receiver's event (`on_events`).
+- decoding: in the scheduler's `running` list. A remote prefill gets there on
+  `TransferDone` (`engine.complete_remote` with the `FirstToken` that rode with the KV;
+  its first record carries the prefill's timings and the transport); a local one after
+  its prefill steps. Each step's tokens leave in one `Step` (`on_outputs`).
+- finished: the engine frees the blocks into its prefix cache; the last record has the
+  finish reason.
+- failed: a `TransferFailed` (timeout, peer lost, checksum) ends it with `error` and
+  `transfer_failed` (the router retries once); its blocks are free, since the receiver
+  reports a failure only once nothing can write into them.
+- aborted: a request in the engine ends at once; a reservation is cancelled first
+  (`_aborting`) and ends, with `abort`, when its `TransferFailed` arrives.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from engine import EngineOutput, KVCacheFullError, LLMEngine, SamplingParams
-from kv_transfer import KVReceiver, TransferDone, TransferEvent
-from protocol import Command, Generate, Rejected, Reply, Reserved, Role, Step, TokenRecord
+from engine import EngineOutput, KVCacheFullError, LLMEngine
+from kv_transfer import KVReceiver, TransferDone, TransferEvent, TransferFailed
+from protocol import (
+    Command,
+    FirstToken,
+    Generate,
+    Rejected,
+    Reply,
+    Reserved,
+    Role,
+    Step,
+    TokenRecord,
+)
 from protocol.tracing import Span, Tracer
 from protocol.worker_role import WorkerRole
 
@@ -69,7 +102,7 @@ class DecodeRole(WorkerRole):
         if not isinstance(command, Generate):
             raise ValueError(f"a {self.role} worker cannot handle {type(command).__name__}")
         rid = command.request_id
-        params = SamplingParams(**command.params)
+        params = command.params.to_params()
         if not command.remote_prefill or self.receiver is None:
             engine.add_request(rid, command.prompt_token_ids, params, command.output_token_ids)
             self._start_span(rid, command.traceparent, local_prefill=True,
@@ -102,34 +135,37 @@ class DecodeRole(WorkerRole):
                 self._aborting.discard(rid)
                 out = engine.abort_request(rid, "abort")
                 records.extend([token_record(out)] if out else [])
-            elif isinstance(event, TransferDone):
-                records.append(self._landed(engine, rid, event, reserved, trace))
+            elif isinstance(event, TransferDone) and event.payload is not None:
+                records.append(self._landed(engine, rid, event.payload, event.transport,
+                                            reserved, trace))
             else:
+                # A sender that is not a prefill worker may finish without the first token.
+                reason = event.reason if isinstance(event, TransferFailed) \
+                    else "the KV arrived without the first token"
                 out = engine.abort_request(rid, "error")
                 if out is not None:
-                    records.append(token_record(out, f"KV transfer failed: {event.reason}",
+                    records.append(token_record(out, f"KV transfer failed: {reason}",
                                                 transfer_failed=True))
         return [self._step(records)] if records else []
 
-    def _landed(self, engine: LLMEngine, rid: str, event: TransferDone, reserved: float,
-                trace: tuple[str | None, int | None]) -> TokenRecord:
+    def _landed(self, engine: LLMEngine, rid: str, first: FirstToken, transport: str,
+                reserved: float, trace: tuple[str | None, int | None]) -> TokenRecord:
         """The request joins the batch; its first record carries the prefill's timings.
 
         Timings travel with the token, so they can never arrive after the stream ended.
         `transfer` is the time the reserved blocks waited beyond the prefill itself.
         """
-        payload: dict[str, Any] = event.payload
-        out = engine.complete_remote(rid, payload["first_token"])
+        out = engine.complete_remote(rid, first.token_id)
         traceparent, prompt_tokens = trace
         self._start_span(rid, traceparent, local_prefill=False, prompt_tokens=prompt_tokens,
-                         transport=event.transport)
-        if payload.get("logprobs"):
-            out.new_logprobs = [payload["logprobs"]]
-        prefill_s = float(payload.get("prefill_s", 0.0))
+                         transport=transport)
+        if first.logprobs:
+            out.new_logprobs = [first.logprobs]
+        prefill_s = first.prefill_s
         waited = time.monotonic() - reserved
         return token_record(out, timings={"prefill": prefill_s,
                                           "transfer": max(waited - prefill_s, 0.0)},
-                            transport=event.transport)
+                            transport=transport)
 
     def abort(self, engine: LLMEngine, request_id: str) -> list[Reply]:
         """End a request; blocks still being written are freed once the transfer stops."""

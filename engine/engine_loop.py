@@ -78,7 +78,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped.is_set():
             idle = not self.engine.has_unfinished_requests()
-            waiting_for_kv = idle and self.engine.stats()["num_waiting_for_kv"] > 0
+            waiting_for_kv = idle and self.engine.num_waiting_for_kv() > 0
             start = time.perf_counter()
             self._drain(block=idle)
             if waiting_for_kv:

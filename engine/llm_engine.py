@@ -19,7 +19,7 @@ from engine.hardware import keep_freed_memory
 from engine.kv_cache import BufferAllocator, KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepResult
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request, RequestStatus
 from engine.sampler import skip_draws
@@ -30,10 +30,10 @@ from engine.spec_decode import (
     SpeculativeConfig,
     Speculator,
     draft_allowed,
-    record_verified,
+    finish_step,
     speculates,
-    trim_draft,
 )
+from engine.stats import EngineStats
 from engine.structured_output import GrammarCompiler
 from engine.threads import ThreadGovernor, cgroup_cpu_limit
 from engine.tokenizer import load_tokenizer
@@ -302,37 +302,37 @@ class LLMEngine:
             return []
         if self.threads is not None:
             self.threads.update()
+        result = self._run(schedule, layer_hook)
+        before = {s.request.request_id: len(s.request.output_token_ids)
+                  for s in schedule.scheduled}
+        changed = self.scheduler.postprocess(schedule, result.tokens)
+        new_tokens = {r.request_id: r.output_token_ids[before[r.request_id]:] for r in changed}
+        finish_step(schedule, new_tokens, self.spec_counters)
+        return [self._step_output(r, new_tokens[r.request_id], result) for r in changed]
+
+    def _run(self, schedule: SchedulerOutput, layer_hook: StepLayerHook | None) -> StepResult:
+        """Draft (when speculating) and run the model; a failure ends the step's requests."""
         hook = None if layer_hook is None else (lambda i: layer_hook(i, schedule))
         try:
             if self.speculator is not None:
                 self.speculator.propose(schedule)
             self.last_step = schedule.items()
-            result = self.runner.execute(schedule, hook)
+            return self.runner.execute(schedule, hook)
         except Exception as e:
             ended = [self.abort_request(item.request.request_id, "error")
                      for item in schedule.scheduled]
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}",
                                   [out for out in ended if out is not None]) from e
-        drafted = {s.request.request_id: len(s.request.spec_token_ids)
-                   for s in schedule.scheduled if s.request.spec_token_ids}
-        before = {s.request.request_id: len(s.request.output_token_ids)
-                  for s in schedule.scheduled}
-        changed = self.scheduler.postprocess(schedule, result.tokens)
-        for s in schedule.scheduled:
-            trim_draft(s.request)
-        outputs = []
-        for request in changed:
-            rid = request.request_id
-            new_tokens = request.output_token_ids[before[rid]:]
-            if rid in drafted:
-                self.spec_counters.record(drafted[rid], len(new_tokens))
-                record_verified(request, len(new_tokens) - 1)
-            logprobs = result.logprobs.get(rid)
-            if logprobs is not None:
-                logprobs = logprobs[:len(new_tokens)]
-                request.logprobs.extend(logprobs)
-            outputs.append(self._output(request, new_tokens, logprobs))
-        return outputs
+
+    def _step_output(self, request: Request, new_tokens: list[int],
+                     result: StepResult) -> EngineOutput:
+        """A changed request's output, with the logprobs of the tokens it kept (finishing
+        part-way through verified drafts drops the rest)."""
+        logprobs = result.logprobs.get(request.request_id)
+        if logprobs is not None:
+            logprobs = logprobs[:len(new_tokens)]
+            request.logprobs.extend(logprobs)
+        return self._output(request, new_tokens, logprobs)
 
     def _output(self, request: Request, new_tokens: list[int],
                 logprobs: list[dict[int, float]] | None) -> EngineOutput:
@@ -405,30 +405,34 @@ class LLMEngine:
                              f"waiting, {len(scheduler.parked)} parked)")
         self.scheduler_config = scheduler.config = replace(self.scheduler_config, role=role)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Load and memory figures for placement and metrics, and what it computes in."""
         pool = self.block_pool
-        return {
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": self.kv_cache.kv_cache_dtype,
-            "kv_block_bytes": self.kv_block_bytes,
-            "draft_kv_block_bytes": self.draft_kv_block_bytes,
-            "hardware": self.runner.hardware,
-            "compute_threads": torch.get_num_threads(),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_parked": len(self.scheduler.parked),
-            "num_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "kv_usage": pool.usage,
-            "prefix_hit_rate": pool.num_hits / pool.num_queries if pool.num_queries else 0.0,
-            "prefix_cache_hits": pool.num_hits,
-            "prefix_cache_queries": pool.num_queries,
-            "num_waiting_for_kv": sum(1 for r in self.scheduler.parked.values()
-                                      if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
+        return EngineStats(
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=self.kv_cache.kv_cache_dtype,
+            kv_block_bytes=self.kv_block_bytes,
+            draft_kv_block_bytes=self.draft_kv_block_bytes,
+            hardware=self.runner.hardware,
+            compute_threads=torch.get_num_threads(),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_parked=len(self.scheduler.parked),
+            num_waiting_for_kv=self.num_waiting_for_kv(),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            kv_usage=pool.usage,
+            prefix_hit_rate=pool.num_hits / pool.num_queries if pool.num_queries else 0.0,
+            prefix_cache_hits=pool.num_hits,
+            prefix_cache_queries=pool.num_queries,
             **self.runner.counters,
             **self.spec_counters.stats(),
-        }
+        )
+
+    def num_waiting_for_kv(self) -> int:
+        """Parked requests whose remote KV has not landed yet."""
+        return sum(1 for r in self.scheduler.parked.values()
+                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
 
 
 def _pick_device(device: str) -> torch.device:

@@ -105,6 +105,35 @@ def _step(engine: LLMEngine, ids: torch.Tensor, start: int, tables: torch.Tensor
 
 
 @torch.inference_mode()
+def forced_logprobs(engine: LLMEngine, ids: torch.Tensor, block_ids: list[int],
+                    prefill: int = 16, chunk: int = 1) -> torch.Tensor:
+    """Teacher-forced log-probs of `ids[1:]`: the first `prefill` tokens in one prefill
+    step, then the rest `chunk` tokens a step, each of those queries read by the
+    paged-decode kernel over every earlier token's KV in the pages (one decode step per
+    token; a chunk up to the torch backend's `SHORT_QUERY` takes the same kernel, one query
+    per token). A prefill attends its own keys as the pages hold them (int8: quantized).
+
+    Args:
+        engine: its model writes and reads the KV of `ids` in `block_ids` of its pool.
+        ids: the token sequence.
+        block_ids: at least `len(ids) / block_size` blocks the caller holds.
+        prefill: tokens of the first step.
+        chunk: tokens of each later step.
+
+    Returns:
+        `[len(ids) - 1]`: the log-prob of each token but the first given the ones before.
+    """
+    tables = torch.tensor(block_ids)[None, :]
+    hidden = _step(engine, ids[:prefill], 0, tables, [prefill])
+    logps = [engine.model.compute_logits(hidden).log_softmax(-1)]
+    for pos in range(prefill, len(ids) - 1, chunk):
+        piece = ids[pos:min(pos + chunk, len(ids) - 1)]
+        hidden = _step(engine, piece, pos, tables, [pos + len(piece)])
+        logps.append(engine.model.compute_logits(hidden).log_softmax(-1))
+    logp = torch.cat(logps)[:len(ids) - 1]  # [N - 1, vocab]: predictions of tokens 1 .. N-1
+    return logp.gather(1, ids[1:, None])[:, 0]
+
+
 def logprob_difference() -> dict[str, float]:
     """Teacher-forced next-token log-probs of TEXT with fp32 and with int8 KV."""
     per_kv = {}
@@ -112,15 +141,8 @@ def logprob_difference() -> dict[str, float]:
         engine = LLMEngine("smollm2", "float32", cache=CacheConfig(num_blocks=64,
                                                                    kv_cache_dtype=kv))
         ids = torch.tensor(engine.tokenizer.encode(TEXT))
-        tables = torch.arange(-(-len(ids) // BLOCK))[None, :]
-        logps = []
-        hidden = _step(engine, ids[:16], 0, tables, [16])
-        logps.append(engine.model.compute_logits(hidden[-1:]).log_softmax(-1))
-        for pos in range(16, len(ids) - 1):
-            hidden = _step(engine, ids[pos:pos + 1], pos, tables, [pos + 1])
-            logps.append(engine.model.compute_logits(hidden).log_softmax(-1))
-        logp = torch.cat(logps)  # [N - 16, vocab]: predictions of tokens 16 .. N-1
-        per_kv[kv] = logp.gather(1, ids[16:, None])[:, 0]
+        blocks = list(range(-(-len(ids) // BLOCK)))
+        per_kv[kv] = forced_logprobs(engine, ids, blocks)[15:]  # tokens 16 .. N-1
         del engine
     diff = (per_kv["int8"] - per_kv["auto"]).abs()
     return {"tokens": len(diff), "mean_abs_logprob_diff": diff.mean().item(),

@@ -1,4 +1,4 @@
-"""The default `plan` path validated by serving (docs/planner.md, "The default path,
+"""The default `plan` path validated by serving (docs/benchmarks.md, "The default path,
 served"): the unseen trace, and the summary of the `plan --validate` runs.
 
     python -m experiments.planner_validate_default trace [--seed 2028] --out T.jsonl
@@ -27,7 +27,7 @@ from planner.measure import VOCAB
 from planner.plan import label
 
 # The traces' seeds, each used by no other planner experiment (accuracy: 0-360;
-# autoscale: 21-42): 2027 the earlier protocols' (docs/planner.md), 2028 the current one's.
+# autoscale: 21-42): 2027 the earlier protocols', 2028 the current one's (docs/benchmarks.md).
 SEEDS = (2027, 2028)
 SEED = SEEDS[-1]
 NUM_REQUESTS = 80

@@ -1,6 +1,6 @@
 """How long `plan --max-accelerators` takes to pick: Llama-3-8B on analytic H100-SXM
 profiles at TP 1, 2, 4 and 8 per role, both modes, at 16 and at 64 accelerators
-(docs/planner.md, "Accelerator budget and TP per role").
+(docs/benchmarks.md, "Search and simulator speed").
 
     pdcluster profile --analytic --hardware H100-SXM --model-config llama-3-8b \\
         --tp 1,2,4,8 --out h100.json

@@ -7,7 +7,7 @@ The interface, used the same way whatever the transport::
     kv = KVCache(..., allocator=pool)
     rx = KVReceiver(kv, CompatRecord.from_kv_cache(kv, model), TransferConfig(
         transports=("shm", "zmq"), verify_checksums=False), shm_pool=pool)
-    info = rx.peer_info()                              # msgpack-able; goes to the prefill side
+    info = rx.peer_info()                              # a KVPeerInfo; goes to the prefill side
     rx.expect("req-1", dst_block_ids=[7, 8, 9])        # reserve first, then ask for prefill
     for event in rx.wait_events(timeout_s=0.01):       # TransferDone(payload) | TransferFailed
         ...                                            # free the blocks on TransferFailed
@@ -20,7 +20,7 @@ The interface, used the same way whatever the transport::
     for layer in range(num_layers):
         ...                                            # compute layer `layer`
         tx.send_layer("req-1", layer)                  # returns at once; bytes move meanwhile
-    tx.finish("req-1", payload={"first_token": 42})
+    tx.finish("req-1", FirstToken(token_id=42))        # rides to the receiver's TransferDone
     tx.poll()                                          # TransferDone once acknowledged
 
 Guarantees:
@@ -34,7 +34,8 @@ Guarantees:
   of both block lists. Blocks travel whole, one contiguous slice per run of consecutive
   ids, for every layer of the pool.
 
-Transports (`TransferConfig.transports`; control messages are msgpack over ZMQ always):
+Transports (`TransferConfig.transports`; the control messages, `kv_transfer.wire`'s typed
+structs, travel over ZMQ always):
 `shm` (same host: the sender copies into the receiver's pool in a memfd), `zmq` (TCP,
 zero-copy frames), `torch_dist` (pairwise gloo group, NCCL when the pool is on CUDA),
 `mooncake` (Mooncake's Transfer Engine, TCP or RDMA: the sender writes into the receiver's

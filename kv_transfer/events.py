@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from protocol.kv import FirstToken
 
 
 @dataclass(frozen=True)
@@ -12,14 +13,14 @@ class TransferDone:
 
     Args:
         request_id: the request.
-        payload: on the receiver, what the sender passed to `finish` (for example the first
-            sampled token); None on the sender.
+        payload: on the receiver, what the sender passed to `finish` (the prefill's first
+            token); None on the sender.
         transport: on the receiver, the transport the bytes came over (`shm`, `zmq`,
             `torch_dist`).
     """
 
     request_id: str
-    payload: Any = None
+    payload: FirstToken | None = None
     transport: str = ""
 
 

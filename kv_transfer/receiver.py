@@ -8,12 +8,13 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
+import msgspec
 import torch.distributed as dist
 import zmq
 
 from engine.kv_cache import KVCache
+from kv_transfer import wire
 from kv_transfer.blocks import block_sums, check_block_ids, dst_runs
 from kv_transfer.compat import CompatRecord, KVCompatibilityError, check_compat
 from kv_transfer.config import TransferConfig
@@ -23,7 +24,7 @@ from kv_transfer.transports import locality, mooncake_protocol, open_recv_channe
 from kv_transfer.transports.base import RecvChannel
 from kv_transfer.transports.mooncake import MooncakePool
 from kv_transfer.transports.shm import SharedKVPool
-from kv_transfer.wire import pack, unpack
+from protocol.kv import FirstToken, KVPeerInfo, StoreAddress
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,10 @@ class _Incoming:
     sender: _Sender | None = None
     runs: list[tuple[int, int]] = field(default_factory=list)  # (dst_start, num_blocks)
     arrived: set[int] = field(default_factory=set)  # layers in place
-    sums: dict[int, Any] = field(default_factory=dict)  # layer -> the sender's xxh3_64s
+    sums: dict[int, list[int] | None] = field(default_factory=dict)  # layer -> its xxh3_64s
     pending: int = 0  # layers whose bytes are still moving (torch_dist)
     finished: bool = False
-    payload: Any = None
+    payload: FirstToken | None = None
     failure: str | None = None
     acked: bool = False  # the sender confirmed it stopped writing
     admitted: list[tuple[int, int]] = field(default_factory=list)  # mooncake registrations
@@ -93,38 +94,30 @@ class KVReceiver(Endpoint):
         self._endpoint = self._sockets.bind(self._sock, f"tcp://{config.host}:0")
         self._locality = locality()
         self._poller.register(self._sock, zmq.POLLIN)
-        self._store = self._store_addr = None
+        self._store: dist.TCPStore | None = None
+        self._store_addr: StoreAddress | None = None
         if "torch_dist" in config.transports:
             self._store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False)
-            self._store_addr = {"host": config.host, "port": self._store.port}
+            self._store_addr = StoreAddress(host=config.host, port=self._store.port)
         self._senders: dict[bytes, _Sender] = {}
         self._requests: dict[str, _Incoming] = {}
         self._thread.start()
 
-    def peer_info(self) -> dict[str, Any]:
-        """What a sender needs to connect (msgpack-able; send it through the router).
+    def peer_info(self) -> KVPeerInfo:
+        """What a sender needs to connect (a `protocol` struct; send it through the router).
 
         Returns:
             Control endpoint, compatibility record, pool size, offered transports, and the
             shared-memory handle / rendezvous store / registered mooncake pool when those
             are offered.
         """
-        info: dict[str, Any] = {
-            "receiver_id": self._id,
-            "endpoint": self._endpoint,
-            "compat": self.compat.to_dict(),
-            "num_blocks": self.kv.num_blocks,
-            "transports": list(self.config.transports),
-            "verify_checksums": self.config.verify_checksums,
-            "locality": self._locality,
-        }
-        if self._shm is not None:
-            info["shm"] = self._shm.handle()
-        if self._store_addr is not None:
-            info["store"] = self._store_addr
-        if self._mooncake is not None:
-            info["mooncake"] = self._mooncake.handle()
-        return info
+        return KVPeerInfo(
+            receiver_id=self._id, endpoint=self._endpoint, compat=self.compat,
+            num_blocks=self.kv.num_blocks, transports=tuple(self.config.transports),
+            verify_checksums=self.config.verify_checksums, locality=self._locality,
+            shm=self._shm.handle() if self._shm is not None else None,
+            store=self._store_addr,
+            mooncake=self._mooncake.handle() if self._mooncake is not None else None)
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
                timeout_s: float | None = None) -> None:
@@ -178,60 +171,69 @@ class KVReceiver(Endpoint):
                 sock.recv(copy=False)
 
     def _dispatch(self, ident: bytes, sock: zmq.Socket) -> None:
-        msg = unpack(sock.recv(zmq.NOBLOCK))
-        if msg["op"] == "hello":
+        data = sock.recv(zmq.NOBLOCK)
+        sender = self._senders.get(ident)
+        try:
+            msg = wire.decode_from_sender(data)
+        except msgspec.DecodeError as exc:
+            log.warning("kv_transfer: dropped an undecodable message (%d bytes) from %s: %s",
+                        len(data), ident.hex(), exc)
+            if sender is None:  # a hello of another version: say why it gets no welcome
+                self._reply(ident, wire.Welcome(ok=False, kind="protocol",
+                                                error=f"undecodable hello: {exc}"))
+            return
+        if isinstance(msg, wire.Hello):
             self._on_hello(ident, msg)
             return
-        sender = self._senders.get(ident)
         if sender is None:
-            if msg["op"] == "begin":
-                self._reply(ident, {"op": "fail", "rid": msg["rid"], "reason": "not connected"})
+            if isinstance(msg, wire.Begin):
+                self._reply(ident, wire.Fail(rid=msg.rid, reason="not connected"))
             return
         sender.last_seen = time.monotonic()
-        match msg["op"]:
-            case "begin":
+        match msg:
+            case wire.Begin():
                 self._on_begin(sender, msg)
-            case "layer":
+            case wire.Layer():
                 self._on_layer(sender, msg, sock)
-            case "finish":
+            case wire.Finish():
                 self._on_finish(sender, msg)
-            case "abort":
+            case wire.Abort():
                 self._on_abort(sender, msg)
-            case "bye":
+            case wire.Bye():
                 self._drop_sender(sender, "the sender closed")
 
-    def _on_hello(self, ident: bytes, msg: dict[str, Any]) -> None:
-        transport = msg.get("transport")
+    def _on_hello(self, ident: bytes, msg: wire.Hello) -> None:
         try:
-            check_compat(self.compat, CompatRecord.from_dict(msg.get("compat")))
+            check_compat(self.compat, msg.compat)
         except KVCompatibilityError as exc:
             log.warning("kv_transfer: refused sender %s: %s", ident.hex(), exc)
-            self._reply(ident, {"op": "welcome", "ok": False, "kind": "compat", "error": str(exc)})
+            self._reply(ident, wire.Welcome(ok=False, kind="compat", error=str(exc)))
             return
+        transport = msg.transport
         if transport not in self.config.transports:
             error = f"transport {transport!r} not offered (offered: {self.config.transports})"
-            self._reply(ident, {"op": "welcome", "ok": False, "kind": "transport", "error": error})
+            self._reply(ident, wire.Welcome(ok=False, kind="transport", error=error))
             return
         channel = open_recv_channel(transport, self._store_addr, self.kv, self.config,
                                     f"{self._id}/{ident.hex()}", self._call_soon)
         now = time.monotonic()
         self._senders[ident] = _Sender(ident, channel, transport, last_seen=now, last_ping=now)
-        self._reply(ident, {"op": "welcome", "ok": True})
+        self._reply(ident, wire.Welcome(ok=True))
 
-    def _on_begin(self, sender: _Sender, msg: dict[str, Any]) -> None:
-        rid = msg["rid"]
+    def _on_begin(self, sender: _Sender, msg: wire.Begin) -> None:
+        rid = msg.rid
         if rid not in self._requests:
             self._run_calls()  # an expect() made before this begin may still be queued
         req = self._requests.get(rid)
         if req is None or req.sender is not None or req.failure is not None:
             reason = "the decode side does not expect this request (unknown, begun or ended)"
-            self._reply(sender.ident, {"op": "fail", "rid": rid, "reason": reason})
+            self._reply(sender.ident, wire.Fail(rid=rid, reason=reason))
             return
         req.sender = sender
         try:
-            if list(msg["dst"]) != req.dst:
-                raise ValueError(f"destination blocks {msg['dst']} != reserved {req.dst}")
-            req.runs = dst_runs(req.dst, msg["runs"])
+            if msg.dst != req.dst:
+                raise ValueError(f"destination blocks {msg.dst} != reserved {req.dst}")
+            req.runs = dst_runs(req.dst, msg.runs)
         except (ValueError, TypeError) as exc:
             self._fail(req, f"begin does not match the reservation: {exc}")
             return
@@ -241,20 +243,20 @@ class KVReceiver(Endpoint):
             except RuntimeError as exc:
                 self._fail(req, str(exc))
                 return
-        self._reply(sender.ident, {"op": "begin_ok", "rid": rid})
+        self._reply(sender.ident, wire.BeginOk(rid=rid))
 
-    def _on_layer(self, sender: _Sender, msg: dict[str, Any], sock: zmq.Socket) -> None:
-        req = self._requests.get(msg["rid"])
+    def _on_layer(self, sender: _Sender, msg: wire.Layer, sock: zmq.Socket) -> None:
+        req = self._requests.get(msg.rid)
         if req is None or req.sender is not sender:
             # Only a sender that ignored our "fail" gets here; its bytes (possibly already
             # bound for our memory on torch_dist) cannot be trusted.
-            self._drop_sender(sender, f"sent a layer for {msg['rid']!r}, which it does not own")
+            self._drop_sender(sender, f"sent a layer for {msg.rid!r}, which it does not own")
             return
-        layer = msg["layer"]
-        if not (isinstance(layer, int) and 0 <= layer < self.kv.num_layers):
+        layer = msg.layer
+        if not 0 <= layer < self.kv.num_layers:
             self._fail(req, f"layer {layer!r} is out of range")
             return
-        req.sums[layer] = msg.get("sums")
+        req.sums[layer] = msg.sums
         req.pending += 1
         try:
             sender.channel.recv_layer(sock, msg, self.kv.layers[layer], req.runs,
@@ -271,26 +273,25 @@ class KVReceiver(Endpoint):
         else:
             self._fail(req, error)
 
-    def _on_finish(self, sender: _Sender, msg: dict[str, Any]) -> None:
-        req = self._requests.get(msg["rid"])
+    def _on_finish(self, sender: _Sender, msg: wire.Finish) -> None:
+        req = self._requests.get(msg.rid)
         if req is not None and req.sender is sender:
             req.finished = True
-            req.payload = msg.get("payload")
+            req.payload = msg.payload
             self._settle(req)
 
-    def _on_abort(self, sender: _Sender, msg: dict[str, Any]) -> None:
-        req = self._requests.get(msg["rid"])
+    def _on_abort(self, sender: _Sender, msg: wire.Abort) -> None:
+        req = self._requests.get(msg.rid)
         if req is not None and req.sender is sender:
             req.acked = True
-            self._fail(req, f"aborted by the sender: {msg.get('reason')}")
+            self._fail(req, f"aborted by the sender: {msg.reason}")
 
     def _fail(self, req: _Incoming, reason: str) -> None:
         if req.failure is None:
             req.failure = reason
             req.grace_deadline = time.monotonic() + self.config.peer_timeout_s
             if req.sender is not None and req.sender.alive and not req.acked:
-                self._reply(req.sender.ident, {"op": "fail", "rid": req.request_id,
-                                               "reason": reason})
+                self._reply(req.sender.ident, wire.Fail(rid=req.request_id, reason=reason))
         self._settle(req)
 
     def _settle(self, req: _Incoming) -> None:
@@ -307,7 +308,7 @@ class KVReceiver(Endpoint):
                 self._fail(req, error)
                 return
             self._end(req, TransferDone(req.request_id, req.payload, req.sender.transport))
-            self._reply(req.sender.ident, {"op": "done", "rid": req.request_id})
+            self._reply(req.sender.ident, wire.Done(rid=req.request_id))
 
     def _check_complete(self, req: _Incoming) -> str | None:
         missing = [layer for layer in range(self.kv.num_layers) if layer not in req.arrived]
@@ -317,7 +318,7 @@ class KVReceiver(Endpoint):
             return None
         for layer in range(self.kv.num_layers):
             sent = req.sums.get(layer)
-            if not isinstance(sent, list) or len(sent) != len(req.dst):
+            if sent is None or len(sent) != len(req.dst):
                 return f"the sender sent no checksums for layer {layer}"
             got = block_sums(self.kv.layers[layer], req.dst)
             for block, want, have in zip(req.dst, sent, got, strict=True):
@@ -335,7 +336,7 @@ class KVReceiver(Endpoint):
     def _drop_sender(self, sender: _Sender, reason: str) -> None:
         sender.alive = False
         self._senders.pop(sender.ident, None)
-        self._reply(sender.ident, {"op": "bye", "reason": reason})
+        self._reply(sender.ident, wire.Bye(reason=reason))
         sender.channel.close()
         for req in list(self._requests.values()):
             if req.sender is sender:
@@ -356,16 +357,16 @@ class KVReceiver(Endpoint):
                 self._drop_sender(sender, f"silent for {self.config.peer_timeout_s:g}s")
             elif now - sender.last_ping >= self.config.heartbeat_s:
                 sender.last_ping = now
-                self._reply(sender.ident, {"op": "ping"})
+                self._reply(sender.ident, wire.Ping())
 
     def _on_close(self) -> None:
         for req in list(self._requests.values()):
             self._end(req, TransferFailed(req.request_id, "the receiver closed"))
         for sender in list(self._senders.values()):
-            self._reply(sender.ident, {"op": "bye", "reason": "the receiver closed"})
+            self._reply(sender.ident, wire.Bye(reason="the receiver closed"))
             sender.channel.close()
         self._senders.clear()
         self._store = None
 
-    def _reply(self, ident: bytes, msg: dict[str, Any]) -> None:
-        self._sock.send_multipart([ident, pack(msg)])
+    def _reply(self, ident: bytes, msg: wire.ReceiverMessage) -> None:
+        self._sock.send_multipart([ident, wire.encode(msg)])

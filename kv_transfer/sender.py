@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import zmq
 
 from engine.kv_cache import KVCache
+from kv_transfer import wire
 from kv_transfer.blocks import Run, block_runs, block_sums, check_block_ids
 from kv_transfer.compat import CompatRecord, KVCompatibilityError, check_compat
 from kv_transfer.config import TransferConfig
@@ -21,7 +22,9 @@ from kv_transfer.endpoint import _MAX_BATCH, Endpoint
 from kv_transfer.events import TransferDone, TransferEvent, TransferFailed
 from kv_transfer.transports import locality, open_send_channel
 from kv_transfer.transports.base import SendChannel
-from kv_transfer.wire import pack, unpack
+from protocol.kv import FirstToken, KVPeerInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -49,7 +52,7 @@ class _Outgoing:
     accepted: bool = False  # the receiver answered begin_ok; bytes may move
     queued: list[int] = field(default_factory=list)  # layers ready before begin_ok
     finishing: bool = False
-    payload: Any = None
+    payload: FirstToken | None = None
 
 
 class KVSender(Endpoint):
@@ -75,7 +78,7 @@ class KVSender(Endpoint):
         self._requests: dict[str, _Outgoing] = {}
         self._thread.start()
 
-    def connect(self, peer_info: dict[str, Any], transport: str | None = None) -> str:
+    def connect(self, peer_info: KVPeerInfo, transport: str | None = None) -> str:
         """Handshake with a receiver and set up the transport.
 
         Args:
@@ -92,17 +95,17 @@ class KVSender(Endpoint):
             ValueError: the transport is not offered or does not fit this pool (shm, zmq
                 and mooncake need a CPU pool).
         """
-        check_compat(self.compat, CompatRecord.from_dict(peer_info.get("compat")))
+        check_compat(self.compat, peer_info.compat)
         transport = transport or self._pick_transport(peer_info)
-        if transport not in peer_info["transports"]:
-            raise ValueError(f"transport {transport!r} not offered: {peer_info['transports']}")
+        if transport not in peer_info.transports:
+            raise ValueError(f"transport {transport!r} not offered: {peer_info.transports}")
         peer_id = uuid.uuid4().hex
         welcome: Future = Future()
-        hello = {"op": "hello", "compat": self.compat.to_dict(), "transport": transport}
+        hello = wire.Hello(compat=self.compat, transport=transport)
         self._call_soon(self._open_peer, peer_id, peer_info, hello, welcome)
         try:
             self._check_welcome(welcome.result(timeout=self.config.connect_timeout_s))
-            pair_name = f"{peer_info['receiver_id']}/{peer_id.encode().hex()}"
+            pair_name = f"{peer_info.receiver_id}/{peer_id.encode().hex()}"
             channel = open_send_channel(transport, peer_info, self.kv, self.config, pair_name)
         except Exception as exc:
             self._call_soon(self._close_peer, peer_id, "the handshake failed")
@@ -110,13 +113,13 @@ class KVSender(Endpoint):
                 raise
             if isinstance(exc, TimeoutError):
                 raise ConnectionError(
-                    f"connecting to {peer_info['endpoint']} over {transport}: no welcome within "
+                    f"connecting to {peer_info.endpoint} over {transport}: no welcome within "
                     f"{self.config.connect_timeout_s:g}s (is the decode side up, and does it "
                     "hold this cluster's key?)") from exc
-            raise ConnectionError(f"connecting to {peer_info['endpoint']} over {transport} "
+            raise ConnectionError(f"connecting to {peer_info.endpoint} over {transport} "
                                   f"failed: {type(exc).__name__}: {exc}") from exc
         self._call(self._attach, peer_id, channel).result(timeout=self.config.connect_timeout_s)
-        self._peer_blocks[peer_id] = peer_info["num_blocks"]
+        self._peer_blocks[peer_id] = peer_info.num_blocks
         self.peer_transports[peer_id] = transport
         return peer_id
 
@@ -165,17 +168,19 @@ class KVSender(Endpoint):
             raise ValueError(f"layer {layer} is out of range [0, {self.kv.num_layers})")
         self._call_soon(self._layer_ready, request_id, layer)
 
-    def finish(self, request_id: str, payload: Any = None) -> None:
+    def finish(self, request_id: str, payload: FirstToken | None = None) -> None:
         """Declare all layers sent; the receiver gets `payload` with its `TransferDone`.
 
         Args:
             request_id: a begun request; ignored if it already ended.
-            payload: small msgpack-able value, for example the first sampled token.
+            payload: the prefill's first token, or None.
+
+        Raises:
+            TypeError: `payload` is neither a `FirstToken` nor None.
         """
-        try:
-            msgspec.msgpack.encode(payload)
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise TypeError(f"payload must be msgpack-able: {exc}") from None
+        if payload is not None and not isinstance(payload, FirstToken):
+            raise TypeError(f"payload must be a FirstToken or None, not "
+                            f"{type(payload).__name__}")
         self._call_soon(self._finish, request_id, payload)
 
     def abort(self, request_id: str) -> None:
@@ -195,9 +200,9 @@ class KVSender(Endpoint):
     # ---- caller thread helpers ----
 
     @staticmethod
-    def _pick_transport(peer_info: dict[str, Any]) -> str:
-        offered = peer_info["transports"]
-        if "shm" in offered and peer_info.get("locality") == locality():
+    def _pick_transport(peer_info: KVPeerInfo) -> str:
+        offered = peer_info.transports
+        if "shm" in offered and peer_info.locality == locality():
             return "shm"
         for name in ("mooncake", "torch_dist", "zmq"):
             if name in offered:
@@ -205,26 +210,26 @@ class KVSender(Endpoint):
         raise ValueError(f"none of {offered} reaches this host; the receiver must offer zmq")
 
     @staticmethod
-    def _check_welcome(welcome: dict[str, Any]) -> None:
-        if welcome.get("ok"):
+    def _check_welcome(welcome: wire.Welcome) -> None:
+        if welcome.ok:
             return
-        message = f"the decode side refused the handshake: {welcome.get('error')}"
-        if welcome.get("kind") == "compat":
+        message = f"the decode side refused the handshake: {welcome.error}"
+        if welcome.kind == "compat":
             raise KVCompatibilityError(message)
         raise ConnectionError(message)
 
     # ---- IO thread ----
 
-    def _open_peer(self, peer_id: str, peer_info: dict[str, Any], hello: dict[str, Any],
+    def _open_peer(self, peer_id: str, peer_info: KVPeerInfo, hello: wire.Hello,
                    welcome: Future) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, peer_id.encode())
         sock.setsockopt(zmq.SNDHWM, 0)  # a layer queued behind others must never block
         sock.setsockopt(zmq.RCVHWM, 0)
-        self._sockets.connect(sock, peer_info["endpoint"])
+        self._sockets.connect(sock, peer_info.endpoint)
         self._poller.register(sock, zmq.POLLIN)
         now = time.monotonic()
-        peer = _Peer(peer_id, sock, bool(peer_info.get("verify_checksums")), now, now, welcome)
+        peer = _Peer(peer_id, sock, peer_info.verify_checksums, now, now, welcome)
         self._peers[peer_id] = self._by_sock[sock] = peer
         self._send(peer, hello)
 
@@ -253,20 +258,25 @@ class KVSender(Endpoint):
                 return
 
     def _dispatch(self, peer: _Peer, data: bytes) -> None:
-        msg = unpack(data)
+        try:
+            msg = wire.decode_from_receiver(data)
+        except msgspec.DecodeError as exc:
+            log.warning("kv_transfer: dropped an undecodable message (%d bytes) from %s: %s",
+                        len(data), peer.peer_id, exc)
+            return
         peer.last_seen = time.monotonic()
-        match msg["op"]:
-            case "welcome":
+        match msg:
+            case wire.Welcome():
                 if not peer.welcome.done():
                     peer.welcome.set_result(msg)
-            case "begin_ok":
-                self._on_begin_ok(peer, msg["rid"])
-            case "done":
-                self._end_owned(peer, msg["rid"], TransferDone(msg["rid"]))
-            case "fail":
-                self._on_fail(peer, msg["rid"], msg.get("reason"))
-            case "bye":
-                self._drop_peer(peer, f"the decode side left ({msg.get('reason')})")
+            case wire.BeginOk():
+                self._on_begin_ok(peer, msg.rid)
+            case wire.Done():
+                self._end_owned(peer, msg.rid, TransferDone(msg.rid))
+            case wire.Fail():
+                self._on_fail(peer, msg.rid, msg.reason)
+            case wire.Bye():
+                self._drop_peer(peer, f"the decode side left ({msg.reason})")
 
     def _start(self, req: _Outgoing) -> None:
         peer = self._peers.get(req.peer_id)
@@ -275,8 +285,8 @@ class KVSender(Endpoint):
             return
         req.peer = peer
         self._requests[req.request_id] = req
-        self._send(peer, {"op": "begin", "rid": req.request_id, "dst": req.dst,
-                          "runs": [n for _, _, n in req.runs]})
+        self._send(peer, wire.Begin(rid=req.request_id, dst=req.dst,
+                                    runs=[n for _, _, n in req.runs]))
 
     def _layer_ready(self, request_id: str, layer: int) -> None:
         req = self._requests.get(request_id)
@@ -290,15 +300,14 @@ class KVSender(Endpoint):
     def _transmit(self, req: _Outgoing, layer: int) -> None:
         if self._requests.get(req.request_id) is not req:
             return  # ended while its layers were queued
-        header: dict[str, Any] = {"op": "layer", "rid": req.request_id, "layer": layer}
-        if req.peer.verify:
-            header["sums"] = self._layer_sums(layer, req.src)
+        header = wire.Layer(rid=req.request_id, layer=layer,
+                            sums=self._layer_sums(layer, req.src) if req.peer.verify else None)
         try:
             req.peer.channel.send_layer(req.peer.sock, header, self.kv.layers[layer], req.runs)
         except Exception as exc:
             self._drop_peer(req.peer, f"transport error: {exc!r}")
 
-    def _finish(self, request_id: str, payload: Any) -> None:
+    def _finish(self, request_id: str, payload: FirstToken | None) -> None:
         req = self._requests.get(request_id)
         if req is not None:
             req.finishing, req.payload = True, payload
@@ -307,7 +316,7 @@ class KVSender(Endpoint):
 
     def _send_finish(self, req: _Outgoing) -> None:
         if self._requests.get(req.request_id) is req:
-            self._send(req.peer, {"op": "finish", "rid": req.request_id, "payload": req.payload})
+            self._send(req.peer, wire.Finish(rid=req.request_id, payload=req.payload))
 
     def _on_begin_ok(self, peer: _Peer, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -320,13 +329,13 @@ class KVSender(Endpoint):
         if req.finishing:
             self._send_finish(req)
 
-    def _on_fail(self, peer: _Peer, request_id: str, reason: Any) -> None:
+    def _on_fail(self, peer: _Peer, request_id: str, reason: str) -> None:
         req = self._requests.get(request_id)
         if req is None or req.peer is not peer:
             return
         self._end(req, TransferFailed(request_id, f"the decode side failed it: {reason}"))
         # The acknowledgement tells the receiver no byte of ours is still on its way.
-        self._send(peer, {"op": "abort", "rid": request_id, "reason": "acknowledged"})
+        self._send(peer, wire.Abort(rid=request_id, reason="acknowledged"))
 
     def _abort(self, request_id: str, reason: str) -> None:
         req = self._requests.get(request_id)
@@ -334,7 +343,7 @@ class KVSender(Endpoint):
             return
         self._end(req, TransferFailed(request_id, reason))
         if req.peer.alive:
-            self._send(req.peer, {"op": "abort", "rid": request_id, "reason": reason})
+            self._send(req.peer, wire.Abort(rid=request_id, reason=reason))
 
     def _end_owned(self, peer: _Peer, request_id: str, event: TransferEvent) -> None:
         req = self._requests.get(request_id)
@@ -345,7 +354,7 @@ class KVSender(Endpoint):
         del self._requests[req.request_id]
         self._emit(event)
 
-    def _send(self, peer: _Peer, msg: dict[str, Any]) -> None:
+    def _send(self, peer: _Peer, msg: wire.SenderMessage) -> None:
         """Queue `msg` to `peer` without blocking the IO thread.
 
         The queue has no bound, so a send finds no room only when the socket has no
@@ -356,7 +365,7 @@ class KVSender(Endpoint):
         if not self._flush(peer):
             return
         try:
-            peer.sock.send(pack(msg), zmq.NOBLOCK)
+            peer.sock.send(wire.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             self._drop_peer(peer, "no connection to the decode side (its handshake failed)")
 
@@ -384,7 +393,7 @@ class KVSender(Endpoint):
         if peer.channel is not None:
             peer.channel.close()  # shm: unmaps the peer's pool; mooncake: writes end first
         with contextlib.suppress(zmq.Again):  # no connection left: nobody to say it to
-            peer.sock.send(pack({"op": "bye", "reason": reason}), zmq.NOBLOCK)
+            peer.sock.send(wire.encode(wire.Bye(reason=reason)), zmq.NOBLOCK)
         peer.sock.close(linger=100)
         if not peer.welcome.done():
             peer.welcome.set_exception(ConnectionError(f"lost the decode peer: {reason}"))
@@ -401,7 +410,7 @@ class KVSender(Endpoint):
                 self._drop_peer(peer, f"silent for {self.config.peer_timeout_s:g}s")
             elif now - peer.last_ping >= self.config.heartbeat_s:
                 peer.last_ping = now
-                self._send(peer, {"op": "ping"})
+                self._send(peer, wire.Ping())
 
     def _on_close(self) -> None:
         for request_id in list(self._requests):

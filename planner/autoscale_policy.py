@@ -364,7 +364,7 @@ class Autoscaler:
 # mix for 200 requests), within about 20 points of each other, where a real mix shift put
 # them 90 apart: with 0.1 the policy left 1P+1D for 0P+2D (and came back) in 4 of 18 offline
 # replays of the prefill-heavy phase (six traces), each move costing a drain; with 0.25 in
-# none, and the decode-heavy shift was met at the same decision (docs/planner.md).
+# none, and the decode-heavy shift was met at the same decision (docs/benchmarks.md).
 REBALANCE_MARGIN = 0.25
 
 

@@ -213,8 +213,8 @@ def cpu_accelerator(torch_threads: int = 1) -> Accelerator:
 # (`gemm_packed_rows`, set by `cpu_accelerator` from the engine's fp32 path), packing its
 # weights per call (three passes over them); every layer costs ~20 Python-level ops
 # (norms, rotary, the paged-KV write, the residual adds), about 0.1 ms together. Chosen
-# looking at measured profiles of SmolLM2 on a 2-core Xeon (docs/planner.md: the check
-# is not blind).
+# looking at measured profiles of SmolLM2 on a 2-core Xeon (docs/benchmarks.md: the
+# check is not blind).
 CPU_CONSTANTS: dict[str, float] = {
     "gemm_efficiency": 0.7, "gemm_half_tokens": 32.0, "gemm_weight_passes": 3.0,
     "attention_efficiency": 0.5, "bandwidth_efficiency": 0.8, "step_overhead_ms": 5.0,

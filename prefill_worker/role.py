@@ -1,25 +1,48 @@
 """Prefill policy on top of the engine's `prefill` role and a `KVSender`.
 
 Commands in: `Prefill` and aborts. Replies out: `Failed` only; the first token and the
-prefill's timing travel with the KV to the decode worker, which reports them with the
-token. All engine calls happen on the engine loop thread. With tracing on, each request
-gets a `prefill` span (command to first token) and a `kv_transfer` span (first layer sent
-to the decode side's acknowledgement: transport, blocks, bytes), children of the router's
-request span.
+prefill's timing travel with the KV to the decode worker (a `protocol.kv.FirstToken`),
+which reports them with the token. All engine calls happen on the engine loop thread. With
+tracing on, each request gets a `prefill` span (command to first token) and a
+`kv_transfer` span (first layer sent to the decode side's acknowledgement: transport,
+blocks, bytes), children of the router's request span.
+
+A request's life here, and what holds it in each state (the decode worker has already
+reserved its destination blocks):
+
+- connecting: on the command reader's thread, `prepare` opens a KV connection to the
+  decode worker's receiver the first time one is named (`KVSender.connect`) and keeps it
+  in `_peers` (receiver id -> peer id); a connection lost meanwhile is opened again.
+- queued: `handle` adds it to the engine (the scheduler's `waiting` queue); from here to
+  its end `_jobs[request id]` holds its `_Job` (peer, destination blocks, the decode
+  side's cached blocks to skip, spans).
+- prefilling: in the scheduler's `running` list, one chunk per step; a long prompt's
+  earlier chunks stay in this engine's cache.
+- transferring: in the step that computes its last chunk, `layer_hook` begins the transfer
+  (`_Job.begun`; the sender's `_requests` holds it) and ships each layer as soon as it is
+  written. After the step the scheduler parks it (`parked`, `PREFILLED`: its blocks stay)
+  and `on_outputs` finishes the transfer with the first token. A step that ended it with
+  no token fails it instead (`Failed`; a begun transfer is aborted).
+- shipped or failed: the transfer's event (`on_events`) releases the engine's blocks (into
+  its prefix cache) and ends the job; on `TransferFailed` the router hears `Failed` with
+  `transfer_failed` (it retries once elsewhere), on `TransferDone` nothing (the decode
+  worker reports the token).
+- aborted: before the transfer began, the job ends and the engine frees the blocks at
+  once; after, the transfer is aborted (`_Job.aborted`) and its `TransferFailed` frees
+  them, with no reply.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from engine import EngineOutput, LLMEngine, SamplingParams
+from engine import EngineOutput, LLMEngine
 from engine.scheduler import SchedulerOutput
 from kv_transfer import KVSender, TransferDone, TransferEvent
-from protocol import Command, Failed, Prefill, Reply, Role
+from protocol import Command, Failed, FirstToken, Prefill, Reply, Role
 from protocol.tracing import NO_SPAN, Span, Tracer
-from protocol.worker_role import WorkerRole
+from protocol.worker_role import RoleLoad, WorkerRole
 
 
 @dataclass
@@ -62,7 +85,7 @@ class PrefillRole(WorkerRole):
         """Handshake with the command's decode worker (may block on the network); again
         if the connection was lost, e.g. while that worker was stalled."""
         if isinstance(command, Prefill):
-            receiver_id = command.peer_info["receiver_id"]
+            receiver_id = command.peer_info.receiver_id
             peer_id = self._peers.get(receiver_id)
             if peer_id is None or not self.sender.is_connected(peer_id):
                 self._peers[receiver_id] = self.sender.connect(command.peer_info)
@@ -72,8 +95,8 @@ class PrefillRole(WorkerRole):
         if not isinstance(command, Prefill):
             raise ValueError(f"a prefill worker cannot handle {type(command).__name__}")
         rid = command.request_id
-        engine.add_request(rid, command.prompt_token_ids, SamplingParams(**command.params))
-        job = self._jobs[rid] = _Job(self._peers[command.peer_info["receiver_id"]],
+        engine.add_request(rid, command.prompt_token_ids, command.params.to_params())
+        job = self._jobs[rid] = _Job(self._peers[command.peer_info.receiver_id],
                                      command.dst_block_ids,
                                      command.num_cached_tokens // self.block_size,
                                      command.traceparent)
@@ -129,9 +152,9 @@ class PrefillRole(WorkerRole):
                 continue
             job.span.end()
             logprobs = out.new_logprobs[0] if out.new_logprobs else None
-            self.sender.finish(out.request_id, {
-                "first_token": out.new_token_ids[0], "logprobs": logprobs,
-                "prefill_s": time.monotonic() - job.started})
+            self.sender.finish(out.request_id, FirstToken(
+                token_id=out.new_token_ids[0], logprobs=logprobs,
+                prefill_s=time.monotonic() - job.started))
         return replies
 
     def on_events(self, engine: LLMEngine, events: list[TransferEvent]) -> list[Reply]:
@@ -166,12 +189,12 @@ class PrefillRole(WorkerRole):
     def pending(self) -> set[str]:
         return set(self._jobs)
 
-    def load(self, engine: LLMEngine) -> dict[str, Any]:
+    def load(self, engine: LLMEngine) -> RoleLoad:
         """Queued prefill work, for placement."""
         sched = engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens
                      for r in (*sched.waiting, *sched.running))
-        return {"queued_prefill_tokens": queued}
+        return RoleLoad(queued_prefill_tokens=queued)
 
     def _failed(self, request_id: str, error: str, transfer_failed: bool = False) -> Failed:
         return Failed(worker_id=self.worker_id, request_id=request_id, error=error,

@@ -1,17 +1,22 @@
 """The typed messages pdcluster's parts exchange, and nothing else.
 
-- `messages`: router <-> worker commands and replies, one msgpack codec;
+- `messages`: router <-> worker commands and replies, one msgpack codec, and the
+  `WorkerInfo` a worker reports when it starts;
+- `kv`: the KV receiver's `KVPeerInfo` (inside `Prefill`), the caches' `CompatRecord`, and
+  the `FirstToken` that rides with the KV from the prefill to the decode worker;
 - `status`: a worker's pushed stats and the router's `Status` view of it;
 - `timing`: the request path's clocks (the simulator waits as the cluster does);
 - `serving`: the trace, SLO and latency summary the load generator and the planner share;
 - `secure`: the internal sockets' CURVE keys;
 - `worker_role`: the one interface a worker's role implements.
 
-It imports nothing of pdcluster but engine types for annotations, so the workers, the
-router, the cluster, the planner and client-side tools (`bench`) all speak it without
+It imports nothing of pdcluster but the engine's public names (types for annotations, and
+`SamplingParams` when `WireSamplingParams.to_params` runs, not at import), so the workers,
+the router, the cluster, the planner and client-side tools (`bench`) all speak it without
 importing each other.
 """
 
+from protocol.kv import CompatRecord, FirstToken, KVPeerInfo
 from protocol.messages import (
     Abort,
     Command,
@@ -25,6 +30,8 @@ from protocol.messages import (
     Stats,
     Step,
     TokenRecord,
+    WireSamplingParams,
+    WorkerInfo,
     WorkerMessage,
     decode_command,
     decode_reply,
@@ -36,8 +43,11 @@ from protocol.worker_role import WorkerRole
 __all__ = [
     "Abort",
     "Command",
+    "CompatRecord",
     "Failed",
+    "FirstToken",
     "Generate",
+    "KVPeerInfo",
     "Prefill",
     "Rejected",
     "Reply",
@@ -47,6 +57,8 @@ __all__ = [
     "Step",
     "TokenRecord",
     "Utilization",
+    "WireSamplingParams",
+    "WorkerInfo",
     "WorkerMessage",
     "WorkerRole",
     "WorkerStats",

@@ -1,7 +1,9 @@
 """Every message between the router and the workers, as typed structs over msgpack.
 
 Router -> worker (`Command`): `Generate` (to a decode or mixed worker), `Prefill` (to a
-prefill worker, after the decode worker `Reserved` its blocks), `Abort`.
+prefill worker, after the decode worker `Reserved` its blocks), `Abort`. Both requests carry
+their sampling parameters as `WireSamplingParams`, and `Prefill` the decode worker's
+`protocol.kv.KVPeerInfo`.
 Worker -> router (`Reply`): `Reserved` / `Rejected` (answers to a remote-prefill
 `Generate`), `Step` (one per engine step: every request's new tokens), `Failed` (a request
 ended outside a step), `Stats` (pushed load figures).
@@ -12,16 +14,24 @@ recognised and dropped rather than confused with the current one.
 
 A message that does not decode raises `msgspec.DecodeError` (or its `ValidationError`
 subclass); receivers log and drop it, they never crash on it.
+
+`WorkerInfo` travels over Ray, not these sockets: what a worker says of itself when it
+starts or changes role.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from protocol.kv import KVPeerInfo
 from protocol.status import WorkerStats
+
+if TYPE_CHECKING:
+    from engine import SamplingParams
 
 
 class Role(enum.StrEnum):
@@ -41,6 +51,57 @@ class _Message(msgspec.Struct, kw_only=True, tag_field="type"):
     pass
 
 
+class WireSamplingParams(msgspec.Struct, kw_only=True, frozen=True,
+                         forbid_unknown_fields=True):
+    """`engine.SamplingParams` on the wire: the same fields, the same types, no defaults of
+    its own (the engine's are the only ones), so a request means the same on every worker.
+
+    The engine cannot import msgspec, so this struct mirrors the dataclass and converts
+    both ways exactly; a field on one side only fails the conversion at once (`TypeError`),
+    and a field of the wrong type, or one this version does not know, fails the decode of
+    the message that carries it (`msgspec.ValidationError`). Values are checked where the
+    worker builds `SamplingParams` (`ValueError`, answered as `Failed`).
+    """
+
+    max_tokens: int
+    min_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None
+    skip_special_tokens: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    json_schema: str | None
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> WireSamplingParams:
+        """The wire form of `params`.
+
+        Raises:
+            TypeError: `SamplingParams` has a field this struct lacks.
+        """
+        return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+
+    def to_params(self) -> SamplingParams:
+        """The engine's `SamplingParams` again, checked as any request's are.
+
+        Raises:
+            ValueError: a value the engine refuses (out of range, a bad JSON schema).
+            TypeError: this struct has a field `SamplingParams` lacks.
+        """
+        from engine import SamplingParams  # the engine's sampler loads torch: not at import
+
+        return SamplingParams(**msgspec.structs.asdict(self))
+
+
 # ---- router -> worker ----------------------------------------------------------------
 
 class Generate(_Message, tag="generate"):
@@ -49,7 +110,7 @@ class Generate(_Message, tag="generate"):
     Args:
         request_id: the attempt id.
         prompt_token_ids: the prompt.
-        params: `SamplingParams` fields.
+        params: how to sample.
         remote_prefill: reserve blocks and wait for a prefill worker's KV (answered with
             `Reserved` or `Rejected`) instead of prefilling here.
         output_token_ids: tokens already streamed to the client (a migrated request): the
@@ -62,7 +123,7 @@ class Generate(_Message, tag="generate"):
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: WireSamplingParams
     remote_prefill: bool = False
     output_token_ids: list[int] = []
     traceparent: str | None = None
@@ -74,7 +135,7 @@ class Prefill(_Message, tag="prefill"):
     Args:
         request_id: the attempt id (the same as the decode worker's reservation).
         prompt_token_ids: the prompt.
-        params: `SamplingParams` fields (the first token is sampled here).
+        params: how to sample (the first token is sampled here).
         peer_info: the decode worker's KV receiver (`KVReceiver.peer_info`).
         dst_block_ids: the reserved blocks, prefix-cache hits left out.
         num_cached_tokens: prompt tokens the decode side already holds.
@@ -83,8 +144,8 @@ class Prefill(_Message, tag="prefill"):
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
-    peer_info: dict[str, Any]
+    params: WireSamplingParams
+    peer_info: KVPeerInfo
     dst_block_ids: list[int]
     num_cached_tokens: int = 0
     traceparent: str | None = None
@@ -175,6 +236,44 @@ class Stats(_Message, tag="stats"):
 
 Reply = Reserved | Rejected | Step | Failed | Stats
 WorkerMessage = Command | Reply
+
+
+# ---- worker -> cluster, over Ray ------------------------------------------------------
+
+class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What a worker says of itself when it starts, changes role or is adopted.
+
+    Args:
+        worker_id: its name.
+        role: its role now.
+        endpoint: its command socket (the router pushes to it), `tcp://host:port`.
+        host: the address it binds.
+        pid: its process id.
+        node_id: its Ray node id ("" outside Ray).
+        model_dir: the model it serves, resolved to a local directory.
+        max_model_len: longest prompt + output it takes.
+        vocab_size: the model's vocabulary.
+        block_size: tokens per KV block.
+        num_blocks: blocks in its KV pool.
+        block_bytes: one block's KV over all layers, as a transfer moves it.
+        torch_threads: its compute threads when it started.
+        peer_info: its KV receiver (decode workers only).
+    """
+
+    worker_id: str
+    role: Role
+    endpoint: str
+    host: str
+    pid: int
+    node_id: str = ""
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    block_bytes: int
+    torch_threads: int
+    peer_info: KVPeerInfo | None = None
 
 _encoder = msgspec.msgpack.Encoder()
 _commands = msgspec.msgpack.Decoder(Command)

@@ -49,8 +49,8 @@ class Slo:
 
     A request meets the SLO when it succeeded and each of its TTFT, TPOT and E2E is within
     the tightest bound named on that metric (a one-token answer has no TPOT and meets any
-    TPOT bound). A run meets it when the share of requests that do (the attainment)
-    reaches `attainment` and every percentile bound holds.
+    TPOT bound); `protocol.slo` scores a run so. A run meets it when the share of requests
+    that do (the attainment) reaches `attainment` and every percentile bound holds.
 
     Args:
         bounds: milliseconds by key, any of `SLO_KEYS`: `ttft_ms` bounds each request,
@@ -124,12 +124,6 @@ class Slo:
         None."""
         values = [v for k, v in self.bounds.items() if k.startswith(f"{metric}_")]
         return min(values) if values else None
-
-    def met(self, ttft_s: float, tpot_s: float | None, e2e_s: float) -> bool:
-        """Whether one successful request is within every per-request bound."""
-        latencies = {"ttft": ttft_s, "tpot": tpot_s, "e2e": e2e_s}
-        return all(value is None or (bound := self.bound(metric)) is None
-                   or value * 1e3 <= bound for metric, value in latencies.items())
 
     def meets(self, figures: Mapping[str, Any]) -> bool:
         """Whether a run's figures (`attainment` and `<metric>_p<q>_ms`) meet the SLO: the
@@ -241,7 +235,7 @@ def write_trace(path: Path, requests: Sequence[TraceRequest]) -> None:
     """
     lines = []
     for r in requests:
-        line: dict[str, Any] = {"timestamp": r.timestamp, "output_len": r.output_len}
+        line: dict[str, object] = {"timestamp": r.timestamp, "output_len": r.output_len}
         if r.prompt is not None:
             line["prompt"] = r.prompt
         else:
@@ -262,7 +256,7 @@ def random_ids(rng: np.random.Generator, n: int,
     return rng.integers(vocab_range[0], vocab_range[1], size=n).tolist()
 
 
-def _trace_request(line: dict[str, Any], rng: np.random.Generator,
+def _trace_request(line: Mapping[str, Any], rng: np.random.Generator,
                    vocab_range: tuple[int, int]) -> TraceRequest:
     if "timestamp" not in line or "output_len" not in line:
         raise ValueError("a trace line needs timestamp and output_len")

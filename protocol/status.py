@@ -167,7 +167,7 @@ def paired_workers(before: Mapping[str, Any], after: Mapping[str, Any]
 
 
 def utilization_between(before: Mapping[str, Any], after: Mapping[str, Any]
-                        ) -> dict[str, dict[str, Any]]:
+                        ) -> dict[str, dict[str, float | int | str | None]]:
     """Each worker's utilization between two `Status` snapshots, from its counters.
 
     Returns:

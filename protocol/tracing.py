@@ -18,6 +18,7 @@ one shared do-nothing span, so the request path pays a method call per span.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,7 +167,7 @@ def _context(traceparent: str | None) -> Any:
     return TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
 
 
-def _attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+def _attributes(attributes: Mapping[str, object]) -> dict[str, object]:
     return {k: v for k, v in attributes.items() if v is not None}
 
 

@@ -7,12 +7,24 @@ takes the engine runs on the engine loop's thread, so a role never races the sch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocol.messages import Command, Reply, Role
 
 if TYPE_CHECKING:
     from engine import EngineOutput, LLMEngine
+
+
+@dataclass(frozen=True)
+class RoleLoad:
+    """What a role adds to its worker's `WorkerStats` for placement.
+
+    Args:
+        queued_prefill_tokens: prompt tokens a prefill worker has yet to compute.
+    """
+
+    queued_prefill_tokens: int = 0
 
 
 class WorkerRole(ABC):
@@ -61,6 +73,6 @@ class WorkerRole(ABC):
         """Called after each layer of each step (layer-wise KV streaming)."""
         return
 
-    def load(self, engine: LLMEngine) -> dict[str, Any]:
+    def load(self, engine: LLMEngine) -> RoleLoad:
         """Role-specific load figures for placement (merged into the worker's stats)."""
-        return {}
+        return RoleLoad()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from engine.kv_cache import KVCache
 from kv_transfer.config import TransferConfig
@@ -26,6 +26,9 @@ from kv_transfer.transports.torch_dist import (
     open_pair_group,
 )
 from kv_transfer.transports.zmq_tcp import ZmqRecvChannel, ZmqSendChannel
+from protocol.kv import KVPeerInfo, StoreAddress
+
+_Handle = TypeVar("_Handle")
 
 
 def locality() -> str:
@@ -42,7 +45,7 @@ def mooncake_protocol(config: TransferConfig) -> str:
     return config.mooncake_protocol
 
 
-def open_send_channel(transport: str, peer_info: dict[str, Any], kv: KVCache,
+def open_send_channel(transport: str, peer_info: KVPeerInfo, kv: KVCache,
                       config: TransferConfig, pair_name: str) -> SendChannel:
     """Set up the sender's half of a connection (may block: mapping, group rendezvous).
 
@@ -55,22 +58,33 @@ def open_send_channel(transport: str, peer_info: dict[str, Any], kv: KVCache,
 
     Returns:
         The channel.
+
+    Raises:
+        ValueError: the transport does not fit this pool, or the receiver offers it without
+            its handle.
     """
     if transport != "torch_dist" and kv.buffer.device.type != "cpu":
         raise ValueError(f"transport {transport!r} needs a CPU KV pool; use torch_dist (NCCL)")
     if transport == "shm":
-        shape = (kv.num_layers, peer_info["num_blocks"], *kv.buffer.shape[2:])
-        return ShmSendChannel(map_peer_pool(peer_info["shm"], shape, kv.dtype))
+        shape = (kv.num_layers, peer_info.num_blocks, *kv.buffer.shape[2:])
+        return ShmSendChannel(map_peer_pool(_offered(peer_info.shm, transport), shape, kv.dtype))
     if transport == "zmq":
         return ZmqSendChannel()
     if transport == "mooncake":
-        return MooncakeSendChannel(kv.buffer, peer_info["mooncake"], peer_info["num_blocks"],
-                                   config.host, mooncake_protocol(config))
-    return DistSendChannel(open_pair_group(peer_info["store"], pair_name, SENDER_RANK,
-                                           kv.buffer.device, config.host, config.peer_timeout_s))
+        return MooncakeSendChannel(kv.buffer, _offered(peer_info.mooncake, transport),
+                                   peer_info.num_blocks, config.host, mooncake_protocol(config))
+    return DistSendChannel(open_pair_group(_offered(peer_info.store, transport), pair_name,
+                                           SENDER_RANK, kv.buffer.device, config.host,
+                                           config.peer_timeout_s))
 
 
-def open_recv_channel(transport: str, store: dict[str, Any] | None, kv: KVCache,
+def _offered(handle: _Handle | None, transport: str) -> _Handle:
+    if handle is None:
+        raise ValueError(f"the receiver offers {transport} but sent no handle for it")
+    return handle
+
+
+def open_recv_channel(transport: str, store: StoreAddress | None, kv: KVCache,
                       config: TransferConfig, pair_name: str,
                       notify: Callable[..., None]) -> RecvChannel:
     """Set up the receiver's half of a connection (never blocks).

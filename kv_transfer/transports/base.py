@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import zmq
 
 from kv_transfer.blocks import Run
+from kv_transfer.wire import Layer
 
 # Called once per layer on the receiver's IO thread: None when the bytes are in place,
 # else why they are not.
@@ -18,13 +19,14 @@ Landed = Callable[[str | None], None]
 class SendChannel(Protocol):
     """The sender's side of one connection; used only on the sender's IO thread."""
 
-    def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,
+    def send_layer(self, sock: zmq.Socket, header: Layer, src: torch.Tensor,
                    runs: list[Run]) -> None:
         """Move one layer of a request's blocks and send `header` on the control socket.
 
         Args:
             sock: the control socket to the receiver.
-            header: the "layer" control message; a transport may add fields.
+            header: the "layer" control message; a transport may set its own field
+                (`frame_blocks`, `dist_tag`).
             src: the sender's pool for this layer, `[num_blocks, 2, block_size, H, D]`.
             runs: the request's blocks as runs consecutive on both sides.
         """
@@ -52,7 +54,7 @@ class Immediate:
 class RecvChannel(Protocol):
     """The receiver's side of one connection; used only on the receiver's IO thread."""
 
-    def recv_layer(self, sock: zmq.Socket, header: dict[str, Any], dst: torch.Tensor,
+    def recv_layer(self, sock: zmq.Socket, header: Layer, dst: torch.Tensor,
                    runs: list[tuple[int, int]], landed: Landed) -> None:
         """Land one layer whose "layer" header just arrived.
 

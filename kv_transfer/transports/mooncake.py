@@ -31,7 +31,8 @@ import zmq
 
 from kv_transfer.blocks import Run
 from kv_transfer.transports.base import Landed
-from kv_transfer.wire import pack
+from kv_transfer.wire import Layer, encode
+from protocol.kv import MooncakeHandle
 
 INSTALL_HINT = ("pip install 'pdcluster[mooncake]' (mooncake-transfer-engine) and "
                 "apt-get install -y libibverbs1")
@@ -135,10 +136,10 @@ class MooncakePool:
         self._num_layers = buffer.shape[0]
         self._layer_bytes, self._block_bytes = buffer[0].nbytes, buffer[0, 0].nbytes
 
-    def handle(self) -> dict[str, Any]:
+    def handle(self) -> MooncakeHandle:
         """What a sender needs: engine session, protocol, pool base address and size."""
-        return {"session": self._engine.session, "protocol": self._engine.protocol,
-                "base": self._base, "nbytes": self._nbytes}
+        return MooncakeHandle(session=self._engine.session, protocol=self._engine.protocol,
+                              base=self._base, nbytes=self._nbytes)
 
     def admit(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Register a request's destination: each `(dst_start, num_blocks)` run, every layer.
@@ -180,30 +181,30 @@ class MooncakeSendChannel:
         ValueError: the protocols differ, or the advertised pool does not fit the layout.
     """
 
-    def __init__(self, src: torch.Tensor, peer: dict[str, Any], peer_blocks: int,
+    def __init__(self, src: torch.Tensor, peer: MooncakeHandle, peer_blocks: int,
                  host: str, protocol: str) -> None:
-        if peer["protocol"] != protocol:
-            raise ValueError(f"the decode side's mooncake engine speaks {peer['protocol']}, "
+        if peer.protocol != protocol:
+            raise ValueError(f"the decode side's mooncake engine speaks {peer.protocol}, "
                              f"this one {protocol} (set --mooncake-protocol alike)")
         num_layers = src.shape[0]
         self._block_bytes = src[0, 0].nbytes
         self._layer_bytes = peer_blocks * self._block_bytes
-        if num_layers * self._layer_bytes != peer["nbytes"]:
-            raise ValueError(f"the peer's pool of {peer['nbytes']} bytes is not "
+        if num_layers * self._layer_bytes != peer.nbytes:
+            raise ValueError(f"the peer's pool of {peer.nbytes} bytes is not "
                              f"{num_layers} layers of {peer_blocks} blocks")
-        self._session, self._base = peer["session"], peer["base"]
+        self._session, self._base = peer.session, peer.base
         self._engine = engine(host, protocol)
         self._key: tuple[int, int] | None = self._engine.register(src.data_ptr(), src.nbytes)
         # Submitted writes (batch id; None for a layer with no runs) and their headers.
-        self._in_flight: list[tuple[int | None, dict[str, Any]]] = []
+        self._in_flight: list[tuple[int | None, Layer]] = []
 
-    def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,
+    def send_layer(self, sock: zmq.Socket, header: Layer, src: torch.Tensor,
                    runs: list[Run]) -> None:
         if self._key is None:
             raise RuntimeError("mooncake channel already closed")
         batch = None
         if runs:
-            size, base = self._block_bytes, self._base + header["layer"] * self._layer_bytes
+            size, base = self._block_bytes, self._base + header.layer * self._layer_bytes
             here = src.data_ptr()
             batch = self._engine.te.batch_transfer_async_write(
                 self._session, [here + s * size for s, _, _ in runs],
@@ -221,9 +222,9 @@ class MooncakeSendChannel:
         if failed:
             raise ConnectionError(f"mooncake write to {self._session} failed (see its log)")
         for header in headers:
-            sock.send(pack(header), zmq.NOBLOCK)  # Again: no connection left (peer dropped)
+            sock.send(encode(header), zmq.NOBLOCK)  # Again: no connection left (peer dropped)
 
-    def _wait(self) -> tuple[list[dict[str, Any]], bool]:
+    def _wait(self) -> tuple[list[Layer], bool]:
         """Wait for every write in flight; their headers, and whether any failed."""
         in_flight, self._in_flight = self._in_flight, []
         failed = False
@@ -242,7 +243,7 @@ class MooncakeSendChannel:
 class MooncakeRecvChannel:
     """Nothing to do: the "layer" header arrives after the sender's write completed."""
 
-    def recv_layer(self, sock: zmq.Socket, header: dict[str, Any], dst: torch.Tensor,
+    def recv_layer(self, sock: zmq.Socket, header: Layer, dst: torch.Tensor,
                    runs: list[tuple[int, int]], landed: Landed) -> None:
         landed(None)
 

@@ -8,14 +8,14 @@ when it exits, even on SIGKILL; a sender drops its mapping when it loses the own
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import zmq
 
 from kv_transfer.blocks import Run, copy_runs
 from kv_transfer.transports.base import Immediate, Landed
-from kv_transfer.wire import pack
+from kv_transfer.wire import Layer, encode
+from protocol.kv import ShmHandle
 
 
 class SharedKVPool:
@@ -56,14 +56,14 @@ class SharedKVPool:
             os.close(self._fd)
             self._fd = None
 
-    def handle(self) -> dict[str, int]:
+    def handle(self) -> ShmHandle:
         """What a same-host peer needs to map the pool: owner pid, descriptor, size."""
         if self._fd is None:
             raise RuntimeError("the pool is not allocated, or closed")
-        return {"pid": os.getpid(), "fd": self._fd, "nbytes": self.nbytes}
+        return ShmHandle(pid=os.getpid(), fd=self._fd, nbytes=self.nbytes)
 
 
-def map_peer_pool(handle: dict[str, int], shape: tuple[int, ...],
+def map_peer_pool(handle: ShmHandle, shape: tuple[int, ...],
                   dtype: torch.dtype) -> torch.Tensor:
     """Map a peer's `SharedKVPool` through `/proc/<pid>/fd/<fd>`.
 
@@ -82,9 +82,9 @@ def map_peer_pool(handle: dict[str, int], shape: tuple[int, ...],
     numel = 1
     for dim in shape:
         numel *= dim
-    if numel * torch.empty((), dtype=dtype).element_size() != handle["nbytes"]:
-        raise ValueError(f"shared pool of {handle['nbytes']} bytes does not hold {shape}")
-    path = f"/proc/{handle['pid']}/fd/{handle['fd']}"
+    if numel * torch.empty((), dtype=dtype).element_size() != handle.nbytes:
+        raise ValueError(f"shared pool of {handle.nbytes} bytes does not hold {shape}")
+    path = f"/proc/{handle.pid}/fd/{handle.fd}"
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
@@ -94,12 +94,12 @@ class ShmSendChannel(Immediate):
     def __init__(self, peer_pool: torch.Tensor) -> None:
         self._pool: torch.Tensor | None = peer_pool  # [L, N, 2, bs, H, D], the peer's memory
 
-    def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,
+    def send_layer(self, sock: zmq.Socket, header: Layer, src: torch.Tensor,
                    runs: list[Run]) -> None:
         if self._pool is None:
             raise RuntimeError("shared pool already released")
-        copy_runs(self._pool[header["layer"]], src, runs)
-        sock.send(pack(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
+        copy_runs(self._pool[header.layer], src, runs)
+        sock.send(encode(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
 
     def close(self) -> None:
         self._pool = None  # our last reference: unmaps the peer's pool
@@ -108,7 +108,7 @@ class ShmSendChannel(Immediate):
 class ShmRecvChannel:
     """Nothing to do: the "layer" header arrives after the sender's copy finished."""
 
-    def recv_layer(self, sock: zmq.Socket, header: dict[str, Any], dst: torch.Tensor,
+    def recv_layer(self, sock: zmq.Socket, header: Layer, dst: torch.Tensor,
                    runs: list[tuple[int, int]], landed: Landed) -> None:
         landed(None)
 

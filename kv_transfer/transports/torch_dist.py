@@ -21,18 +21,19 @@ import zmq
 
 from kv_transfer.blocks import Run
 from kv_transfer.transports.base import Immediate, Landed
-from kv_transfer.wire import pack
+from kv_transfer.wire import Layer, encode
+from protocol.kv import StoreAddress
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 _TAG_MASK = 0x7FFFFFFF
 
 
-def open_pair_group(store: dict[str, Any], name: str, rank: int, device: torch.device,
+def open_pair_group(store: StoreAddress, name: str, rank: int, device: torch.device,
                     host: str, timeout_s: float) -> dist.ProcessGroup:
     """Join the two-rank group `name`; blocks until the other rank joins too.
 
     Args:
-        store: `{"host", "port"}` of the receiver's `TCPStore`.
+        store: the receiver's `TCPStore`.
         name: unique name of this connection.
         rank: `SENDER_RANK` or `RECEIVER_RANK`.
         device: where the KV pool lives (selects gloo or NCCL).
@@ -43,7 +44,7 @@ def open_pair_group(store: dict[str, Any], name: str, rank: int, device: torch.d
         The process group.
     """
     timeout = timedelta(seconds=timeout_s)
-    client = dist.TCPStore(store["host"], store["port"], is_master=False, timeout=timeout)
+    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(name, client)
     if device.type == "cuda":
         nccl_opts = dist.ProcessGroupNCCL.Options()
@@ -96,11 +97,11 @@ class DistSendChannel(Immediate):
         self._next_tag = 0
         self._works: list[dist.Work] = []  # kept alive until done; gloo needs its buffers
 
-    def send_layer(self, sock: zmq.Socket, header: dict[str, Any], src: torch.Tensor,
+    def send_layer(self, sock: zmq.Socket, header: Layer, src: torch.Tensor,
                    runs: list[Run]) -> None:
-        header["tag"] = tag = self._next_tag
+        header.dist_tag = tag = self._next_tag
         self._next_tag = (tag + len(runs)) & _TAG_MASK
-        sock.send(pack(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
+        sock.send(encode(header), zmq.NOBLOCK)  # Again: no connection left (the peer is dropped)
         self._works = [w for w in self._works if not w.is_completed()]
         for i, (s, _, n) in enumerate(runs):
             self._works.append(self._group.send([src[s:s + n]], RECEIVER_RANK,
@@ -118,7 +119,7 @@ class DistRecvChannel:
     receiver's IO thread keeps serving other peers meanwhile.
 
     Args:
-        store: `{"host", "port"}` of this receiver's `TCPStore`.
+        store: this receiver's `TCPStore`.
         name: unique name of the connection.
         device: where the KV pool lives.
         host: this process's address.
@@ -126,7 +127,7 @@ class DistRecvChannel:
         notify: runs a callback on the IO thread (`Endpoint._call_soon`).
     """
 
-    def __init__(self, store: dict[str, Any], name: str, device: torch.device, host: str,
+    def __init__(self, store: StoreAddress, name: str, device: torch.device, host: str,
                  timeout_s: float, notify: Callable[..., None]) -> None:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -149,11 +150,13 @@ class DistRecvChannel:
                     self._group = group
         self._joined.set()
 
-    def recv_layer(self, sock: zmq.Socket, header: dict[str, Any], dst: torch.Tensor,
+    def recv_layer(self, sock: zmq.Socket, header: Layer, dst: torch.Tensor,
                    runs: list[tuple[int, int]], landed: Landed) -> None:
+        if header.dist_tag is None:
+            raise ValueError("a torch_dist layer header needs dist_tag")
         if not self._joined.wait(self._timeout_s) or self._group is None:
             raise ConnectionError(f"no torch.distributed group with the sender: {self._error}")
-        tag = header["tag"]
+        tag = header.dist_tag
         works = [self._group.recv([dst[d:d + n]], SENDER_RANK, (tag + i) & _TAG_MASK)
                  for i, (d, n) in enumerate(runs)]
         self._waiter.watch(works, landed)

@@ -89,8 +89,8 @@ def wait_pools_free(loop_thread: LoopThread, backend: ClusterBackend, timeout: f
     deadline = time.monotonic() + timeout
     while True:
         stats = [ray.get(h.actor.stats.remote(), timeout=30) for h in backend.workers.values()]
-        busy = [s for s in stats if s["num_free_blocks"] != s["num_blocks"] or s["num_running"]
-                or s["num_waiting"] or s["num_parked"]]
+        busy = [s for s in stats if s.num_free_blocks != s.num_blocks or s.num_running
+                or s.num_waiting or s.num_parked]
         if not busy:
             return
         if time.monotonic() > deadline:

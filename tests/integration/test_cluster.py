@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -143,13 +144,13 @@ def test_a_rebalance_changes_worker_roles_in_place(disagg, loop_thread, referenc
         return sum(1 for h in disagg.workers.values() if h.role == role and h.state == "ready")
 
     def processes():
-        return {h.worker_id: (h.info["pid"], str(h.role)) for h in disagg.workers.values()}
+        return {h.worker_id: (h.info.pid, str(h.role)) for h in disagg.workers.values()}
 
     def busy(role):  # requests held by the least busy worker of the pool
         return min(len(h.in_flight) for h in disagg.workers.values() if h.role == role)
 
     def stop(role):
-        pids = [h.info["pid"] for h in disagg.workers.values() if h.role == role]
+        pids = [h.info.pid for h in disagg.workers.values() if h.role == role]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         return pids
@@ -247,7 +248,7 @@ def test_a_worker_that_joins_the_decode_pool_takes_half_its_running_requests(
                 for job in zip(got, prompts, params, strict=True)]
         while not all(got.values()):
             await asyncio.sleep(0.02)
-        os.kill(busy.info["pid"], signal.SIGSTOP)
+        os.kill(busy.info.pid, signal.SIGSTOP)
         try:
             await disagg.scale(num_prefill=0, num_decode=2)
             (joined,) = [h for h in disagg.workers.values() if h is not busy]
@@ -256,7 +257,7 @@ def test_a_worker_that_joins_the_decode_pool_takes_half_its_running_requests(
                 await asyncio.sleep(0.02)
             held = len(busy.in_flight), len(joined.in_flight), "sp8" in busy.in_flight
         finally:
-            os.kill(busy.info["pid"], signal.SIGCONT)
+            os.kill(busy.info.pid, signal.SIGCONT)
         return held, await asyncio.gather(*jobs)
     held, reasons = loop_thread.run(go())
     assert held == (5, 4, True)
@@ -269,6 +270,224 @@ def test_a_worker_that_joins_the_decode_pool_takes_half_its_running_requests(
     alone, _ = loop_thread.run(collect(disagg, "sp8-alone", prompts[8], seeded))
     assert got["sp8"] == alone
     wait_pools_free(loop_thread, disagg)
+
+
+def test_the_autoscaler_rebalances_the_live_cluster_under_running_streams(
+        disagg, loop_thread, reference):
+    """`serve --autoscale` wired as `cluster.serve` wires it (the recording backend in front
+    of the cluster, the policy in its own process, the live scale path) on the 1P+1D
+    cluster, with a window that makes the policy's answer certain: 20 requests of 200-token
+    prompts and 20 tokens out within its 5 s (4 req/s), TTFT p90 <= 450 ms, at most 2
+    workers, the planner tests' synthetic profile. There 1P+1D is predicted at 64 % and
+    0P+2D at 96 %, so the decision is to rebalance to 0P+2D.
+
+    Eight streams that arrived after the window are decoding on the decode worker, held
+    there (SIGSTOP) through the decision: the prefill worker turns decode under them and
+    takes four of them (each recomputed there). Every stream, those of the window too,
+    ends with the engine's tokens; the same two processes serve throughout; every pool
+    ends free."""
+    import os
+    import signal
+    import time
+    from dataclasses import replace
+
+    from prometheus_client import CollectorRegistry
+
+    from cluster.autoscaler import AutoscalerLoop, AutoscalerMetrics, RecordingBackend
+    from planner.autoscale_policy import Autoscaler, AutoscalerConfig
+    from protocol.serving import Slo
+    from tests.planner.test_plan import PROFILE
+
+    profile = replace(PROFILE, model="tiny")
+    config = AutoscalerConfig(Slo.parse("ttft_p90_ms=450"), "disaggregated", min_workers=2,
+                              max_workers=2, min_prefill=0, window_s=5.0,
+                              local_prefill_threshold=disagg.config.local_prefill_threshold,
+                              max_num_batched_tokens=512)
+    front = RecordingBackend(disagg)
+    registry = CollectorRegistry()
+    autoscaler = AutoscalerLoop(Autoscaler(config, profile, profile), front,
+                                AutoscalerMetrics(registry, "tiny"))
+    window_prompts = random_prompts(20, seed=51, low=200, high=200)
+    window_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    live_prompts = random_prompts(8, seed=52, low=20, high=40)
+    live_params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    pids = {h.info.pid for h in disagg.workers.values()}
+    spread_before = disagg.metrics.value("spread_moves")
+    live: dict[str, list[int]] = {f"al{i}": [] for i in range(len(live_prompts))}
+
+    async def consume(rid, prompt):
+        async for delta in front.generate(_request(rid, prompt, live_params)):
+            live[rid].extend(delta.token_ids)
+        return delta.finish_reason
+
+    async def go():
+        window = await asyncio.gather(*(collect(front, f"aw{i}", p, window_params)
+                                        for i, p in enumerate(window_prompts)))
+        now = max(r.timestamp for r in front.seen.values()) + 1e-3  # the window's end
+        (decode,) = [h for h in disagg.workers.values() if h.role == "decode"]
+        jobs = [asyncio.ensure_future(consume(rid, p))
+                for rid, p in zip(live, live_prompts, strict=True)]
+        while not all(live.values()):
+            await asyncio.sleep(0.02)
+        os.kill(decode.info.pid, signal.SIGSTOP)
+        try:
+            decision = await autoscaler.step(now)
+            (joined,) = [h for h in disagg.workers.values() if h is not decode]
+            deadline = time.monotonic() + 30
+            while len(joined.in_flight) < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            held = len(decode.in_flight), len(joined.in_flight)
+        finally:
+            os.kill(decode.info.pid, signal.SIGCONT)
+        return window, decision, held, await asyncio.gather(*jobs)
+
+    try:
+        window, decision, held, reasons = loop_thread.run(go())
+    finally:
+        autoscaler.close()
+    assert (decision.action, decision.prefill, decision.decode) == ("rebalance", 0, 2)
+    assert decision.reason.startswith("1P+1D is predicted at 64% attainment at 4.00 req/s; "
+                                      "0P+2D is the cheapest split meeting the SLO")
+    assert registry.get_sample_value("pdcluster:autoscaler_decisions_total",
+                                     {"model_name": "tiny", "action": "rebalance"}) == 1
+    assert held == (4, 4)
+    assert disagg.metrics.value("spread_moves") - spread_before == 4
+    assert sorted(str(h.role) for h in disagg.workers.values()) == ["decode", "decode"]
+    assert {h.info.pid for h in disagg.workers.values()} == pids
+    assert [tokens for tokens, _ in window] == expected_tokens(reference, window_prompts,
+                                                               window_params)
+    assert list(live.values()) == expected_tokens(reference, live_prompts, live_params)
+    assert reasons == ["length"] * len(live_prompts)
+    wait_pools_free(loop_thread, disagg)
+
+    async def back_to_1p1d():  # as the module's other tests expect
+        await disagg.scale(num_prefill=1, num_decode=1)
+        while any(h.state == "draining" for h in disagg.workers.values()):
+            await asyncio.sleep(0.05)
+    loop_thread.run(back_to_1p1d())
+    assert sorted(str(h.role) for h in disagg.workers.values()) == ["decode", "prefill"]
+    wait_pools_free(loop_thread, disagg)
+
+
+def test_a_deadline_or_a_client_gone_mid_request_frees_both_workers(disagg, loop_thread):
+    """Through the front doors over the 1P+1D cluster (docs/reliability.md, "Faults"):
+
+    - an HTTP stream past `--request-timeout` mid-decode: its first chunk is out, then the
+      decode worker is stopped (SIGSTOP), so nothing else can end it; it ends with the
+      `deadline_exceeded` error event;
+    - a gRPC call whose client closes its channel while the prompt is held on the stopped
+      prefill worker, the decode worker's blocks reserved for its KV;
+    - an HTTP stream whose client leaves after its first chunk, the decode worker stopped
+      so the request cannot end first.
+
+    Each is aborted on every worker: the decode worker never runs it to its end, and
+    every pool is fully free after."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import grpc
+    import httpx
+    import ray
+
+    from router.client import PdClusterClient
+    from router.router import RouterConfig
+    from router.servers import start_servers
+
+    deadline_s, max_tokens = 3.0, 600
+    prefill, decode = (next(h for h in disagg.workers.values() if h.role == role)
+                       for role in ("prefill", "decode"))
+    # Three prompts, none cached anywhere: each is prefilled on the prefill worker.
+    prompts = random_prompts(3, seed=41, low=40, high=60)
+    servers = loop_thread.run(start_servers(
+        disagg, config=RouterConfig(request_timeout_s=deadline_s)))
+    router = servers.router
+    url = f"http://127.0.0.1:{servers.http_port}/v1/completions"
+    body = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+
+    def aborted(cause: str) -> float:
+        return router.metrics.registry.get_sample_value(
+            "pdcluster:requests_aborted_total",
+            {"model_name": router.metrics.model_name, "cause": cause}) or 0.0
+
+    def wait(condition, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+
+    def decode_steps() -> int:
+        return ray.get(decode.actor.stats.remote(), timeout=30).num_steps
+
+    @contextlib.contextmanager
+    def stopped(handle):
+        os.kill(handle.info.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(handle.info.pid, signal.SIGCONT)
+
+    def ended_on_every_worker(steps_before: int) -> None:
+        wait(lambda: not router.admission.num_running, "the router to end the request")
+        wait_pools_free(loop_thread, disagg)
+        assert not prefill.in_flight and not decode.in_flight
+        assert decode_steps() - steps_before < max_tokens // 2  # not run to its end
+
+    try:
+        # The deadline, mid-decode.
+        steps, expired = decode_steps(), aborted("deadline")
+        with httpx.stream("POST", url, json={**body, "prompt": prompts[0]}, timeout=60) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]
+            with stopped(decode):
+                events += list(lines)
+        assert json.loads(events[0][6:])["choices"][0]["text"], events[0]
+        assert json.loads(events[-2][6:])["error"]["code"] == "deadline_exceeded"
+        assert events[-1] == "data: [DONE]"
+        assert aborted("deadline") == expired + 1
+        ended_on_every_worker(steps)
+
+        # A gRPC client gone while its prompt waits on the prefill worker.
+        steps, gone = decode_steps(), aborted("disconnect")
+        client = PdClusterClient(f"127.0.0.1:{servers.grpc_port}", timeout=60)
+        errors: list[grpc.RpcError] = []
+
+        def stream() -> None:
+            try:
+                list(client.generate(prompt_token_ids=prompts[1], request_id="gone-grpc",
+                                     max_tokens=max_tokens, temperature=0.0,
+                                     ignore_eos=True))
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        with stopped(prefill):
+            caller = threading.Thread(target=stream)
+            caller.start()
+            wait(lambda: "gone-grpc" in prefill.in_flight and "gone-grpc" in decode.in_flight,
+                 "the request held by both workers")
+            client.close()  # cancels the call
+            caller.join(30)
+            wait(lambda: not router.admission.num_running, "the router to see the cancel")
+        assert [e.code() for e in errors] == [grpc.StatusCode.CANCELLED]
+        assert aborted("disconnect") == gone + 1
+        ended_on_every_worker(steps)
+
+        # An HTTP client gone mid-stream.
+        steps = decode_steps()
+        with contextlib.ExitStack() as stop:
+            with httpx.stream("POST", url, json={**body, "prompt": prompts[2]},
+                              timeout=60) as resp:
+                first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+                stop.enter_context(stopped(decode))
+            # The connection is closed; the request cannot end any other way.
+            wait(lambda: not router.admission.num_running, "the router to see the client go")
+        assert json.loads(first[6:])["choices"][0]["text"]
+        assert aborted("disconnect") == gone + 2
+        ended_on_every_worker(steps)
+    finally:
+        loop_thread.run(servers.stop(grace=0.5))
 
 
 def _request(rid, prompt, params):
@@ -327,7 +546,7 @@ def test_workers_total_their_steps_by_shape(disagg, loop_thread):
     import ray
 
     def totals():
-        return {str(h.role): ray.get(h.actor.stats.remote(), timeout=30)["step_totals"]
+        return {str(h.role): ray.get(h.actor.stats.remote(), timeout=30).step_totals
                 for h in disagg.workers.values()}
 
     def grown(before, after):

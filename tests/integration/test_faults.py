@@ -148,18 +148,18 @@ def test_decode_sigkill_mid_stream_streams_continue_with_identical_tokens(
     async def go():
         victim = _handles(cluster, Role.DECODE)[0]
         with _placing_only_on(cluster, victim):
-            os.kill(victim.info["pid"], signal.SIGSTOP)
+            os.kill(victim.info.pid, signal.SIGSTOP)
             clients, tasks = _start(cluster, prompts, params, k=3, prefix="dk")
 
             async def all_placed():
                 return len(victim.in_flight) == len(clients)
             await _until(all_placed, "all six placed on the stopped worker")
-            os.kill(victim.info["pid"], signal.SIGCONT)
+            os.kill(victim.info.pid, signal.SIGCONT)
             await asyncio.gather(*(c.ready.wait() for c in clients))
-        os.kill(victim.info["pid"], signal.SIGSTOP)  # nothing finishes after this count
+        os.kill(victim.info.pid, signal.SIGSTOP)  # nothing finishes after this count
         held = {rid: len(cluster.dispatcher.requests[rid].generated)
                 for rid in victim.in_flight}
-        os.kill(victim.info["pid"], signal.SIGKILL)
+        os.kill(victim.info.pid, signal.SIGKILL)
         await asyncio.gather(*tasks)
         await _pool_restored(cluster, "decode", 2)
         return clients, victim.worker_id, held
@@ -193,7 +193,7 @@ def test_a_finished_stream_its_client_has_not_read_is_not_placed_again(
             return len(stream.generated) == params.max_tokens
         await _until(all_tokens_in, "the last token at the router")
         victim = cluster.workers[stream.decode]
-        os.kill(victim.info["pid"], signal.SIGKILL)
+        os.kill(victim.info.pid, signal.SIGKILL)
 
         async def death_seen():  # and its requests evacuated: both happen together
             return victim.worker_id not in cluster.workers
@@ -297,7 +297,7 @@ def test_a_drained_workers_requests_move_when_the_drain_timeout_expires(
         with _placing_only_on(cluster, drained):
             more, more_tasks = _start(cluster, prompts[4:], LONG, k=3, prefix="dd")
             await asyncio.gather(*(c.ready.wait() for c in more))
-        os.kill(drained.info["pid"], signal.SIGSTOP)
+        os.kill(drained.info.pid, signal.SIGSTOP)
         try:
             held = sorted(drained.in_flight)
             asked = time.monotonic()
@@ -310,7 +310,7 @@ def test_a_drained_workers_requests_move_when_the_drain_timeout_expires(
             await _until(moved, "the drained worker's requests to move")
             waited = time.monotonic() - asked
         finally:
-            os.kill(drained.info["pid"], signal.SIGCONT)
+            os.kill(drained.info.pid, signal.SIGCONT)
         await asyncio.gather(*tasks, *more_tasks)
 
         async def gone():
@@ -358,7 +358,7 @@ def test_undecodable_messages_are_dropped(cluster, loop_thread, reference):
 
     ctx = zmq.Context()
     try:
-        targets = [cluster.pool.endpoint] + [h.info["endpoint"] for h in cluster.workers.values()]
+        targets = [cluster.pool.endpoint] + [h.info.endpoint for h in cluster.workers.values()]
         for endpoint in targets:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)

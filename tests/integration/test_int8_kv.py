@@ -42,7 +42,7 @@ def test_int8_kv_over_the_transport_gives_the_int8_engine_tokens(ray_local, loop
         assert [tokens for tokens, _ in got] == expected
         assert all("transfer" in last.timings for _, last in got)  # prefilled remotely
         wait_pools_free(loop_thread, backend)
-        assert {h.info["block_bytes"] for h in backend.workers.values()} == {block_bytes}
+        assert {h.info.block_bytes for h in backend.workers.values()} == {block_bytes}
         # `status` right after the pools drained shows them free: its figures are taken
         # for the call, not the last pushed ones, which may predate the release (here
         # made stale on purpose: a push from mid-request still in flight).

@@ -22,7 +22,7 @@ import zmq
 from zmq.auth.thread import AuthenticationThread
 
 from engine import SamplingParams
-from kv_transfer.wire import pack
+from kv_transfer import wire
 from protocol import Abort, Failed, encode
 from router.backend import GenerateRequest
 from tests.integration.conftest import (
@@ -101,24 +101,24 @@ def test_peers_without_the_key_are_never_heard(ray_local, loop_thread, reference
         # and a compatible KV handshake to the worker's receiver.
         forged = [(backend.pool.endpoint, zmq.PUSH,
                    encode(Failed(worker_id=decode.worker_id, request_id="s0@1", error="rogue"))),
-                  (decode.info["endpoint"], zmq.PUSH, encode(Abort(request_id="s1@1"))),
-                  (decode.info["peer_info"]["endpoint"], zmq.DEALER,
-                   pack({"op": "hello", "transport": "zmq",
-                         "compat": decode.info["peer_info"]["compat"]}))]
+                  (decode.info.endpoint, zmq.PUSH, encode(Abort(request_id="s1@1"))),
+                  (decode.info.peer_info.endpoint, zmq.DEALER,
+                   wire.encode(wire.Hello(transport="zmq",
+                                          compat=decode.info.peer_info.compat)))]
         key = backend.pool.cluster_key
         server_keys = [None] if key is None else [None, key.public]
         with contextlib.ExitStack() as rogues_open:
             # The decode worker is stopped while the forgeries go out, so neither stream can
             # end on its own before they would land. Nothing between the two signals blocks:
             # a send only queues, and a rogue whose handshake already failed queues nothing.
-            os.kill(decode.info["pid"], signal.SIGSTOP)
+            os.kill(decode.info.pid, signal.SIGSTOP)
             try:
                 rogues = [rogues_open.enter_context(Rogue(endpoint, kind, key))
                           for key in server_keys for endpoint, kind, _ in forged]
                 queued = [rogue.send(data) for rogue, (_, _, data)
                           in zip(rogues, forged * len(server_keys), strict=True)]
             finally:
-                os.kill(decode.info["pid"], signal.SIGCONT)
+                os.kill(decode.info.pid, signal.SIGCONT)
             outcomes = [rogue.handshake() for rogue in rogues]
             results = [f.result(300) for f in futures]
         expected = expected_tokens(reference, prompts, LONG)

@@ -27,6 +27,7 @@ from kv_transfer.events import TransferEvent
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from kv_transfer.transports.shm import SharedKVPool
+from protocol.kv import FirstToken
 
 MODEL = "tiny-test-model"
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 4, 4, 2, 8
@@ -130,7 +131,7 @@ def run_plan(tx: KVSender, peer_id: str, plan: Plan) -> list[TransferEvent]:
         for rid, _, _ in plan:
             tx.send_layer(rid, layer)
     for i, (rid, _, _) in enumerate(plan):
-        tx.finish(rid, {"first_token": i})
+        tx.finish(rid, FirstToken(token_id=i))
     return collect(tx, len(plan))
 
 

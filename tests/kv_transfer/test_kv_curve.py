@@ -21,15 +21,15 @@ from kv_peer import (
 )
 from zmq.auth.thread import AuthenticationThread
 
-from kv_transfer import KVReceiver, KVSender, SharedKVPool, TransferDone
-from kv_transfer.wire import pack, unpack
+from kv_transfer import KVReceiver, KVSender, SharedKVPool, TransferDone, wire
+from protocol.kv import FirstToken
 from protocol.secure import ClusterKey
 from tests.rogue import FAILED, Rogue
 
 
 def _hello(rx: KVReceiver, transport: str) -> bytes:
     """A well-formed, compatible handshake: what an unkeyed receiver welcomes."""
-    return pack({"op": "hello", "transport": transport, "compat": rx.compat.to_dict()})
+    return wire.encode(wire.Hello(transport=transport, compat=rx.compat))
 
 
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
@@ -42,7 +42,7 @@ def test_keyed_peers_transfer_and_rogues_are_never_heard(transport: str) -> None
     with KVReceiver(kv, compat_of(kv), config(transport, cluster_key=key), shm_pool=pool) as rx:
         info = rx.peer_info()
         for server_public in (None, key.public):
-            with Rogue(info["endpoint"], zmq.DEALER, server_public) as rogue:
+            with Rogue(info.endpoint, zmq.DEALER, server_public) as rogue:
                 rogue.send(_hello(rx, transport))
                 assert rogue.handshake() in FAILED
         for rid, _, dst in plan:
@@ -55,7 +55,7 @@ def test_keyed_peers_transfer_and_rogues_are_never_heard(transport: str) -> None
 
     assert sorted(map(str, sender_events)) == sorted(str(TransferDone(r)) for r, _, _ in plan)
     assert sorted(map(str, events)) == sorted(
-        str(TransferDone(rid, {"first_token": i}, transport))
+        str(TransferDone(rid, FirstToken(token_id=i), transport))
         for i, (rid, _, _) in enumerate(plan))
     sent, got = src.buffer.view(torch.int16), kv.buffer.view(torch.int16)
     for _, s, d in plan:
@@ -69,11 +69,11 @@ def test_without_a_key_the_same_rogue_is_welcomed() -> None:
     """The control: the observable above would catch a rogue that got through."""
     kv = make_kv(RECEIVER_BLOCKS)
     with KVReceiver(kv, compat_of(kv), config("zmq")) as rx, \
-            Rogue(rx.peer_info()["endpoint"], zmq.DEALER, None) as rogue:
+            Rogue(rx.peer_info().endpoint, zmq.DEALER, None) as rogue:
         rogue.send(_hello(rx, "zmq"))
         assert rogue.handshake() == zmq.EVENT_HANDSHAKE_SUCCEEDED
         assert rogue.sock.poll(30_000)
-        assert unpack(rogue.sock.recv()) == {"op": "welcome", "ok": True}
+        assert wire.decode_from_receiver(rogue.sock.recv()) == wire.Welcome(ok=True)
 
 
 def test_a_sender_without_the_key_cannot_connect() -> None:

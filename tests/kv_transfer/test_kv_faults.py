@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 from kv_peer import (
@@ -114,7 +113,7 @@ def test_mismatched_handshake_is_refused_by_both_sides(transport: str) -> None:
         with pytest.raises(KVCompatibilityError, match="block_size: 8 here, 4 on the peer"):
             tx.connect(info, transport)
         # A sender that skips its own check is refused by the receiver.
-        info["compat"] = compat_of(kv).to_dict()
+        info = msgspec.structs.replace(info, compat=compat_of(kv))
         with pytest.raises(KVCompatibilityError,
                            match=r"refused the handshake.*block_size: 4 here, 8 on the peer"):
             tx.connect(info, transport)
@@ -136,9 +135,9 @@ def test_int8_pages_are_refused_by_a_peer_of_another_kv_dtype(transport: str) ->
 def test_compat_error_names_every_field_with_both_values() -> None:
     kv = make_kv(SENDER_BLOCKS)
     with receiver_for("zmq") as rx:
-        theirs = dataclasses.replace(compat_of(kv), model="other", num_layers=2).to_dict()
+        theirs = msgspec.structs.replace(compat_of(kv), model="other", num_layers=2)
         with KVSender(kv, compat_of(kv), config("zmq")) as tx, \
                 pytest.raises(KVCompatibilityError) as err:
-            tx.connect({**rx.peer_info(), "compat": theirs})
+            tx.connect(msgspec.structs.replace(rx.peer_info(), compat=theirs))
     assert str(err.value) == ("incompatible KV caches: model: 'tiny-test-model' here, 'other' "
                               "on the peer; num_layers: 4 here, 2 on the peer")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -30,7 +31,7 @@ from kv_peer import (
 
 from kv_transfer import KVReceiver, KVSender, TransferDone
 from kv_transfer.transports.mooncake import MooncakePool, MooncakeSendChannel, engine
-from kv_transfer.wire import unpack
+from kv_transfer.wire import Layer, decode_from_sender
 
 
 @NEEDS_MOONCAKE
@@ -45,12 +46,12 @@ def test_the_engine_accepts_writes_into_a_request_only_while_it_is_in_flight() -
             child(receiver_main, "mooncake") as (_, conn):
         info = ask(conn)
         peer = tx.connect(info, "mooncake")
-        handle, te = info["mooncake"], engine("127.0.0.1", "tcp")
+        handle, te = info.mooncake, engine("127.0.0.1", "tcp")
         block_bytes = kv.layers[0][0].nbytes
 
         def late_write(layer: int, block: int) -> int:
-            dst = handle["base"] + (layer * RECEIVER_BLOCKS + block) * block_bytes
-            return te.te.transfer_sync_write(handle["session"], kv.buffer.data_ptr(), dst,
+            dst = handle.base + (layer * RECEIVER_BLOCKS + block) * block_bytes
+            return te.te.transfer_sync_write(handle.session, kv.buffer.data_ptr(), dst,
                                              block_bytes)
 
         assert late_write(0, 20) != 0  # nothing expected, nothing accepted
@@ -92,11 +93,12 @@ def test_a_protocol_or_layout_mismatch_is_refused_at_connect() -> None:
     with KVReceiver(rx_kv, compat_of(rx_kv), config("mooncake")) as rx, \
             KVSender(tx_kv, compat_of(tx_kv), config("mooncake")) as tx:
         info = rx.peer_info()
-        rdma = {**info, "mooncake": {**info["mooncake"], "protocol": "rdma"}}
+        rdma = msgspec.structs.replace(
+            info, mooncake=msgspec.structs.replace(info.mooncake, protocol="rdma"))
         with pytest.raises(ValueError, match="speaks rdma, this one tcp"):
             tx.connect(rdma, "mooncake")
         with pytest.raises(ValueError, match="is not 4 layers of 63 blocks"):
-            tx.connect({**info, "num_blocks": RECEIVER_BLOCKS - 1}, "mooncake")
+            tx.connect(msgspec.structs.replace(info, num_blocks=RECEIVER_BLOCKS - 1), "mooncake")
 
 
 @NEEDS_MOONCAKE
@@ -140,16 +142,16 @@ def test_layers_in_flight_together_send_their_headers_only_once_all_landed() -> 
     keys = pool.admit([(10, 3)])
     try:
         for layer in range(NUM_LAYERS):
-            channel.send_layer(out, {"op": "layer", "rid": "r1", "layer": layer},
+            channel.send_layer(out, Layer(rid="r1", layer=layer),
                                src.layers[layer], [(5, 10, 3)])
         assert into.poll(0) == 0  # submitted, no header yet
         channel.flush(out)
-        assert [unpack(into.recv())["layer"] for _ in range(NUM_LAYERS)] == \
+        assert [decode_from_sender(into.recv()).layer for _ in range(NUM_LAYERS)] == \
             list(range(NUM_LAYERS))
         for layer in range(NUM_LAYERS):
             assert torch.equal(dst.layers[layer][10:13], src.layers[layer][5:8])
         # Block 40 is not admitted: the engine refuses the write, no header leaves.
-        channel.send_layer(out, {"op": "layer", "rid": "r2", "layer": 0}, src.layers[0],
+        channel.send_layer(out, Layer(rid="r2", layer=0), src.layers[0],
                            [(1, 40, 1)])
         with pytest.raises(ConnectionError, match="mooncake write"):
             channel.flush(out)

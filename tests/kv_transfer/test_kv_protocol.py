@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
+import msgpack
+import msgspec
 import pytest
 import torch
+import zmq
 from kv_peer import (
     NUM_LAYERS,
     RECEIVER_BLOCKS,
@@ -20,7 +23,10 @@ from kv_peer import (
     make_kv,
 )
 
-from kv_transfer import KVReceiver, KVSender, SharedKVPool, TransferDone, TransferFailed
+from kv_transfer import KVReceiver, KVSender, SharedKVPool, TransferDone, TransferFailed, wire
+from protocol.kv import FirstToken
+
+FIRST = FirstToken(token_id=12, prefill_s=0.5)
 
 
 @pytest.fixture(params=TRANSPORT_PARAMS)
@@ -46,7 +52,7 @@ def reasons(events: list) -> list[str]:
 def send_all(tx: KVSender, rid: str) -> None:
     for layer in range(NUM_LAYERS):
         tx.send_layer(rid, layer)
-    tx.finish(rid, [1, 2])
+    tx.finish(rid, FIRST)
 
 
 def test_unexpected_request_is_refused_and_nothing_written(pair) -> None:
@@ -83,8 +89,8 @@ def test_expect_and_begin_reject_bad_arguments(pair) -> None:
         tx.begin("r1", "no-such-peer", [1], [1])
     with pytest.raises(ValueError, match="out of range"):
         tx.send_layer("r1", NUM_LAYERS)
-    with pytest.raises(TypeError, match="msgpack-able"):
-        tx.finish("r1", object())
+    with pytest.raises(TypeError, match="payload must be a FirstToken or None, not dict"):
+        tx.finish("r1", {"token_id": 5})
 
 
 def test_fully_cached_prompt_still_delivers_the_payload(pair) -> None:
@@ -92,7 +98,7 @@ def test_fully_cached_prompt_still_delivers_the_payload(pair) -> None:
     rx.expect("r1", [])
     tx.begin("r1", peer, [], [])
     send_all(tx, "r1")
-    assert collect(rx, 1) == [TransferDone("r1", [1, 2], *rx.config.transports)]
+    assert collect(rx, 1) == [TransferDone("r1", FIRST, *rx.config.transports)]
     assert collect(tx, 1) == [TransferDone("r1")]
     assert not rx.kv.buffer.any()
 
@@ -143,7 +149,7 @@ def test_a_peer_with_no_connection_left_fails_its_transfers_at_once(pair) -> Non
     transfer behind it. The connection is ended here by disconnecting the socket on the
     IO thread, since that race cannot be caused on demand."""
     rx, tx, peer = pair
-    endpoint = rx.peer_info()["endpoint"]
+    endpoint = rx.peer_info().endpoint
     tx._call(lambda: tx._peers[peer].sock.disconnect(endpoint)).result(5)
     tx.begin("r1", peer, [1, 2], [1, 2])
     assert reasons(collect(tx, 1)) == [
@@ -201,7 +207,7 @@ def test_send_layer_returns_while_the_transport_is_busy() -> None:
             assert rx.poll() == [] and tx.poll() == []
         finally:
             tx.gate.set()
-        assert collect(rx, 1) == [TransferDone("r1", [1, 2], *rx.config.transports)]
+        assert collect(rx, 1) == [TransferDone("r1", FIRST, *rx.config.transports)]
     assert torch.equal(rx_kv.buffer[:, [1, 2]], tx_kv.buffer[:, [5, 6]])
 
 
@@ -210,7 +216,7 @@ def test_a_payload_the_sender_accepts_reaches_the_receiver() -> None:
     logprob}) reaches the receiver intact: before, the receiver's codec refused such keys
     and every remotely prefilled request asking for logprobs timed out."""
     rx_kv, tx_kv = make_kv(RECEIVER_BLOCKS), make_kv(SENDER_BLOCKS, seed=SEED)
-    payload = {"first_token": 5, "logprobs": {7: -0.25, 9: -1.5}, "prefill_s": 0.01}
+    payload = FirstToken(token_id=5, logprobs={7: -0.25, 9: -1.5}, prefill_s=0.01)
     with NotingReceiver(rx_kv, compat_of(rx_kv), config("zmq")) as rx, \
             KVSender(tx_kv, compat_of(tx_kv), config("zmq")) as tx:
         peer = tx.connect(rx.peer_info(), "zmq")
@@ -222,3 +228,32 @@ def test_a_payload_the_sender_accepts_reaches_the_receiver() -> None:
         # Two blocks land in milliseconds; waiting longer only delays the expected failure.
         events = collect(rx, 1, timeout_s=1.0)
     assert [type(e) for e in events] == [TransferDone] and events[0].payload == payload
+
+
+def test_a_hello_of_another_version_is_refused_with_the_reason() -> None:
+    """A hello that does not decode (here a compatibility record comparing one field more)
+    is answered with why, so that sender's `connect` fails with it instead of timing out;
+    the receiver serves a well-formed hello after it as before."""
+    rx_kv = make_kv(RECEIVER_BLOCKS)
+    hello = msgspec.to_builtins(wire.Hello(compat=compat_of(rx_kv), transport="zmq"))
+    hello["compat"]["rope_scaling"] = "yarn"
+    ctx = zmq.Context()
+    try:
+        with KVReceiver(rx_kv, compat_of(rx_kv), config("zmq")) as rx:
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(rx.peer_info().endpoint)
+            sock.send(msgpack.packb(hello))
+            assert sock.poll(30_000)
+            refusal = wire.decode_from_receiver(sock.recv())
+            sock.send(wire.encode(wire.Hello(compat=compat_of(rx_kv), transport="zmq")))
+            assert sock.poll(30_000)
+            welcome = wire.decode_from_receiver(sock.recv())
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+    assert refusal == wire.Welcome(
+        ok=False, kind="protocol",
+        error="undecodable hello: Object contains unknown field `rope_scaling` - at `$.compat`")
+    assert welcome == wire.Welcome(ok=True)
+    with pytest.raises(ConnectionError, match="refused the handshake: undecodable hello"):
+        KVSender._check_welcome(refusal)

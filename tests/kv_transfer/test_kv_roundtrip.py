@@ -20,6 +20,7 @@ from kv_peer import (
 )
 
 from kv_transfer import KVReceiver, SharedKVPool, TransferDone
+from protocol.kv import FirstToken
 
 # Every transport with pages of the model's dtype; int8 pages (their scales inside each
 # row) on the two transports that carry them in CI.
@@ -46,7 +47,8 @@ def test_received_kv_is_bit_identical(transport: str, kv_cache_dtype: str) -> No
     assert sorted(sender_events, key=str) == sorted(
         (TransferDone(rid) for rid, _, _ in plan), key=str)
     assert sorted(events, key=str) == sorted(
-        (TransferDone(rid, {"first_token": i}, transport) for i, (rid, _, _) in enumerate(plan)),
+        (TransferDone(rid, FirstToken(token_id=i), transport)
+         for i, (rid, _, _) in enumerate(plan)),
         key=str)
     # bytes of [L, N, 2, bs, H, D] (int8: D + 4, each row's scale after it)
     sent = make_kv(SENDER_BLOCKS, seed=SEED, kv_cache_dtype=kv_cache_dtype).buffer.view(

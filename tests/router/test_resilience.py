@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -65,14 +66,20 @@ def test_http_request_timeout(make_servers, backend, wait_until):
     assert _finished(servers, "abort") == 2
 
 
-def test_client_leaving_a_non_streaming_request_aborts_it(servers, wait_until):
+def test_client_leaving_a_non_streaming_request_aborts_it(servers, backend, wait_until):
+    """The client closes its connection while its request is admitted and the engine is
+    held: it leaves before any token, whatever the machine's speed, and once the engine
+    goes on the request ends as an abort (never `length`)."""
     before = _finished(servers, "abort")
     disconnects = _sample(servers, "requests_aborted", cause="disconnect")
     body = json.dumps({"prompt": PROMPT, **LONG}).encode()
-    with socket.create_connection(("127.0.0.1", servers.http_port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_until(lambda: servers.router.admission.num_running == 1)
+    with engine_stalled(backend):
+        with socket.create_connection(("127.0.0.1", servers.http_port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            wait_until(lambda: servers.router.admission.num_running == 1)
+        assert _finished(servers, "abort") == before  # nothing ended it yet
     wait_until(lambda: not servers.router.admission.num_running)
     assert _finished(servers, "abort") == before + 1
     assert _sample(servers, "requests_aborted", cause="disconnect") == disconnects + 1
@@ -154,18 +161,31 @@ def test_max_tokens_beyond_the_context_is_rejected(servers, client):
     assert resp.status_code == 200
 
 
-def test_many_clients_disconnecting_mid_stream_leak_nothing(servers, wait_until):
+def test_many_clients_disconnecting_mid_stream_leak_nothing(servers, backend, wait_until):
+    """Eight clients each read their first chunk, then the engine is held and they all
+    leave: every request is still running when its client goes (none can finish), and the
+    router ends each one as an abort while no token comes."""
     base = f"http://127.0.0.1:{servers.http_port}/v1"
     aborted = _finished(servers, "abort")
+    first_chunks, leave = threading.Semaphore(0), threading.Event()
 
     def leave_after_first_chunk(i: int) -> None:
         with httpx.stream("POST", f"{base}/completions", timeout=60, json={
                 "prompt": f"{PROMPT} {i}", "stream": True, **LONG}) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
+                    first_chunks.release()
+                    assert leave.wait(60)
                     return  # closes the connection mid-stream
 
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(leave_after_first_chunk, range(8)))
-    wait_until(lambda: not servers.router.admission.num_running)
+        clients = [pool.submit(leave_after_first_chunk, i) for i in range(8)]
+        for _ in clients:
+            assert first_chunks.acquire(timeout=60), "a stream sent no first chunk"
+        with engine_stalled(backend):
+            assert servers.router.admission.num_running == 8
+            leave.set()
+            for client in clients:
+                client.result(60)
+            wait_until(lambda: not servers.router.admission.num_running)
     assert _finished(servers, "abort") == aborted + 8  # and the fixture finds the pool free

@@ -6,9 +6,9 @@ import time
 import pytest
 
 from decode_worker import DecodeRole
-from engine import CacheConfig, LLMEngine, SchedulerConfig
-from kv_transfer import CompatRecord, KVReceiver, TransferConfig
-from protocol import Generate, Reserved, Step
+from engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from kv_transfer import CompatRecord, KVReceiver, TransferConfig, TransferDone
+from protocol import FirstToken, Generate, Reserved, Step, WireSamplingParams
 from protocol.tracing import Tracer, TracingConfig
 from tests.conftest import assert_pool_free
 from tests.otlp_receiver import OtlpReceiver
@@ -27,7 +27,8 @@ def _role(kv_wait_timeout_s: float, tracer: Tracer | None = None
 
 
 def _message(rid: str, remote_prefill: bool = True, max_tokens: int = 4) -> Generate:
-    params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+    params = WireSamplingParams.from_params(
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     return Generate(request_id=rid, prompt_token_ids=list(range(100, 130)), params=params,
                     remote_prefill=remote_prefill,
                     traceparent=f"00-{TRACE_ID}-{PARENT}-01")
@@ -69,6 +70,38 @@ def test_abort_while_waiting_for_kv_frees_blocks_once_the_receiver_lets_go():
         assert engine.block_pool.num_free_blocks == 32 - 8
         records = _records(role.on_events(engine, _events_until(receiver, 10)))
         assert [r.finish_reason for r in records] == ["abort"]
+        assert_pool_free(engine)
+    finally:
+        receiver.close()
+
+
+def test_landed_kv_joins_the_batch_with_the_prefills_first_token():
+    """What rides with the KV (`FirstToken`) is the request's first record: the token, its
+    logprobs and the prefill's timings, and the request decodes on from there."""
+    engine, role, receiver = _role(kv_wait_timeout_s=600)
+    try:
+        role.handle(engine, _message("r", max_tokens=3))
+        first = FirstToken(token_id=42, logprobs={42: -0.5, 7: -1.25}, prefill_s=0.25)
+        [record] = _records(role.on_events(engine, [TransferDone("r", first, "zmq")]))
+        assert (record.request_id, record.token_ids, record.logprobs, record.transport) == \
+            ("r", [42], [{42: -0.5, 7: -1.25}], "zmq")
+        assert record.timings["prefill"] == 0.25 and record.timings["transfer"] >= 0.0
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [t for r in _records(role.on_outputs(engine.step())) for t in r.token_ids]
+        assert len(tokens) == 2  # max_tokens=3, the first came from the prefill worker
+        assert_pool_free(engine)
+    finally:
+        receiver.close()
+
+
+def test_kv_without_its_first_token_fails_the_request_and_frees_blocks():
+    engine, role, receiver = _role(kv_wait_timeout_s=600)
+    try:
+        role.handle(engine, _message("r"))
+        [record] = _records(role.on_events(engine, [TransferDone("r", None, "zmq")]))
+        assert (record.finish_reason, record.error, record.transfer_failed) == \
+            ("error", "KV transfer failed: the KV arrived without the first token", True)
         assert_pool_free(engine)
     finally:
         receiver.close()

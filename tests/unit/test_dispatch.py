@@ -18,14 +18,18 @@ from engine import SamplingParams
 from protocol import (
     Abort,
     Command,
+    CompatRecord,
     Failed,
     Generate,
+    KVPeerInfo,
     Prefill,
     Rejected,
     Reserved,
     Role,
     Step,
     TokenRecord,
+    WireSamplingParams,
+    WorkerInfo,
 )
 from protocol.defaults import RESERVE_RETRY_S
 from router.backend import GenerateRequest, TokenDelta
@@ -33,6 +37,20 @@ from router.backend import GenerateRequest, TokenDelta
 BLOCK_BYTES = 4096
 LONG = list(range(100, 140))  # 40 tokens: above the threshold, prefilled remotely
 SHORT = list(range(100, 106))  # 6 tokens: prefilled on the decode worker
+
+
+def worker_info(worker_id: str, role: Role, num_blocks: int) -> WorkerInfo:
+    """What a worker of `role` would report; decode workers have a KV receiver."""
+    peer_info = KVPeerInfo(
+        receiver_id=f"rx-{worker_id}", endpoint="tcp://10.0.0.9:4000",
+        compat=CompatRecord(model="tiny", dtype="float32", block_size=4, num_layers=2,
+                            num_kv_heads=2, head_dim=8),
+        num_blocks=num_blocks, transports=("zmq",), verify_checksums=False, locality="here")
+    return WorkerInfo(worker_id=worker_id, role=role, endpoint="tcp://10.0.0.9:5000",
+                      host="10.0.0.9", pid=1, model_dir="/models/tiny", max_model_len=256,
+                      vocab_size=256, block_size=4, num_blocks=num_blocks,
+                      block_bytes=BLOCK_BYTES, torch_threads=1,
+                      peer_info=peer_info if role == Role.DECODE else None)
 
 
 class FakePool:
@@ -45,9 +63,7 @@ class FakePool:
         self.waiting = asyncio.Event()  # set once a request waits for that worker
 
     def add(self, worker_id: str, role: Role, num_blocks: int = 64) -> WorkerHandle:
-        info = {"num_blocks": num_blocks, "block_bytes": BLOCK_BYTES,
-                "peer_info": {"receiver": worker_id}}
-        handle = WorkerHandle(worker_id, role, info)
+        handle = WorkerHandle(worker_id, role, worker_info(worker_id, role, num_blocks))
         self.workers[worker_id] = handle
         return handle
 
@@ -146,19 +162,21 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
         h.pool.add("prefill-0", Role.PREFILL)
         h.start("r", LONG, max_tokens=3)
         await until(lambda: h.pool.to("decode-0"))
+        params = WireSamplingParams.from_params(SamplingParams(max_tokens=3))
         assert h.pool.to("decode-0") == [Generate(
-            request_id="r@1", prompt_token_ids=LONG, params=h.pool.to("decode-0")[0].params,
-            remote_prefill=True, output_token_ids=[])]
-        assert h.pool.to("decode-0")[0].params["max_tokens"] == 3
+            request_id="r@1", prompt_token_ids=LONG, params=params, remote_prefill=True,
+            output_token_ids=[])]
         assert h.pool.workers["decode-0"].in_flight == {"r"}
         h.reply("decode-0", Reserved(worker_id="decode-0", request_id="r@1",
                                      dst_block_ids=[3, 4, 9], num_cached_tokens=28))
         await until(lambda: h.pool.to("prefill-0"))
         prefill = h.pool.to("prefill-0")[0]
         assert isinstance(prefill, Prefill)
-        assert (prefill.request_id, prefill.prompt_token_ids, prefill.dst_block_ids,
-                prefill.num_cached_tokens, prefill.peer_info) == \
-            ("r@1", LONG, [3, 4, 9], 28, {"receiver": "decode-0"})
+        assert (prefill.request_id, prefill.prompt_token_ids, prefill.params,
+                prefill.dst_block_ids, prefill.num_cached_tokens) == \
+            ("r@1", LONG, params, [3, 4, 9], 28)
+        assert prefill.peer_info == h.pool.workers["decode-0"].info.peer_info
+        assert prefill.peer_info.receiver_id == "rx-decode-0"
         assert h.pool.workers["prefill-0"].in_flight == {"r"}
         # The first token arrives on the decode side with the transfer's timings: the
         # prefill worker is done with it.

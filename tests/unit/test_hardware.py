@@ -1,6 +1,7 @@
 """CPU feature detection reads what the kernel and torch report."""
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -126,9 +127,9 @@ def test_bf16_runs_on_every_cpu_and_says_which_linears_it_took():
 
 def test_the_engine_reports_its_dtype_and_kernel_paths():
     stats = LLM("tiny", dtype="auto", cache=CacheConfig(num_blocks=16)).engine.stats()
-    assert stats["dtype"] == cpu_paths().auto_dtype
-    assert f"{cpu_paths().level} kernels" in stats["hardware"]
-    assert WorkerStats(**stats).dtype == stats["dtype"]  # what `status` shows
+    assert stats.dtype == cpu_paths().auto_dtype
+    assert f"{cpu_paths().level} kernels" in stats.hardware
+    assert WorkerStats(**asdict(stats)).dtype == stats.dtype  # what `status` shows
 
 
 def test_a_bf16_kv_pool_holds_twice_the_blocks_of_fp32_in_one_budget():

@@ -139,13 +139,11 @@ def test_processing_leaves_other_rows_and_raw_logprobs_alone():
 
 
 def test_params_survive_the_msgpack_round_trip_to_a_worker():
-    from dataclasses import asdict
-
-    from protocol import Generate, decode_command, encode
+    from protocol import Generate, WireSamplingParams, decode_command, encode
 
     params = SamplingParams(logit_bias={"7": -3.5, 2: 1}, presence_penalty=0.5,
                             json_schema='{"type": "object"}', stop=["x"])
     wire = decode_command(encode(Generate(request_id="r", prompt_token_ids=[1],
-                                          params=asdict(params))))
-    assert SamplingParams(**wire.params) == params
+                                          params=WireSamplingParams.from_params(params))))
+    assert wire.params.to_params() == params
     assert params.logit_bias == ((2, 1), (7, -3.5))

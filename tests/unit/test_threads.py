@@ -76,7 +76,7 @@ def test_busy_processes_on_every_core_leave_the_engine_one_thread():
         time.sleep(INTERVAL_S * 1.5)
         assert engine.threads.update() == 1
         assert engine.threads.others > len(cpus) - 0.9
-        assert engine.stats()["compute_threads"] == 1 == torch.get_num_threads()
+        assert engine.stats().compute_threads == 1 == torch.get_num_threads()
         assert engine.threads.blas_reserve == 1  # fp32: BLAS 1 thread, torch 1 all the same
     finally:
         for p in spinners:
@@ -86,4 +86,4 @@ def test_busy_processes_on_every_core_leave_the_engine_one_thread():
 
 def test_a_thread_count_given_is_kept():
     engine = LLM("tiny", cache=CacheConfig(num_blocks=16), num_threads=1).engine
-    assert engine.threads is None and engine.stats()["compute_threads"] == 1
+    assert engine.threads is None and engine.stats().compute_threads == 1

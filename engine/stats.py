@@ -1,0 +1,71 @@
+"""What an engine reports of itself: load, memory, work done and what it computes in.
+
+A worker adds its own clocks and pushes the whole as `protocol.WorkerStats` (a msgspec
+struct: the engine imports no wire library), so every field here is one of that struct's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One snapshot of an engine (`LLMEngine.stats`), read on its thread.
+
+    Args:
+        dtype: what its model computes in.
+        kv_cache_dtype: what its KV pages hold (`int8`, or the model's dtype).
+        kv_block_bytes: one KV block across all layers (a draft model's pages included).
+        draft_kv_block_bytes: of it, a speculative draft model's pages (0: none).
+        hardware: its device and the kernel paths it took there.
+        compute_threads: torch's intra-op threads now.
+        num_running: requests in the running batch.
+        num_waiting: requests queued.
+        num_parked: requests held outside the batch (waiting for remote KV, or prefilled
+            and waiting to be shipped).
+        num_waiting_for_kv: parked requests whose KV has not landed yet.
+        num_blocks: KV blocks in the pool.
+        num_free_blocks: of them, free (prefix-cached ones included).
+        kv_usage: share of blocks in use.
+        prefix_hit_rate: prompt tokens served from the prefix cache, as a share.
+        prefix_cache_hits: prompt tokens found in the prefix cache (cumulative).
+        prefix_cache_queries: prompt tokens looked up in it (cumulative).
+        prefill_tokens: prompt tokens computed (cumulative).
+        decode_tokens: tokens decoded (cumulative).
+        flops: model FLOPs computed (cumulative).
+        bytes: bytes of weights and KV read (cumulative).
+        spec_draft_tokens: speculative decoding: tokens drafted (cumulative).
+        spec_accepted_tokens: of them, accepted by verification (cumulative).
+        spec_emitted_tokens: tokens emitted by verification steps (cumulative).
+        spec_verify_steps: request-steps that verified drafts (cumulative).
+        spec_acceptance_rate: accepted / drafted, since start.
+        spec_tokens_per_step: emitted / verify steps, since start.
+    """
+
+    dtype: str
+    kv_cache_dtype: str
+    kv_block_bytes: int
+    draft_kv_block_bytes: int
+    hardware: str
+    compute_threads: int
+    num_running: int
+    num_waiting: int
+    num_parked: int
+    num_waiting_for_kv: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    prefix_hit_rate: float
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    prefill_tokens: int
+    decode_tokens: int
+    flops: float
+    bytes: float
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_emitted_tokens: int
+    spec_verify_steps: int
+    spec_acceptance_rate: float
+    spec_tokens_per_step: float
