@@ -50,6 +50,24 @@ assert site.name == "site-packages", f"engine imported from {engine.__file__}"
 print("imported from", site)
 PY
 
+# The Docker image's kernel step, its command as the Dockerfile writes it, on the wheel's
+# sources: a portable build (no -march; a variant per ISA) that a process with no compiler
+# on PATH then loads. `serve` below uses that build.
+step=$(sed -n 's/^RUN python -c "\(.*cpu_kernels.*\)"$/\1/p' "$root/deploy/Dockerfile")
+[ -n "$step" ] || { echo "no kernel step found in deploy/Dockerfile" >&2; exit 1; }
+"$py" -c "$step"
+ninja=$(find "$TORCH_EXTENSIONS_DIR" -name build.ninja)
+[ "$(echo "$ninja" | wc -l)" = 1 ] || { echo "expected one kernel build: $ninja" >&2; exit 1; }
+if grep -q -- "-march" "$ninja"; then echo "the kernel build is not portable (-march)" >&2; exit 1; fi
+mkdir "$work/no-compiler"
+variants=$(PATH="$work/no-compiler" "$py" -c "from engine.kernels import cpu_kernels
+m = cpu_kernels()
+assert m is not None, 'not loaded'
+print(','.join(m.isas()))")
+expected=baseline; [ "$(uname -m)" = x86_64 ] && expected=baseline,avx2,avx512,avx512_bf16,amx
+[ "$variants" = "$expected" ] || { echo "kernel variants $variants, expected $expected" >&2; exit 1; }
+echo "kernels: built by the image's step, loaded without a compiler: $variants"
+
 pdcluster --help >/dev/null
 pdcluster serve --help >/dev/null
 if pdcluster bench --address 127.0.0.1:1 2>"$work/bench.err"; then
