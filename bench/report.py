@@ -27,13 +27,14 @@ from bench.loadgen import LoadResult, RequestRecord
 from bench.serving_metrics import (
     e2e,
     itls,
-    met,
+    latencies,
     succeeded,
     token_throughput_over_time,
     tpot,
     ttft,
 )
 from protocol.serving import Slo
+from protocol.slo import ATTAINMENT, GOODPUT, score
 
 SCHEMA = "pdcluster.bench/1"
 THROUGHPUT_BIN_S = 1.0
@@ -42,8 +43,8 @@ COMPARED = (
     ("request throughput (req/s)", ("request_throughput",), True),
     ("output throughput (tok/s)", ("output_throughput",), True),
     ("total throughput (tok/s)", ("total_token_throughput",), True),
-    ("goodput (req/s)", ("goodput",), True),
-    ("SLO attainment", ("slo_attainment",), True),
+    ("goodput (req/s)", ("figures", GOODPUT), True),
+    ("SLO attainment", ("figures", ATTAINMENT), True),
     ("TTFT mean (ms)", ("ttft_ms", "mean"), False),
     ("TTFT p99 (ms)", ("ttft_ms", "p99"), False),
     ("TPOT mean (ms)", ("tpot_ms", "mean"), False),
@@ -168,8 +169,10 @@ def print_summary(label: str, summary: dict[str, Any], console: Console | None =
     if summary["slo"] is not None:
         table.add_row("SLO", ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms"
                                        for k, v in summary["slo"].items() if k != "attainment"))
-        table.add_row("goodput (req/s)", fmt(summary["goodput"]))
-        table.add_row("SLO attainment", f"{summary['slo_attainment']:.1%}")
+        figures = summary["figures"]
+        table.add_row("goodput (req/s)", fmt(figures[GOODPUT]))
+        table.add_row("SLO attainment", "-" if figures[ATTAINMENT] is None
+                      else f"{figures[ATTAINMENT]:.1%}")
     (console or Console()).print(table)
 
 
@@ -277,8 +280,7 @@ def vllm_result(result: LoadResult, settings: dict[str, Any], percentile_metrics
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration,
-        "request_goodput": (sum(met(goodput, r) for r in records) / duration
-                            if goodput is not None else None),
+        "request_goodput": score(latencies(records), duration, goodput)[GOODPUT],
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "input_lens": [r.prompt_tokens for r in records],

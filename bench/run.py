@@ -163,6 +163,7 @@ def _one_line(label: str, summary: dict[str, Any]) -> str:
             f"{fmt(summary['output_throughput'])} out tok/s, "
             f"TTFT p90 {fmt(summary['ttft_ms']['p90'])} ms, "
             f"TPOT p90 {fmt(summary['tpot_ms']['p90'])} ms")
-    if summary["goodput"] is not None:
-        text += f", goodput {fmt(summary['goodput'])} req/s ({summary['slo_attainment']:.1%})"
+    figures = summary["figures"]
+    if figures["attainment"] is not None:
+        text += f", goodput {fmt(figures['goodput_rps'])} req/s ({figures['attainment']:.1%})"
     return text

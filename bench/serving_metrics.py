@@ -10,8 +10,8 @@ Definitions (per request, from the client's clock):
 
 Latencies are summarized over the requests that succeeded (finish_reason `stop` or
 `length`, no error); failed requests are counted. Throughputs divide by the run's duration.
-Goodput is the rate of requests that succeeded within both SLOs; a request without a TPOT
-(one output token) meets any TPOT SLO.
+The run is scored against the SLO by `protocol.slo` (attainment, goodput), the scorer the
+planner predicts with.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protocol.serving import Slo, distribution
+from protocol.slo import Latencies, score, within
 
 if TYPE_CHECKING:
     from bench.loadgen import RequestRecord
@@ -35,7 +36,13 @@ _OK_FINISH_REASONS = ("stop", "length")
 
 def met(slo: Slo, record: RequestRecord) -> bool:
     """Whether a request succeeded within every per-request bound of `slo`."""
-    return succeeded(record) and slo.met(ttft(record), tpot(record), e2e(record))
+    return bool(within(slo, latencies([record]))[0])
+
+
+def latencies(records: Sequence[RequestRecord]) -> Latencies:
+    """The records' latencies as `protocol.slo` scores them (NaN where a request failed)."""
+    return Latencies.of([(ttft(r), tpot(r), e2e(r)) if succeeded(r) else (None, None, None)
+                         for r in records])
 
 
 def succeeded(record: RequestRecord) -> bool:
@@ -80,15 +87,15 @@ def summarize(records: Sequence[RequestRecord], duration: float,
 
     Returns:
         Counts, token totals, throughputs (per second), latency distributions in ms
-        (`ttft_ms`, `tpot_ms`, `itl_ms`, `e2e_ms`), and `slo`, `goodput` (requests/s) and
-        `slo_attainment` (fraction of all requests sent) — None without an SLO.
+        (`ttft_ms`, `tpot_ms`, `itl_ms`, `e2e_ms`), `slo` (None without one) and
+        `figures`: `protocol.slo.score`'s, the keys a plan predicts (`attainment` and
+        `goodput_rps` None without an SLO).
     """
     if not duration > 0:
         raise ValueError(f"duration must be > 0 seconds, got {duration}")
     ok = [r for r in records if succeeded(r)]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
-    good = sum(met(slo, r) for r in records) if slo else 0
     return {
         "num_requests": len(records),
         "completed": len(ok),
@@ -104,8 +111,7 @@ def summarize(records: Sequence[RequestRecord], duration: float,
         "itl_ms": distribution([t for r in ok for t in itls(r)], 1e3),
         "e2e_ms": distribution([e2e(r) for r in ok], 1e3),
         "slo": None if slo is None else slo.as_dict(),
-        "goodput": good / duration if slo else None,
-        "slo_attainment": good / len(records) if slo and records else None,
+        "figures": score(latencies(records), duration, slo),
     }
 
 

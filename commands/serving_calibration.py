@@ -17,7 +17,7 @@ import numpy as np
 
 from bench.loadgen import RequestRecord
 from bench.run import RunSettings, Target, bench_run, status_snapshot
-from bench.serving_metrics import succeeded, ttft
+from bench.serving_metrics import latencies
 from planner.calibrate import (
     PROBE_BATCHES,
     PROBE_PREFILL,
@@ -187,9 +187,10 @@ def probe_prompts(trace: Sequence[TraceRequest], longest: int) -> tuple[int, ...
 
 def first_token_seconds(report: dict[str, Any]) -> np.ndarray:
     """Each request's TTFT in a bench report, in request order, as the bench defines it
-    (`bench.serving_metrics.ttft`); NaN for a request that did not succeed."""
+    and scores it (`bench.serving_metrics.latencies`); NaN for a request that did not
+    succeed."""
     records = sorted((RequestRecord(**r) for r in report["requests"]), key=lambda r: r.index)
-    return np.array([ttft(r) if succeeded(r) else np.nan for r in records])
+    return latencies(records).ttft
 
 
 def response_latency(prefill: Profile, decode: Profile, shape: ClusterShape,

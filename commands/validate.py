@@ -3,8 +3,9 @@
 Each configuration is started with `pdcluster serve` on local Ray (or `--address`) as a
 child process (`commands.launch`), warmed up with a few requests, and sent the plan's trace
 (same prompts, same arrivals, same output lengths) by the `pdcluster bench` load generator.
-The measured figures use the bench's definitions, which the planner's predictions share,
-and are written beside the predicted ones with the error of each:
+The bench scores the run with `protocol.slo`, the scorer the planner predicts with, so the
+measured figures are the predicted ones' keys and definitions; they are written beside the
+predicted ones with the error of each:
 
 - latencies and goodput: relative error, (predicted - measured) / measured;
 - attainment: the difference in points, predicted - measured.
@@ -42,9 +43,10 @@ from planner.measure import VOCAB
 from planner.plan import PlanRequest, label, predict, shape_of
 from planner.profile import Profile
 from protocol.serving import Slo, TraceRequest
+from protocol.slo import ATTAINMENT, GOODPUT
 
-FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "attainment",
-           "goodput_rps")
+# The figures whose error the validation reports.
+FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", ATTAINMENT, GOODPUT)
 _WARMUP_OUTPUT = 2
 _WARMUP_SEED = 987_654
 CALIBRATIONS = ("serving", "bare")
@@ -71,12 +73,11 @@ def serve_flags(config: dict[str, Any], profile: Profile,
 
 
 def measured_figures(report: dict[str, Any]) -> dict[str, float | None]:
-    """The plan's figures from a bench report."""
-    s = report["summary"]
-    return {"ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
-            "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p90_ms": s["tpot_ms"]["p90"],
-            "attainment": s["slo_attainment"], "goodput_rps": s["goodput"],
-            "failed": s["failed"], "mean_step_ms": mean_step_ms(report)}
+    """A bench report's figures (`protocol.slo.score`'s keys), its failed requests and its
+    mean step."""
+    summary = report["summary"]
+    return {**summary["figures"], "failed": summary["failed"],
+            "mean_step_ms": mean_step_ms(report)}
 
 
 def mean_step_ms(report: dict[str, Any]) -> float | None:
@@ -94,7 +95,7 @@ def errors(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, flo
         p, m = predicted.get(key), measured.get(key)
         if p is None or m is None:
             out[key] = None
-        elif key == "attainment":
+        elif key == ATTAINMENT:
             out[key] = p - m
         else:
             out[key] = (p - m) / m if m else None
@@ -165,7 +166,7 @@ def served_configs(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
     configs = doc["configs"]
     best = doc["recommended"]
     if best is None:
-        return sorted(configs, key=lambda c: -c["predicted"]["attainment"])[:max(count, 1)]
+        return sorted(configs, key=lambda c: -c["predicted"][ATTAINMENT])[:max(count, 1)]
 
     def distance(c: dict[str, Any]) -> tuple[int, int]:
         return (abs(c["prefill"] - best["prefill"]) + abs(c["decode"] - best["decode"])

@@ -297,15 +297,18 @@ def derive_slo(report: dict[str, Any], ttft_factor: float, tpot_factor: float) -
 
 # ---- tables ----
 
+# The SLO figures (`protocol.slo`, a bench summary's `figures`) the experiment tables show.
+_FIGURES = ("goodput_rps", "attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+            "tpot_p90_ms")
+
+
 def run_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     """The figures the experiment tables show, from a bench summary."""
     return {
         "completed": summary["completed"], "failed": summary["failed"],
         "request_throughput": summary["request_throughput"],
         "output_throughput": summary["output_throughput"],
-        "goodput": summary["goodput"], "slo_attainment": summary["slo_attainment"],
-        "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p90_ms": summary["ttft_ms"]["p90"],
-        "tpot_p50_ms": summary["tpot_ms"]["p50"], "tpot_p90_ms": summary["tpot_ms"]["p90"],
+        **{key: summary["figures"][key] for key in _FIGURES},
     }
 
 
@@ -334,7 +337,7 @@ def sweep_rows(colocated: Sequence[dict[str, Any]], disaggregated: Sequence[dict
         other = by_rate.get(run["rate"])
         if other is not None:
             rows.append({"rate": run["rate"], "colocated": run, "disaggregated": other,
-                         "goodput_ratio": ratio(other["goodput"], run["goodput"])})
+                         "goodput_ratio": ratio(other["goodput_rps"], run["goodput_rps"])})
     return rows
 
 
@@ -347,8 +350,8 @@ def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         c, d = row["colocated"], row["disaggregated"]
         lines.append([
-            fmt(row["rate"]), fmt(c["goodput"]), fmt(d["goodput"]),
-            fmt(row["goodput_ratio"], "x"), pct(c["slo_attainment"]), pct(d["slo_attainment"]),
+            fmt(row["rate"]), fmt(c["goodput_rps"]), fmt(d["goodput_rps"]),
+            fmt(row["goodput_ratio"], "x"), pct(c["attainment"]), pct(d["attainment"]),
             f"{fmt(c['ttft_p90_ms'])} / {fmt(d['ttft_p90_ms'])}",
             f"{fmt(c['tpot_p90_ms'])} / {fmt(d['tpot_p90_ms'])}",
             f"{fmt(c['output_throughput'])} / {fmt(d['output_throughput'])}"])
@@ -365,10 +368,10 @@ def ladder_markdown(steps: Sequence[dict[str, Any]]) -> str:
         m, util = step["metrics"], step.get("utilization_mean") or {}
         lines.append([
             step["title"], fmt(m["request_throughput"]), fmt(m["output_throughput"]),
-            fmt(m["goodput"]), fmt(ratio(m["goodput"], previous), "x"),
-            pct(m["slo_attainment"]), str(m["failed"]), fmt(m["ttft_p90_ms"]),
+            fmt(m["goodput_rps"]), fmt(ratio(m["goodput_rps"], previous), "x"),
+            pct(m["attainment"]), str(m["failed"]), fmt(m["ttft_p90_ms"]),
             fmt(m["tpot_p90_ms"]), *(pct(util.get(k)) for k in UTILIZATION_KEYS)])
-        previous = m["goodput"]
+        previous = m["goodput_rps"]
     return markdown_table(headers, lines)
 
 
@@ -472,7 +475,7 @@ def plot_sweep(path: Path, results: dict[str, dict[str, Any]], slo: Slo | None) 
 
     Args:
         path: the PNG.
-        results: per mode, `{"runs": [{"rate", "goodput", "slo_attainment", ...}]}`.
+        results: per mode, `{"runs": [{"rate", "goodput_rps", "attainment", ...}]}`.
         slo: shown in the title.
 
     Returns:
@@ -485,8 +488,8 @@ def plot_sweep(path: Path, results: dict[str, dict[str, Any]], slo: Slo | None) 
     for mode, result in results.items():
         runs = sorted(result["runs"], key=lambda run: run["rate"])
         x = [run["rate"] for run in runs]
-        goodput_axes.plot(x, [run["goodput"] or 0 for run in runs], "o-", label=mode)
-        attainment_axes.plot(x, [run["slo_attainment"] or 0 for run in runs], "o-", label=mode)
+        goodput_axes.plot(x, [run["goodput_rps"] or 0 for run in runs], "o-", label=mode)
+        attainment_axes.plot(x, [run["attainment"] or 0 for run in runs], "o-", label=mode)
     goodput_axes.set(xlabel="offered rate (req/s)", ylabel="goodput (req/s)", ylim=(0, None))
     attainment_axes.set(xlabel="offered rate (req/s)", ylabel="SLO attainment", ylim=(0, 1.05))
     for axes in (goodput_axes, attainment_axes):
@@ -603,7 +606,7 @@ def plot_ladder(path: Path, steps: Sequence[dict[str, Any]]) -> Path:
     x = np.arange(len(steps))
     titles = [step["title"] for step in steps]
     for offset, key, name in ((-0.2, "request_throughput", "throughput"),
-                              (0.2, "goodput", "goodput")):
+                              (0.2, "goodput_rps", "goodput")):
         rate_axes.bar(x + offset, [step["metrics"][key] or 0 for step in steps], 0.4,
                       label=name)
     rate_axes.set(ylabel="requests/s", title="throughput and goodput")

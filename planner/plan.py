@@ -6,10 +6,10 @@ token budget given, keeping the variant with the best attainment (then goodput).
 configuration's `max_rate_rps` is the highest arrival rate (the trace's arrivals scaled)
 at which it still meets the SLO, found by doubling then bisecting.
 
-The per-request SLO is the one `pdcluster bench` scores (TTFT and TPOT each at most their
-bound; a one-token answer has no TPOT); a configuration meets `--slo` when the fraction of
-requests within it (attainment) reaches the target and every named percentile is within
-its bound.
+A simulation is scored by `protocol.slo`, as `pdcluster bench` scores a measured run (TTFT,
+TPOT and E2E each at most their bound; a one-token answer has no TPOT); a configuration
+meets `--slo` when the share of requests within it (attainment) reaches the target and
+every named percentile is within its bound (`Slo.meets`).
 """
 
 from __future__ import annotations
@@ -28,35 +28,22 @@ from planner.frontier import pareto_front, rate_sweep
 from planner.profile import Profile, check_same_model
 from planner.simulator import ClusterShape, MissBudget, SimResult, Simulation
 from protocol.defaults import LOCAL_PREFILL_THRESHOLD
-from protocol.serving import PERCENTILES, Slo, TraceRequest, distribution, read_trace
+from protocol.serving import Slo, TraceRequest, read_trace
+from protocol.slo import ATTAINMENT, GOODPUT, Latencies, score
 
 SCHEMA = "pdcluster.plan/1"
 MODES = ("disaggregated", "colocated")
 
 
 def figures(result: SimResult, slo: Slo) -> dict[str, float | None]:
-    """Latency percentiles (ms), attainment and goodput of a simulation, defined as
-    `pdcluster bench` defines them for a measured run.
+    """A simulation's figures, scored as `pdcluster bench` scores a measured run
+    (`protocol.slo.score`: latency percentiles in ms, `attainment`, `goodput_rps`).
 
-    Failed requests (NaN first token) count against attainment; a one-token answer has no
-    TPOT and meets any TPOT bound.
+    A request the simulation failed (NaN first token) counts against attainment; a one-token
+    answer has no TPOT and meets any TPOT bound.
     """
-    ttft, tpot, e2e = result.ttft, result.tpot, result.finish - result.arrival
-    ok = np.isfinite(ttft)
-    out: dict[str, float | None] = {}
-    for metric, values in (("ttft", ttft[ok]), ("tpot", tpot[np.isfinite(tpot)]),
-                           ("e2e", e2e[ok])):
-        dist = distribution(values.tolist(), 1e3)
-        for q in PERCENTILES:
-            out[f"{metric}_p{q}_ms"] = dist[f"p{q}"]
-    good = ok.copy()
-    for metric, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
-        if (bound := slo.bound(metric)) is not None:
-            good &= ~(values * 1e3 > bound)  # NaN (no TPOT) meets it; failures are not ok
-    out["attainment"] = float(good.mean())
-    duration = result.duration
-    out["goodput_rps"] = float(good.sum() / duration) if duration > 0 else 0.0
-    return out
+    latencies = Latencies(result.ttft, result.tpot, result.finish - result.arrival)
+    return score(latencies, result.duration, slo)
 
 
 # ---- traces ----
@@ -282,13 +269,13 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     for group in shapes(request):
         scored = [(shape, predict(request, shape)) for shape in group]
         shape, predicted = max(scored, key=lambda sp: (request.slo.meets(sp[1]),
-                                                       sp[1]["attainment"],
-                                                       sp[1]["goodput_rps"]))
+                                                       sp[1][ATTAINMENT],
+                                                       sp[1][GOODPUT]))
         if request.find_max_rate:
             predicted["max_rate_rps"] = max_rate(request, shape)
         configs.append(config_entry(request, shape, predicted))
     good = [c for c in configs if c["meets_slo"]]
-    recommended = min(good, key=lambda c: (c["cost_per_hour"], -c["predicted"]["goodput_rps"],
+    recommended = min(good, key=lambda c: (c["cost_per_hour"], -c["predicted"][GOODPUT],
                                            c["prefill"] + c["decode"]), default=None)
     deploy = None if recommended is None else deployment(
         recommended, request.prefill_profile, request.decode_profile, request.max_num_seqs)

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 
 from planner.plan import label
+from protocol.slo import ATTAINMENT, GOODPUT
 
 # Piped or redirected, rich would assume 80 columns and cut the tables' cells.
 console = Console() if sys.stdout.isatty() else Console(width=1000)
@@ -23,7 +24,7 @@ def _figure(key: str, value: float | None) -> str:
     """A plan figure as printed: milliseconds, attainment in %, goodput in req/s."""
     if value is None or key.endswith("_ms"):
         return _ms(value)
-    return f"{value:.1%}" if key == "attainment" else f"{value:.3g}"
+    return f"{value:.1%}" if key == ATTAINMENT else f"{value:.3g}"
 
 
 def print_plan(doc: dict[str, Any]) -> None:
@@ -46,7 +47,7 @@ def print_plan(doc: dict[str, Any]) -> None:
                       str(c["max_num_batched_tokens"]),
                       f"{_ms(p['ttft_p50_ms'])} / {_ms(p['ttft_p90_ms'])}",
                       f"{_ms(p['tpot_p50_ms'])} / {_ms(p['tpot_p90_ms'])}",
-                      f"{p['attainment']:.1%}", f"{p['goodput_rps']:.3g}",
+                      f"{p[ATTAINMENT]:.1%}", f"{p[GOODPUT]:.3g}",
                       f"{p.get('max_rate_rps', float('nan')):.3g}", f"{c['cost_per_hour']:g}",
                       f"{p['cost_per_mtok']:.3g}", mark)
     console.print(table)
@@ -83,7 +84,7 @@ def print_validation(doc: dict[str, Any]) -> None:
         for key, error in c["error"].items():
             table.add_row(label(c), c.get("validation_role", "-"), key,
                           _figure(key, predicted[key]), _figure(key, c["measured"][key]),
-                          "-" if error is None else f"{error:+.1%}" if key != "attainment"
+                          "-" if error is None else f"{error:+.1%}" if key != ATTAINMENT
                           else f"{error * 100:+.1f} pt")
         meets = c.get("repredicted_meets_slo", c["meets_slo"])
         verdict = "yes" if meets else "no"
@@ -107,7 +108,7 @@ def plot_plan(doc: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(max(6, 0.6 * len(configs)), 4))
     ax = fig.add_subplot()
     colors = ["tab:green" if c["meets_slo"] else "tab:gray" for c in configs]
-    ax.bar([label(c) for c in configs], [c["predicted"]["goodput_rps"] for c in configs],
+    ax.bar([label(c) for c in configs], [c["predicted"][GOODPUT] for c in configs],
            color=colors)
     ax.axhline(doc["rate_rps"], color="tab:red", linestyle="--", label="offered rate")
     ax.set_ylabel("predicted goodput (req/s)")

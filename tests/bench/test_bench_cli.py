@@ -52,8 +52,9 @@ def test_bench_run_writes_a_valid_report(backend: str, servers: Servers, tmp_pat
     assert summary["total_prompt_tokens"] == sum(r.prompt_len for r in expected)
     assert summary["total_output_tokens"] == sum(r.output_len for r in expected)
     assert [r.output_len for r in expected].count(1) == SPLIT * 8
-    assert summary["slo_attainment"] == SPLIT
-    assert summary["goodput"] == pytest.approx(summary["request_throughput"] * SPLIT)
+    assert summary["figures"]["attainment"] == SPLIT
+    assert summary["figures"]["goodput_rps"] == pytest.approx(
+        summary["request_throughput"] * SPLIT)
     for stats in (summary[key] for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")):
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
 

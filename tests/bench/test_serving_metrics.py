@@ -70,15 +70,22 @@ def test_summary_counts_throughput_and_goodput() -> None:
     assert summary["itl_ms"]["mean"] == pytest.approx(260.0)
     # Only the first request meets both: the second is late to its first token, the third
     # too slow per token, and failed requests never count.
-    assert summary["goodput"] == pytest.approx(0.5)
-    assert summary["slo_attainment"] == pytest.approx(0.2)
+    figures = summary["figures"]
+    assert figures["goodput_rps"] == pytest.approx(0.5)
+    assert figures["attainment"] == pytest.approx(0.2)
     assert summary["slo"] == {"ttft_ms": 300.0, "tpot_ms": 250.0, "attainment": 0.9}
+    # The SLO figures, under the keys a plan predicts: TTFTs 100, 500, 200 ms.
+    assert figures["ttft_p50_ms"] == pytest.approx(200.0)
+    assert figures["ttft_p90_ms"] == pytest.approx(200 + 0.8 * 300)
+    assert figures["tpot_p90_ms"] == pytest.approx(summary["tpot_ms"]["p90"])
 
 
 def test_summary_without_slo_leaves_goodput_out() -> None:
     summary = summarize([record(0.0, [(0.1, 1)], 0.1)], duration=1.0)
     assert summary["slo"] is None
-    assert summary["goodput"] is None and summary["slo_attainment"] is None
+    assert summary["figures"]["goodput_rps"] is None
+    assert summary["figures"]["attainment"] is None
+    assert summary["figures"]["ttft_p50_ms"] == pytest.approx(100.0)
 
 
 def test_throughput_over_time_bins_tokens_by_arrival() -> None:

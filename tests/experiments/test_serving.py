@@ -137,7 +137,7 @@ def test_utilization_between_uses_the_counters_over_the_window() -> None:
 
 def metrics(rate: float, goodput: float | None, ttft_p90: float = 1000.0) -> dict[str, Any]:
     return {"rate": rate, "completed": 10, "failed": 0, "request_throughput": 0.5,
-            "output_throughput": 40.0, "goodput": goodput, "slo_attainment": 0.75,
+            "output_throughput": 40.0, "goodput_rps": goodput, "attainment": 0.75,
             "ttft_p50_ms": 500.0, "ttft_p90_ms": ttft_p90, "tpot_p50_ms": 40.0,
             "tpot_p90_ms": 55.5}
 

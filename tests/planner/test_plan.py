@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.loadgen import RequestRecord
+from bench.serving_metrics import summarize
 from commands.cli import main
 from planner.plan import (
     PlanRequest,
@@ -24,7 +26,7 @@ from planner.plan import (
     trace_rate,
 )
 from planner.profile import Profile
-from planner.simulator import ClusterShape, MissBudget, Simulation
+from planner.simulator import ClusterShape, MissBudget, SimResult, Simulation
 from protocol.serving import Slo
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
 
@@ -120,6 +122,32 @@ def test_plan_cli_writes_the_plan_schema(tmp_path: Path,
         assert keys <= set(c["predicted"])
     assert doc["recommended"] == min((c for c in doc["configs"] if c["meets_slo"]),
                                      key=lambda c: c["cost_per_hour"])
+
+
+def test_a_simulation_is_scored_as_the_bench_scores_the_same_requests_measured() -> None:
+    """Five requests as the simulator returns them and as the load generator records them
+    (same arrivals, first and last tokens, output lengths): the plan's figures and the bench
+    summary's are the same. Against TTFT <= 300 ms and TPOT <= 50 ms two meet it (the first,
+    and the third: one token, no TPOT) over the 2 s from the first arrival to the last
+    token."""
+    arrival = np.array([0.0, 0.5, 1.0, 1.2, 1.5])
+    first = np.array([0.2, 0.9, 1.25, 1.3, np.nan])  # TTFT 200, 400, 250, 100 ms; failed
+    finish = np.array([0.6, 1.3, 1.25, 2.0, np.nan])  # TPOT 40, 40 ms; none; 100 ms
+    output_len = np.array([11, 11, 1, 8, 4])
+    result = SimResult(arrival, first, finish, output_len)
+    records = [RequestRecord(i, a, int(n), 10, a, [(f, 1), (e, int(n) - 1)][:min(n, 2)], e,
+                             int(n), "length", None)
+               for i, (a, f, e, n) in enumerate(zip(arrival[:4], first[:4], finish[:4],
+                                                    output_len[:4], strict=True))]
+    records.append(RequestRecord(4, 1.5, 4, 10, 1.5, [], 1.6, 0, None, "UNAVAILABLE"))
+    slo = Slo.parse("ttft=300,tpot=50")
+
+    predicted = figures(result, slo)
+
+    assert result.duration == pytest.approx(2.0)
+    assert predicted == summarize(records, 2.0, slo)["figures"]
+    assert predicted["attainment"] == pytest.approx(2 / 5)
+    assert predicted["goodput_rps"] == pytest.approx(2 / 2.0)
 
 
 def test_rate_rescales_the_trace() -> None:

@@ -235,37 +235,59 @@ def test_the_printed_table_shows_the_prediction_made_again(
 
 
 @pytest.mark.e2e
-def test_a_served_config_is_calibrated_through_its_server_before_its_replay(
+def test_served_configs_are_calibrated_through_their_servers_before_their_replay(
         tmp_path: Path) -> None:
-    """`validate` on one colocated worker of the tiny model, for real: the entry's
-    calibration came from the probe and the pilot on that server, the re-prediction is
-    the one the error is of, and the trace was replayed in full."""
+    """`validate` on one and two colocated workers of the tiny model, for real.
+
+    The plan's profile (`table_profile`) prefills a 20-token prompt in 0.01 + 20 * 0.002 +
+    0.001 * 0.21 + 0.0005 s = 50.7 ms and a 200-token one in 430.6 ms. The trace alternates
+    them 0.3 s apart, so on one worker each short prompt waits for the long one before it
+    (over 130 ms) and only the first request has its first token within 150 ms (1/6); on
+    two, the short prompts go to the idle worker (3/6). With TTFT <= 150 ms for half the
+    requests, the plan recommends two workers and rejects one, and both are served.
+
+    The tiny model (3 layers, 64 wide) prefills either prompt in milliseconds: served, both
+    configurations meet the SLO, and the prediction made again on each server with the
+    served calibration says so, turning the plan's verdict on one worker. That prediction's
+    errors are bounded where the plan's, made for a ~30x slower prefill, are not."""
     profile = replace(table_profile(model="tiny"), max_model_len=1024)
     rng = np.random.default_rng(9)
     requests = [TraceRequest(0.3 * i, 4 if i % 2 else 12,
                              rng.integers(100, 40_000, 200 if i % 2 else 20).tolist())
                 for i in range(6)]
-    request = PlanRequest(profile, profile, requests, Slo.parse("ttft_p90_ms=60000"),
-                          max_workers=1, modes=("colocated",), find_max_rate=False)
+    request = PlanRequest(profile, profile, requests, Slo({"ttft_ms": 150}, attainment=0.5),
+                          max_workers=2, modes=("colocated",), find_max_rate=False)
     doc = plan(request)
+    one, two = doc["configs"]
+    assert (one["predicted"]["attainment"], two["predicted"]["attainment"]) == (1 / 6, 3 / 6)
+    assert doc["recommended"] == two and not one["meets_slo"]
 
     validate(doc, request, 1, None, tmp_path, pilot_requests=4)
 
-    (served,) = [c for c in doc["configs"] if "measured" in c]
-    calibration = served["served_calibration"]
-    assert served["validation_role"] == "recommended"
-    assert calibration["applied"] and calibration["pooled"] == ["probe", "pilot"]
-    assert calibration["probe_prompts"] == [128, 200]
-    assert calibration["pilot_requests"] == 4 and calibration["pilot_seed"] == PILOT_SEED
-    assert calibration["steps"]["decode_b1"] >= 4 and calibration["steps"]["prompt"] >= 8
-    assert calibration["response_latency_ms"] >= 0.0
+    assert (two["validation_role"], one["validation_role"]) == ("recommended", "rejected")
     docs = documented_fields()
-    assert set(calibration) <= docs["`served_calibration`"]
-    assert set(served["repredicted"]) <= docs["`predicted`"]
-    assert served["slo_verdict_changed"] is (served["repredicted_meets_slo"]
-                                             != served["meets_slo"])
-    assert served["measured"]["failed"] == 0 and served["measured"]["meets_slo"]
-    assert served["error"] == errors(served["repredicted"], served["measured"])
+    for served in (two, one):
+        calibration = served["served_calibration"]
+        assert calibration["applied"] and calibration["pooled"] == ["probe", "pilot"]
+        assert calibration["probe_prompts"] == [128, 200]
+        assert calibration["pilot_requests"] == 4 and calibration["pilot_seed"] == PILOT_SEED
+        assert calibration["steps"]["decode_b1"] >= 4 and calibration["steps"]["prompt"] >= 8
+        assert set(calibration) <= docs["`served_calibration`"]
+        assert set(served["repredicted"]) <= docs["`predicted`"]
+        measured, error = served["measured"], served["error"]
+        assert measured["failed"] == 0 and measured["meets_slo"]
+        assert served["repredicted_meets_slo"]
+        assert served["error"] == errors(served["repredicted"], measured)
+        # The medians (robust to one stalled request of the six) within a third of the
+        # 150 ms bound of the measured ones, where the plan's prediction, made for a ~30x
+        # slower prefill, is off by more than the bound; the attainment within one request
+        # of the six (the re-prediction draws the served steps' spread over 1,600).
+        repredicted = served["repredicted"]
+        for key in ("ttft_p50_ms", "e2e_p50_ms"):
+            assert abs(repredicted[key] - measured[key]) <= 50, (key, repredicted, measured)
+        assert served["predicted"]["ttft_p50_ms"] - measured["ttft_p50_ms"] > 150
+        assert abs(error["attainment"]) <= 1 / 6 + 1e-9, (repredicted, measured)
+    assert (one["slo_verdict_changed"], two["slo_verdict_changed"]) == (True, False)
 
 
 def test_plan_refuses_an_empty_pilot_before_planning(capsys: pytest.CaptureFixture[str]
