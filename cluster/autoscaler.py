@@ -183,7 +183,7 @@ class AutoscalerLoop:
         self.metrics.record(decision)
         if decision.action != "hold":
             prefill = decision.prefill if config.mode == "disaggregated" else None
-            await self.backend.scale(decision.decode, prefill)  # BROKEN-BY-TEST-HELPER
+            await self.backend.scale(prefill, decision.decode)
         return decision
 
     async def run(self) -> None:

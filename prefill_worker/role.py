@@ -80,21 +80,30 @@ class PrefillRole(WorkerRole):
         self.block_bytes = engine.kv_cache.block_bytes * engine.model_config.num_layers
         self._jobs: dict[str, _Job] = {}
         self._peers: dict[str, str] = {}  # receiver id -> sender peer id
+        self._unreachable: dict[str, str] = {}  # request id -> why its handshake failed
 
     def prepare(self, command: Command) -> None:
         """Handshake with the command's decode worker (may block on the network); again
-        if the connection was lost, e.g. while that worker was stalled."""
+        if the connection was lost, e.g. while that worker was stalled. A handshake that
+        fails (no answer in time, the peer lost) is that request's transfer failing:
+        `handle` reports it so, and the router prefills it again elsewhere."""
         if isinstance(command, Prefill):
             receiver_id = command.peer_info.receiver_id
             peer_id = self._peers.get(receiver_id)
             if peer_id is None or not self.sender.is_connected(peer_id):
-                self._peers[receiver_id] = self.sender.connect(command.peer_info)
+                try:
+                    self._peers[receiver_id] = self.sender.connect(command.peer_info)
+                except ConnectionError as e:
+                    self._unreachable[command.request_id] = str(e)
 
     def handle(self, engine: LLMEngine, command: Command) -> list[Reply]:
         """Queue a prompt whose KV goes to `command.dst_block_ids` on the decode worker."""
         if not isinstance(command, Prefill):
             raise ValueError(f"a prefill worker cannot handle {type(command).__name__}")
         rid = command.request_id
+        if rid in self._unreachable:
+            return [self._failed(rid, f"KV transfer failed: {self._unreachable.pop(rid)}",
+                                 transfer_failed=True)]
         engine.add_request(rid, command.prompt_token_ids, command.params.to_params())
         job = self._jobs[rid] = _Job(self._peers[command.peer_info.receiver_id],
                                      command.dst_block_ids,

@@ -231,6 +231,13 @@ class Hosts:
             assert host.init is not None
             host.init.wait(30)
 
+    def pause(self, name: str, paused: bool = True) -> None:
+        """Stop (SIGSTOP) every process on host `name`, as a machine that hangs, or let them
+        go on (SIGCONT): a paused host sends nothing and answers nothing."""
+        for pid in _descendants(self.hosts[name].init_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def set_link(self, name: str, up: bool) -> None:
         """Cut (or restore) host `name`'s only link, from the bridge's side."""
         _run("ip", "link", "set", self.hosts[name].link, "up" if up else "down")
