@@ -33,16 +33,22 @@ StepWindow = tuple[dict[str, Any] | None, dict[str, Any] | None, float]
 class Calibrator:
     """Scales a profile to the machine's speed now, as often as asked, on one engine.
 
-    Each call times the probe steps (`PROBE_BATCHES`, `PROBE_PREFILL`) on an engine built
-    as the profile's was and scales the profile's step models to them (`scale_to_probes`).
+    Each call times the probe steps (`batches`, `PROBE_PREFILL`) on an engine built as
+    the profile's was and scales the profile's step models to them (`scale_to_probes`).
     The engine is built once and stays loaded between calls.
 
     Args:
         profile: the profile as measured; each call scales this one, not the last result.
+        batches: the decode batch sizes probed (each gets its own table entry; the
+            profile's other sizes are interpolated between them).
     """
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, batches: Sequence[int] = PROBE_BATCHES) -> None:
+        if not batches or min(batches) < 1:
+            raise ValueError(f"calibration: probe batch sizes must be at least 1, got "
+                             f"{list(batches)}")
         self.profile = profile
+        self.batches = tuple(batches)
         engine = LLMEngine(profile.model, profile.dtype,
                            cache=CacheConfig(block_size=profile.block_size,
                                              kv_cache_memory_gb=profile.kv_cache_gb),
@@ -53,7 +59,7 @@ class Calibrator:
     def probe(self) -> dict[str, list[dict[str, Any]]]:
         """Timed probe steps, as `planner.measure` records samples: `{"decode": [...],
         "prefill": [...]}`."""
-        decode = [(batch, PROBE_CONTEXT) for batch in PROBE_BATCHES]
+        decode = [(batch, PROBE_CONTEXT) for batch in self.batches]
         return {"decode": decode_samples(self._sampler, decode, _PROBE_DECODE_STEPS,
                                          _no_progress),
                 "prefill": prefill_samples(self._sampler, [(PROBE_PREFILL, 0, 1)],

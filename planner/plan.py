@@ -113,6 +113,9 @@ class PlanRequest:
         max_num_seqs: running requests per worker.
         cost_per_hour: $/h of a prefill and of a decode (or colocated) worker.
         find_max_rate: also search each configuration's highest rate meeting the SLO.
+        sweep_rates: also simulate the recommended configuration from light load to past
+            saturation (`planner.frontier.rate_sweep`; else the plan's `rate_sweep` is
+            None).
         simulated_requests: where a profile has a step-time spread (`Profile.step_cv`),
             each simulation runs the trace again with the next seeds until at least this
             many requests are simulated, and every figure is over all the runs
@@ -131,6 +134,7 @@ class PlanRequest:
     cost_per_hour: dict[str, float] = field(
         default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
     find_max_rate: bool = True
+    sweep_rates: bool = True
     simulated_requests: int = 1600
 
     def __post_init__(self) -> None:
@@ -280,7 +284,7 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     deploy = None if recommended is None else deployment(
         recommended, request.prefill_profile, request.decode_profile, request.max_num_seqs)
     sweep = None
-    if recommended is not None and sweepable(request.requests):
+    if recommended is not None and request.sweep_rates and sweepable(request.requests):
         shape = shape_of(recommended, request.max_num_seqs)
         sweep = rate_sweep(recommended, request.slo, trace_rate(request.requests),
                            lambda rate: figures(simulate(request, shape, at_rate(

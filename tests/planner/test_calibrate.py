@@ -150,23 +150,27 @@ def test_a_profile_without_a_batch_table_is_refused_and_a_sparse_one_is_filled_i
 def test_the_calibrator_times_probes_on_a_kept_engine_and_frees_their_kv() -> None:
     """The real probe steps on the tiny model, twice on one engine: a profile claiming 1 s
     per step is scaled far down, each model by its own factor, and the probes leave the
-    KV pool as they found it."""
+    KV pool as they found it. The probes are the profile's table sizes (the default,
+    every size to 16, is the same steps, more of them), on a KV pool that holds them."""
+    batches = (1, 2, 4)
     profile = replace(synthetic_profile(prefill=(1.0, 0.0, 0.0, 0.0), model="tiny"),
-                      decode=LinearModel(("b1", "b2", "b4", "b8", "b16", "context"),
-                                         (1.0, 1.0, 1.0, 1.0, 1.0, 0.0)))
-    calibrator = Calibrator(profile)
+                      decode=LinearModel((*(f"b{b}" for b in batches), "context"),
+                                         (1.0, 1.0, 1.0, 0.0)),
+                      kv_cache_gb=0.02)
+    with pytest.raises(ValueError, match="probe batch sizes must be at least 1"):
+        Calibrator(profile, batches=())
+    calibrator = Calibrator(profile, batches)
     pool = calibrator._sampler.engine.block_pool
     free = pool.num_free_blocks
 
     for _ in range(2):
         scaled, record = calibrator()
         factors = record["factors"]
-        table = [factors[f"decode_b{b}"] for b in PROBE_BATCHES]
+        table = [factors[f"decode_b{b}"] for b in batches]
         assert all(0 < f < 0.5 for f in table) and 0 < factors["prefill"] < 0.5
         assert scaled.decode.coef == pytest.approx((*table, 0.0))  # no context cost
         assert scaled.prefill.coef == (factors["prefill"], 0.0, 0.0, 0.0)
-        assert set(record["measured_ms"]) == {*(f"decode_b{b}" for b in PROBE_BATCHES),
-                                              "prefill"}
+        assert set(record["measured_ms"]) == {*(f"decode_b{b}" for b in batches), "prefill"}
         assert pool.num_free_blocks == free
         assert not calibrator._sampler.engine.has_unfinished_requests()
 

@@ -91,11 +91,12 @@ def test_plan_writes_and_prints_the_command_for_its_pick(
 
 def test_plan_calibrates_a_profile_of_this_machine_by_default(tmp_path: Path) -> None:
     """A profile of the tiny model claiming this CPU and 1 s steps: `plan` probes the engine,
-    scales the steps far down, and predicts far lower latency than `--no-calibrate`."""
+    scales the steps far down, and predicts far lower latency than `--no-calibrate`. (The
+    probe engine's KV pool is the profile's: 20 MB holds the probes.)"""
     slow = replace(synthetic_profile(prefill=(1.0, 0.0, 0.0, 0.0), model="tiny"),
                    decode=LinearModel(("b1", "b2", "b4", "b8", "b16", "context"),
                                       (1.0, 1.0, 1.0, 1.0, 1.0, 0.0)),
-                   hardware={"cpu": cpu_features().model, "gpu": None})
+                   hardware={"cpu": cpu_features().model, "gpu": None}, kv_cache_gb=0.02)
     calibrated = plan_cli(tmp_path, slow)
     raw = plan_cli(tmp_path, slow, "--no-calibrate")
     assert calibrated["calibration"]["applied"] is True

@@ -14,32 +14,27 @@ import pytest
 
 from commands.cli import main
 from planner.frontier import pareto_front
-from planner.plan import PlanRequest, plan
 from planner.search import search
-from protocol.serving import Slo
-from tests.planner.synthetic import poisson_arrivals, random_prompts, trace
-from tests.planner.test_plan import PROFILE
-from tests.planner.test_search import LIGHT, budget
+from tests.planner.test_plan import LONG_PROMPTS, PREFILL_BOUND, prefill_bound_plan
+from tests.planner.test_search import LIGHT, budget, light_search
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 # 1.5 prompts of 1000 tokens (1 s each) a second, one output token each: 1P+1D cannot
 # keep up (rho 1.5), 2P+1D can (tests/planner/test_plan.py).
-REQUESTS = trace(poisson_arrivals(100, 1.5, seed=1), random_prompts(100, 1000, seed=2), 1)
+REQUESTS = PREFILL_BOUND
 
 
 @pytest.fixture(scope="module")
 def prefill_bound() -> dict:
-    """Every split of up to 4 workers, prefill workers at 1 $/h, decode at 2 $/h."""
-    request = PlanRequest(PROFILE, PROFILE, REQUESTS, Slo.parse("ttft_p90_ms=3000"),
-                          max_workers=4, modes=("disaggregated",), budgets=(1024,),
-                          cost_per_hour={"prefill": 1.0, "decode": 2.0})
-    return plan(request)
+    """`REQUESTS`, every split of up to 4 workers, prefill workers at 1 $/h, decode at
+    2 $/h."""
+    return prefill_bound_plan()
 
 
 @pytest.fixture(scope="module")
 def light_budget() -> dict:
     """The budget search of tests/planner/test_search.py on its light trace."""
-    return search(budget("ttft_p90_ms=900", LIGHT))
+    return light_search()
 
 
 def entry(cost: float, rate: float, name: str) -> dict:
@@ -114,7 +109,9 @@ def test_the_budget_search_front_holds_its_pick(light_budget: dict) -> None:
     assert [(p["prefill"], p["prefill_tp"], p["decode"]) for p in marked] == [
         (rec["prefill"], rec["prefill_tp"], rec["decode"])]
     assert doc["rate_sweep"]["config"] == "1P+1D TP2/1"
-    assert search(replace(budget("ttft_p90_ms=900", LIGHT), front=False))["pareto"] is None
+    # With `front` off the search leaves it out (a shorter trace will do: no figure is
+    # checked).
+    assert search(replace(budget("ttft_p90_ms=900", LIGHT[:20]), front=False))["pareto"] is None
 
 
 def documented_fields() -> dict[str, set[str]]:
@@ -137,10 +134,10 @@ def test_the_schema_doc_lists_every_field_a_plan_has(prefill_bound: dict, light_
     """Every key of a plan file (a `plan --plot` run through the CLI, and a budget search),
     at every level, is in docs/planner.md's table for its object; the PNGs are written."""
     profile, trace_path = tmp_path / "p.json", tmp_path / "t.jsonl"
-    PROFILE.save(profile)
+    LONG_PROMPTS.save(profile)
     trace_path.write_text("".join(json.dumps({"timestamp": r.timestamp, "output_len": 4,
                                               "prompt_token_ids": r.prompt_token_ids}) + "\n"
-                                  for r in LIGHT[:40]))
+                                  for r in LIGHT[:20]))
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     assert main(["plan", "--profile", str(profile), "--trace", str(trace_path), "--slo",
                  "ttft_p90_ms=3000,tpot_p90_ms=50", "--max-workers", "2", "-o", str(out),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import replace
@@ -32,6 +33,10 @@ from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_
 
 # A 1000-token prompt takes 1 s to prefill, a 32-token one 34 ms; a decode step 10 ms.
 PROFILE = synthetic_profile(prefill=(0.002, 1e-3, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+# The same with 64-token blocks (the same pool in tokens), for traces of 1000-token prompts
+# whose KV never fills a pool: the same predictions, with a quarter of the prefix hashing
+# the simulator does for each prompt.
+LONG_PROMPTS = replace(PROFILE, block_size=64, num_blocks=PROFILE.num_blocks // 4)
 
 
 def labels(doc: dict) -> dict[str, dict]:
@@ -39,19 +44,31 @@ def labels(doc: dict) -> dict[str, dict]:
             for c in doc["configs"]}
 
 
+# 1.5 prompts of 1000 tokens (1 s each) a second, one output token each.
+PREFILL_BOUND = trace(poisson_arrivals(100, 1.5, seed=1), random_prompts(100, 1000, seed=2), 1)
+
+
+@functools.cache
+def prefill_bound_plan() -> dict:
+    """The plan of every split of up to 4 workers for `PREFILL_BOUND` against TTFT p90 <=
+    3 s; prefill workers at 1 $/h, decode at 2 $/h. Made once: tests/planner/
+    test_frontier.py reads it too (and neither test changes it)."""
+    return plan(PlanRequest(LONG_PROMPTS, LONG_PROMPTS, PREFILL_BOUND,
+                            Slo.parse("ttft_p90_ms=3000"), max_workers=4,
+                            modes=("disaggregated",), budgets=(1024,),
+                            cost_per_hour={"prefill": 1.0, "decode": 2.0}))
+
+
 def test_a_prefill_bound_trace_gets_just_enough_prefill_workers() -> None:
     """1.5 long prompts/s of 1 s each: one prefill worker is overloaded (rho 1.5), two hold
-    (rho 0.75); the cheapest split meeting TTFT p90 <= 3 s is 2P+1D, and 1P+1D's highest
-    sustainable rate lies between rho 0.5 (meets) and 1 (unstable). 100 requests are
-    enough to tell (2P+1D at 95 %, 1P+1D at 7 %) and half the cost of 200."""
-    requests = trace(poisson_arrivals(100, 1.5, seed=1), random_prompts(100, 1000, seed=2), 1)
-    request = PlanRequest(PROFILE, PROFILE, requests, Slo.parse("ttft_p90_ms=3000"),
-                          max_workers=4, modes=("disaggregated",), budgets=(1024,))
-
-    doc = plan(request)
+    (rho 0.75); the cheapest split meeting TTFT p90 <= 3 s is 2P+1D (no split with one
+    prefill worker meets it), and 1P+1D's highest sustainable rate lies between rho 0.5
+    (meets) and 1 (unstable). 100 requests are enough to tell (2P+1D at 95 %, 1P+1D at
+    7 %) and half the cost of 200."""
+    doc = prefill_bound_plan()
 
     configs = labels(doc)
-    assert not configs["1P1"]["meets_slo"] and not configs["1P3"]["meets_slo"]
+    assert not any(configs[f"1P{d}"]["meets_slo"] for d in (1, 2, 3))
     assert configs["2P1"]["meets_slo"] and configs["3P1"]["meets_slo"]
     best = doc["recommended"]
     assert (best["mode"], best["prefill"], best["decode"]) == ("disaggregated", 2, 1)
@@ -73,8 +90,9 @@ def test_interference_makes_the_planner_disaggregate() -> None:
     slo = Slo.parse("ttft_p90_ms=5000,tpot_p90_ms=15", attainment=0.99)
 
     doc = plan(PlanRequest(PROFILE, PROFILE, requests, slo, max_workers=2,
-                           find_max_rate=False))
+                           find_max_rate=False, sweep_rates=False))
 
+    assert doc["rate_sweep"] is None  # not asked for: the pick alone
     configs = labels(doc)
     assert not configs["c1"]["meets_slo"] and not configs["c2"]["meets_slo"]
     assert configs["c2"]["predicted"]["tpot_p99_ms"] > 15

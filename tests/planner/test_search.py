@@ -3,6 +3,7 @@ bisection, TP per role, the CLI."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -11,11 +12,13 @@ from commands.cli import main
 from planner.search import BudgetRequest, candidates, search
 from protocol.serving import Slo
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
-from tests.planner.test_plan import PROFILE
+from tests.planner.test_plan import LONG_PROMPTS
 
-# TP 2 halves the step: a 1000-token prompt takes 0.5 s instead of 1 s.
-TP1 = replace(PROFILE, hardware={"tp": 1})
-TP2 = replace(synthetic_profile(prefill=(0.001, 5e-4, 0.0, 0.0), decode=(0.005, 0.0, 0.0)),
+# TP 2 halves the step: a 1000-token prompt takes 0.5 s instead of 1 s. (64-token blocks:
+# tests/planner/test_plan.py's LONG_PROMPTS.)
+TP1 = replace(LONG_PROMPTS, hardware={"tp": 1})
+TP2 = replace(synthetic_profile(prefill=(0.001, 5e-4, 0.0, 0.0), decode=(0.005, 0.0, 0.0),
+                                block_size=64, num_blocks=LONG_PROMPTS.num_blocks),
               hardware={"tp": 2})
 # 1.5 prompts of 1000 tokens a second, one output token each.
 REQUESTS = trace(poisson_arrivals(100, 1.5, seed=1), random_prompts(100, 1000, seed=2), 1)
@@ -56,11 +59,18 @@ def test_the_cheapest_level_that_meets_the_slo_is_recommended() -> None:
                                               "--mode", "disaggregated", "--prefill", "2"]
 
 
+@functools.cache
+def light_search() -> dict:
+    """The search on the light trace against TTFT p90 <= 0.9 s, made once: tests/planner/
+    test_frontier.py reads it too (and neither test changes it)."""
+    return search(budget("ttft_p90_ms=900", LIGHT))
+
+
 def test_an_unloaded_latency_bound_rules_out_a_tp_degree() -> None:
     """0.3 prompts a second, TTFT p90 <= 0.9 s: a TP-1 prompt takes 1 s even alone, so all
     six TP-1 prefill splits are pruned; one TP-2 prefill worker (0.5 s a prompt, rho 0.15:
     P(wait <= 0.4 s) = 0.85 e^0.12 = 0.96 in M/D/1) is picked, for prefill only."""
-    doc = search(budget("ttft_p90_ms=900", LIGHT))
+    doc = light_search()
     assert doc["search"]["pruned_by_throughput"] == 0
     assert doc["search"]["pruned_by_latency"] == 6
     best = doc["recommended"]

@@ -17,6 +17,10 @@ def _prompts(n: int, seed: int, low: int = 3, high: int = 90) -> list[list[int]]
             for _ in range(n)]
 
 
+# Eight prompts of 20 to 40 tokens.
+PREEMPTED = _prompts(8, seed=5, low=20, high=40)
+
+
 def _ours_and_hf(llm: LLM, prompts: list[list[int]],
                  params: SamplingParams = GREEDY) -> tuple[list[list[int]], list[list[int]]]:
     """Our greedy tokens and the `transformers` oracle's, prompt by prompt."""
@@ -38,9 +42,10 @@ def test_tiny_batch_mix_matches_hf(chunked):
 
 def test_tiny_chunked_prefill_with_tiny_budget_matches_hf():
     # A budget of 5 tokens splits every prompt across many steps and mixes in decodes.
+    # (Four of the preemption test's prompts: their `transformers` tokens are made once.)
     llm = LLM("tiny", scheduler=SchedulerConfig(max_num_batched_tokens=5),
               cache=CacheConfig(block_size=4, num_blocks=256))
-    ours, expected = _ours_and_hf(llm, _prompts(4, seed=2, low=10, high=40))
+    ours, expected = _ours_and_hf(llm, PREEMPTED[:4])
     assert ours == expected
     assert_pool_free(llm.engine)
 
@@ -62,7 +67,7 @@ def test_tiny_prefix_cache_hits_match_hf():
 def test_tiny_forced_preemption_matches_hf():
     # 24 blocks of 4 tokens cannot hold eight ~30-token requests growing by 24 tokens.
     llm = LLM("tiny", cache=CacheConfig(block_size=4, num_blocks=24, enable_prefix_caching=False))
-    prompts = _prompts(8, seed=5, low=20, high=40)
+    prompts = PREEMPTED
     outputs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy("tiny", prompt, GREEDY.max_tokens)
@@ -71,14 +76,16 @@ def test_tiny_forced_preemption_matches_hf():
 
 
 def test_tiny_static_policy_matches_hf():
-    llm = LLM("tiny", scheduler=SchedulerConfig(policy="static", max_num_seqs=3))
-    ours, expected = _ours_and_hf(llm, _prompts(7, seed=6))
+    llm = LLM("tiny", scheduler=SchedulerConfig(policy="static", max_num_seqs=3),
+              cache=CacheConfig(num_blocks=128))
+    # Seven of the batch-mix prompts: their `transformers` tokens are computed once.
+    ours, expected = _ours_and_hf(llm, _prompts(10, seed=1)[3:])
     assert ours == expected
     assert_pool_free(llm.engine)
 
 
 def test_tiny_text_prompts_match_hf():
-    llm = LLM("tiny")
+    llm = LLM("tiny", cache=CacheConfig(num_blocks=32))
     texts = ["Hello, how are you today?", "The quick brown fox", "Once upon a time"]
     outputs = llm.generate(texts, GREEDY)
     for text, out in zip(texts, outputs, strict=True):

@@ -1,6 +1,7 @@
 """Prefill on one engine, copy the KV blocks, decode on another: same tokens as one engine."""
 
 import json
+from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -12,9 +13,22 @@ from tests.conftest import assert_pool_free, hf_greedy
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def _engine(role: str, num_blocks: int) -> LLMEngine:
-    return LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+def _engine(role: str, num_blocks: int, prefix_caching: bool = True) -> LLMEngine:
+    return LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=num_blocks,
+                                               enable_prefix_caching=prefix_caching),
                      scheduler=SchedulerConfig(role=role, max_num_batched_tokens=16))
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, LLMEngine]]:
+    """One mixed, one prefill and one decode engine for the tests that compare runs: with
+    no prefix cache, every run computes its prompt as a fresh engine would (nothing hits
+    an earlier run's blocks). Each test leaves their pools free."""
+    built = {role: _engine(role, 64, prefix_caching=False)
+             for role in ("mixed", "prefill", "decode")}
+    yield built
+    for engine in built.values():
+        assert_pool_free(engine)
 
 
 def _run_until_idle(engine: LLMEngine) -> dict[str, list[int]]:
@@ -64,10 +78,10 @@ def test_prefill_engine_to_decode_engine_matches_hf():
     assert_pool_free(decode)
 
 
-def test_abort_during_remote_reservation_frees_blocks():
-    decode = _engine("decode", 16)
+def test_abort_during_remote_reservation_frees_blocks(engines: dict[str, LLMEngine]) -> None:
+    decode = engines["decode"]
     decode.reserve_remote("x", list(range(100, 130)), PARAMS)
-    assert decode.block_pool.num_free_blocks == 16 - 8
+    assert decode.block_pool.num_free_blocks == 64 - 8
     out = decode.abort_request("x")
     assert out.finish_reason == "abort"
     assert_pool_free(decode)
@@ -104,23 +118,25 @@ def test_failed_step_answers_its_requests_with_error_and_frees_blocks():
     assert_pool_free(engine)
 
 
-def _mixed_and_split(params: SamplingParams
-                     ) -> tuple[dict[str, list[int]], dict[str, list[int]], tuple[LLMEngine, ...]]:
-    """Two prompts' tokens on one mixed engine, and prefilled on one engine then decoded on
-    another (the first token from the prefill side); the three engines."""
+def _mixed_and_split(engines: dict[str, LLMEngine], params: SamplingParams
+                     ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Two prompts' tokens on the mixed engine, and prefilled on the prefill engine then
+    decoded on the decode engine (the first token from the prefill side); every pool is
+    free after."""
     prompts = {"a": list(range(600, 611)), "b": list(range(700, 730))}
-    mixed = _engine("mixed", 64)
     for rid, prompt in prompts.items():
-        mixed.add_request(rid, prompt, params)
-    expected = _run_until_idle(mixed)
-    prefill, decode = _engine("prefill", 64), _engine("decode", 64)
-    first = _prefill_then_hand_over(prefill, decode, prompts, params)
-    tokens = _run_until_idle(decode)
+        engines["mixed"].add_request(rid, prompt, params)
+    expected = _run_until_idle(engines["mixed"])
+    first = _prefill_then_hand_over(engines["prefill"], engines["decode"], prompts, params)
+    tokens = _run_until_idle(engines["decode"])
     split = {rid: [first[rid], *tokens[rid]] for rid in prompts}
-    return expected, split, (mixed, prefill, decode)
+    for engine in engines.values():
+        assert_pool_free(engine)
+    return expected, split
 
 
-def test_logits_processing_carries_over_from_prefill_to_decode():
+def test_logits_processing_carries_over_from_prefill_to_decode(
+        engines: dict[str, LLMEngine]) -> None:
     """Grammar, penalties and bias give the same tokens split over two roles as on one: the
     decode side's grammar matcher and penalty counts include the prefill's first token."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -129,19 +145,19 @@ def test_logits_processing_carries_over_from_prefill_to_decode():
     params = SamplingParams(temperature=0.0, max_tokens=40, json_schema=json.dumps(schema),
                             frequency_penalty=0.5, presence_penalty=0.3,
                             repetition_penalty=1.2, logit_bias={"90": 5.0})
-    expected, split, (mixed, prefill, decode) = _mixed_and_split(params)
+    expected, split = _mixed_and_split(engines, params)
     for rid in expected:
         assert split[rid] == expected[rid]
-        text = mixed.tokenizer.decode(expected[rid], skip_special_tokens=True)
+        text = engines["mixed"].tokenizer.decode(expected[rid], skip_special_tokens=True)
         jsonschema.validate(json.loads(text), schema)
-    for engine in (mixed, prefill, decode):
-        assert_pool_free(engine)
 
 
-def test_a_migrated_request_continues_where_it_stopped():
+def test_a_migrated_request_continues_where_it_stopped(engines: dict[str, LLMEngine]) -> None:
     """A request that already produced tokens elsewhere (its worker died) is recomputed with
     them as output: the continuation equals the uninterrupted run, penalties and grammar
-    included, and max_tokens counts the earlier tokens."""
+    included, and max_tokens counts the earlier tokens. (One engine without a prefix
+    cache runs all: each resumed run recomputes the prompt and the earlier tokens.)"""
+    engine = engines["mixed"]
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}},
               "required": ["name"], "additionalProperties": False}
     for params in (PARAMS,
@@ -149,16 +165,15 @@ def test_a_migrated_request_continues_where_it_stopped():
                                   frequency_penalty=0.8, presence_penalty=0.4,
                                   repetition_penalty=1.3)):
         prompt = list(range(300, 317))
-        whole = _engine("mixed", 64)
-        whole.add_request("a", prompt, params)
-        expected = _run_until_idle(whole)["a"]
+        engine.add_request("a", prompt, params)
+        expected = _run_until_idle(engine)["a"]
         for cut in (1, 5, len(expected) - 1):
-            engine = _engine("mixed", 64)
             engine.add_request("a", prompt, params, output_token_ids=expected[:cut])
             assert _run_until_idle(engine)["a"] == expected[cut:]
             assert_pool_free(engine)
     with pytest.raises(ValueError, match="already reach max_tokens"):
-        _engine("mixed", 64).add_request("a", prompt, PARAMS, output_token_ids=[1] * 12)
+        engine.add_request("a", prompt, PARAMS, output_token_ids=[1] * 12)
+    assert_pool_free(engine)
 
 
 def test_an_engine_changes_role_only_when_empty_and_keeps_its_prefix_cache():
@@ -189,24 +204,24 @@ def test_an_engine_changes_role_only_when_empty_and_keeps_its_prefix_cache():
     assert_pool_free(engine)
 
 
-def test_a_seeded_sample_split_over_two_roles_draws_as_on_one():
+def test_a_seeded_sample_split_over_two_roles_draws_as_on_one(
+        engines: dict[str, LLMEngine]) -> None:
     """The decode side's generator continues past the draw the prefill side spent on the
     first token (`engine.sampler.skip_draws`): the same tokens as one mixed engine."""
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
-    expected, split, _ = _mixed_and_split(params)
+    expected, split = _mixed_and_split(engines, params)
     assert split == expected
 
 
-def test_a_migrated_seeded_sample_continues_its_draws():
+def test_a_migrated_seeded_sample_continues_its_draws(engines: dict[str, LLMEngine]) -> None:
     """A seeded sample resumed elsewhere with the tokens it already streamed continues its
     random stream past their draws (`engine.sampler.skip_draws`): the same continuation as
     the undisturbed run on this model."""
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
     prompt = list(range(800, 815))
-    first = _engine("mixed", 64)
-    first.add_request("r", prompt, params)
-    expected = _run_until_idle(first)["r"]
-    second = _engine("mixed", 64)
-    second.add_request("r", prompt, params, output_token_ids=expected[:5])
-    assert _run_until_idle(second)["r"] == expected[5:]
-    assert_pool_free(second)
+    engine = engines["mixed"]
+    engine.add_request("r", prompt, params)
+    expected = _run_until_idle(engine)["r"]
+    engine.add_request("r", prompt, params, output_token_ids=expected[:5])
+    assert _run_until_idle(engine)["r"] == expected[5:]
+    assert_pool_free(engine)

@@ -92,7 +92,8 @@ def test_ngram_bounds_default_like_vllm():
 
 def test_self_draft_must_stop_below_the_target_depth():
     with pytest.raises(ValueError, match="draft_layers: must be below the target's 3 layers"):
-        LLM("tiny", speculative_config={**SELF_DRAFT, "draft_layers": 3})
+        LLM("tiny", cache=CacheConfig(num_blocks=16),
+            speculative_config={**SELF_DRAFT, "draft_layers": 3})
 
 
 # ---- n-gram proposer -------------------------------------------------------------------
@@ -467,13 +468,19 @@ def test_a_decode_engine_drafts_after_the_prompt_kv_arrived(tiny_draft):
     self-draft reading the transferred KV, and greedy tokens equal `transformers`'."""
     shared = list(range(300, 320))
     prompts = {"a": [*shared, 11, 12, 13, 14, 15], "b": list(range(500, 537))}
+
+    def engine(role: str, config: dict | None = None, prefix_caching: bool = True
+               ) -> LLMEngine:
+        return LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=64,
+                                                   enable_prefix_caching=prefix_caching),
+                         scheduler=SchedulerConfig(role=role, max_num_batched_tokens=16),
+                         speculative_config=config)
+
+    # One prefill engine for both: without a prefix cache it computes each prompt afresh.
+    prefill = engine("prefill", prefix_caching=False)
     figures = []
     for config in (SELF_DRAFT, model_draft(tiny_draft)):
-        def engine(role: str, config: dict | None = None) -> LLMEngine:
-            return LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=64),
-                             scheduler=SchedulerConfig(role=role, max_num_batched_tokens=16),
-                             speculative_config=config)
-        prefill, decode = engine("prefill"), engine("decode", config)
+        decode = engine("decode", config)
         decode.add_request("warm", [*shared, 7], GREEDY)
         _run_until_idle(decode)
         before = _figures(decode)
@@ -519,6 +526,12 @@ def _unfit_draft(kind: str, tiny_draft: Path, root: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def ngram_engine() -> LLMEngine:
+    """An engine decoding with n-grams, on a small pool (the refusals below use none)."""
+    return LLMEngine("tiny", cache=CacheConfig(num_blocks=16), speculative_config=NGRAM)
+
+
 @pytest.mark.parametrize(("kind", "message"), [
     ("missing", "cannot load the draft model .*missing.* is not 'smollm2', 'tiny', a .gguf"),
     ("no_weights", "cannot load the draft model .*no_weights.* has no \\*.safetensors"),
@@ -527,16 +540,15 @@ def _unfit_draft(kind: str, tiny_draft: Path, root: Path) -> Path:
     ("tokenizer", "the draft model .* has a tokenizer whose vocabulary differs from the "
                   "target's"),
 ], ids=["missing", "no_weights", "vocab_size", "tokenizer"])
-def test_a_draft_model_that_cannot_serve_the_target_is_refused(tiny_draft, tmp_path, kind,
-                                                              message):
+def test_a_draft_model_that_cannot_serve_the_target_is_refused(tiny_draft, ngram_engine,
+                                                              tmp_path, kind, message):
     """At start-up, and when set on a running engine (which then keeps its setting)."""
     config = model_draft(_unfit_draft(kind, tiny_draft, tmp_path))
     with pytest.raises(ValueError, match=f"^speculative_config.model: {message}"):
         LLMEngine("tiny", speculative_config=config)
-    engine = LLMEngine("tiny", speculative_config=NGRAM)
     with pytest.raises(ValueError, match=f"^speculative_config.model: {message}"):
-        engine.set_speculative_config(config)
-    assert engine.speculative_config.method == "ngram"
+        ngram_engine.set_speculative_config(config)
+    assert ngram_engine.speculative_config.method == "ngram"
 
 
 @pytest.mark.slow
