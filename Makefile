@@ -54,7 +54,7 @@ test-avx2: install
 	PDCLUSTER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
 		$(VENV)/bin/pytest -q -p no:cacheprovider $(AVX2_TESTS)
 
-# The edit loop (under a minute): no cluster, no server (in-process or `serve`), no SmolLM2,
+# The edit loop (~1.5 minutes on 2 cores): no cluster, no server (in-process or `serve`), no SmolLM2,
 # no test that spawns torch processes; tests/experiments/ (not the product's) is left to
 # `make test`, which runs everything.
 .PHONY: test-fast
