@@ -39,8 +39,13 @@ lint: install
 	$(VENV)/bin/ruff check .
 	PYTHONPATH=. $(VENV)/bin/lint-imports
 
+# Two test processes (pytest-xdist), each taking a whole module at a time so a module's
+# shared cluster or server starts once; the longest modules first (tests/conftest.py).
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider $(XDIST)
 
 # What an AVX2-only CPU (no AVX-512, no bf16 in hardware) gets, on any x86-64 machine: the
 # engine's, the kernels' and the end-to-end exactness tests with the engine's CPU paths
@@ -59,7 +64,7 @@ test-avx2: install
 # `make test`, which runs everything.
 .PHONY: test-fast
 test-fast: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/experiments \
+	$(VENV)/bin/pytest -q -p no:cacheprovider $(XDIST) --ignore=tests/experiments \
 		-m "not slow and not cluster and not e2e and not server and not subprocess"
 
 # Ray nodes on one machine in network, mount and pid namespaces of their own, joined by a

@@ -69,6 +69,8 @@ class ServingCalibrator:
         target: the server (its `status_address` must be set).
         pilot: given the probe-scaled profile and a workload, the pilot trace; None: no
             pilot.
+        batches: the decode batch sizes probed, per decoding worker (each its own table
+            entry, `planner.calibrate.scale_profile`).
         prefill_prompts: the prompt lengths the probe prefills (`_PREFILL_REPEATS` each,
             one at a time). Prompt steps share one factor, pooled by time, so a workload of
             long prompts wants them probed: a 1000-token prefill's attention share is
@@ -85,12 +87,16 @@ class ServingCalibrator:
 
     def __init__(self, profile: Profile, shape: ClusterShape, target: Target,
                  pilot: Pilot | None = None,
-                 prefill_prompts: Sequence[int] = (PROBE_PREFILL,)) -> None:
+                 prefill_prompts: Sequence[int] = (PROBE_PREFILL,),
+                 batches: Sequence[int] = PROBE_BATCHES) -> None:
         if target.status_address is None:
             raise ValueError("serving calibration reads the workers' step totals: the "
                              "target needs a status address")
         self.profile, self.target, self.pilot = profile, target, pilot
         self.prefill_prompts = tuple(prefill_prompts)
+        if not batches or min(batches) < 1:
+            raise ValueError(f"probe batch sizes must be >= 1, got {list(batches)}")
+        self.batches = tuple(batches)
         self.decoding = shape.num_decode  # decode workers, or colocated ones
         self._rng = np.random.default_rng(23)
         self._settings = RunSettings(config={"model": profile.model, "run": "calibration"})
@@ -138,7 +144,7 @@ class ServingCalibrator:
         """The probe stream's windows: (`Status` before, after, its neighbour slowdown)."""
         busy_mates = min(self.decoding, self.profile.workers_per_host) - 1
         groups = [(self._requests(batch * self.decoding, _PROMPT, _OUTPUT), None, busy_mates)
-                  for batch in PROBE_BATCHES]
+                  for batch in self.batches]
         groups += [(self._requests(_PREFILL_REPEATS, prompt, 2), 1, 0)
                    for prompt in self.prefill_prompts]
         windows = []

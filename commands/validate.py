@@ -23,7 +23,7 @@ it on a bare engine, or as measured) is compared.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from commands.serving_calibration import (
     response_latency,
 )
 from engine import defaults
-from planner.calibrate import scaled_by_record
+from planner.calibrate import PROBE_BATCHES, scaled_by_record
 from planner.measure import VOCAB
 from planner.plan import PlanRequest, label, predict, shape_of
 from planner.profile import Profile
@@ -181,7 +181,8 @@ def served_configs(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
 def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str | None,
              out: Path, calibration: str = "serving",
              profiles: tuple[Profile, Profile] | None = None,
-             pilot_requests: int = PILOT_REQUESTS) -> dict[str, Any]:
+             pilot_requests: int = PILOT_REQUESTS,
+             probe_batches: Sequence[int] = PROBE_BATCHES) -> dict[str, Any]:
     """Serve `served_configs(doc, count)` and replay the trace on each; adds
     `validation_role`, `measured` and `error` to each served entry, and with serving
     calibration `served_calibration`, `repredicted`, `repredicted_meets_slo` and
@@ -198,6 +199,7 @@ def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str
         profiles: the (prefill, decode) profiles as measured, which serving calibration
             scales; None: the request's.
         pilot_requests: requests in the pilot trace.
+        probe_batches: the decode batch sizes the serving calibration probes.
 
     Raises:
         ValueError: an unknown calibration, or `pilot_requests` < 1 with serving.
@@ -210,7 +212,7 @@ def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str
     profiles = profiles or (request.prefill_profile, request.decode_profile)
     for config in served_configs(doc, count):
         config["validation_role"] = role(doc, config)
-        runs = _served_runs(config, request, profiles, pilot_requests) \
+        runs = _served_runs(config, request, profiles, pilot_requests, probe_batches) \
             if calibration == "serving" else lambda _target: [("trace", request.requests,
                                                               request.slo)]
         measured = run_config(config, request.decode_profile, runs, out,
@@ -222,19 +224,22 @@ def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str
 
 
 def _served_runs(config: dict[str, Any], request: PlanRequest,
-                 profiles: tuple[Profile, Profile], pilot_requests: int
+                 profiles: tuple[Profile, Profile], pilot_requests: int,
+                 probe_batches: Sequence[int]
                  ) -> Callable[[Target], Iterator[tuple[str, list[TraceRequest], Slo]]]:
     """`run_config`'s runs: on the warm server, calibrate and predict again (the entry
     gets `served_prediction`'s fields), then the trace."""
     def runs(target: Target) -> Iterator[tuple[str, list[TraceRequest], Slo]]:
-        config.update(served_prediction(config, request, profiles, target, pilot_requests))
+        config.update(served_prediction(config, request, profiles, target, pilot_requests,
+                                        probe_batches))
         yield "trace", request.requests, request.slo
     return runs
 
 
 def served_prediction(config: dict[str, Any], request: PlanRequest,
                       profiles: tuple[Profile, Profile], target: Target,
-                      pilot_requests: int = PILOT_REQUESTS) -> dict[str, Any]:
+                      pilot_requests: int = PILOT_REQUESTS,
+                      probe_batches: Sequence[int] = PROBE_BATCHES) -> dict[str, Any]:
     """Calibrate `profiles` through the served configuration (a probe, then a pilot of
     `pilot_trace(request.requests, pilot_requests, PILOT_SEED)`; the serving path's
     latency from the pilot's first tokens, `response_latency`), and predict the
@@ -250,7 +255,8 @@ def served_prediction(config: dict[str, Any], request: PlanRequest,
     shape = shape_of(config, request.max_num_seqs)
     try:
         calibrator = ServingCalibrator(profiles[1], shape, target,
-                                       lambda _scaled, _workload: pilot, prompts)
+                                       lambda _scaled, _workload: pilot, prompts,
+                                       probe_batches)
         _, record = calibrator("trace")
         latency = response_latency(*(scaled_by_record(p, record) for p in profiles), shape,
                                    *calibrator.pilots["trace"])

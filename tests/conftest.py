@@ -64,6 +64,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
+    # The longest modules first (hosts in namespaces, then `serve` processes, then Ray
+    # clusters): `make test`'s two processes take whole modules in this order, so the
+    # short ones fill in last and neither process runs a long module alone at the end.
+    # Each module's tests keep their order.
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        rank[module] = min(rank.get(module, len(_LONGEST_FIRST)), next(
+            (i for i, m in enumerate(_LONGEST_FIRST) if item.get_closest_marker(m)),
+            len(_LONGEST_FIRST)))
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+_LONGEST_FIRST = ("multinode", "e2e", "cluster")
 
 
 # In CI (`.ci/run` sets PDCLUSTER_STRICT_SKIPS=1) a test that cannot run its subject (no

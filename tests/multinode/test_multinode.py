@@ -44,7 +44,7 @@ NODES = {"head": {}, "pf": {"prefill_host": 1}, "d1": {"decode_host": 1},
          "d2": {"decode_host": 1}}
 CPUS = {"head": 0, "pf": 1, "d1": 1, "d2": 1}  # one worker per node
 READY = re.compile(r"gRPC (\S+)\s+OpenAI (\S+)/v1")
-LONG = [(7 * i) % 4000 + 300 for i in range(1200)]  # a prompt whose KV takes a while to ship
+LONG = [(7 * i) % 4000 + 300 for i in range(1200)]  # prompts are cut from it
 
 
 class Cluster:
@@ -228,7 +228,7 @@ def _cut_the_prefill_link_mid_transfer(cluster: Cluster, transport: str) -> None
     least one (the cut hit the transfers of the requests already on the prefill worker)
     and at most one per request. No KV block stays held on either side, and long prompts
     are prefilled remotely again."""
-    prompts = [LONG[i:] + LONG[:i] for i in (0, 100, 200)]
+    prompts = [(LONG[i:] + LONG[:i])[:400] for i in (0, 100, 200)]  # ~2.5 s of prefill each
     results: list[tuple[list[int], str | None, str | None]] = [([], None, None)] * 3
     silent_s = TransferConfig().peer_timeout_s + 1.0  # and a stats interval or two
 
@@ -262,8 +262,8 @@ def _cut_the_prefill_link_mid_transfer(cluster: Cluster, transport: str) -> None
     assert 1 <= _total(cluster, "transfer_retries") - retries <= len(prompts)
     cluster.wait_pools_free()
     before = cluster.transfer_bytes().get(transport, 0.0)
-    tokens, finish, _ = _greedy(cluster, 8, prompt_token_ids=LONG[:600])
-    assert (tokens, finish) == (hf_greedy("smollm2", LONG[:600], 8), "length")
+    tokens, finish, _ = _greedy(cluster, 8, prompt_token_ids=LONG[700:1000])
+    assert (tokens, finish) == (hf_greedy("smollm2", LONG[700:1000], 8), "length")
     assert cluster.transfer_bytes()[transport] > before  # the prefill node serves again
     cluster.wait_pools_free()
 
@@ -278,7 +278,7 @@ def test_losing_a_decode_node_resumes_its_streams_elsewhere(cluster: Cluster) ->
     goes on. Each stream the lost node held is placed again exactly once on the other (the
     migrations counter grows by exactly that many), and every stream ends with the
     reference tokens; the lost node's replacement has no node to go to."""
-    prompts = [LONG[i:i + 300] for i in range(0, 1200, 300)]
+    prompts = [LONG[i:i + 120] for i in range(0, 480, 120)]
     results: list[tuple[list[int], str | None, str | None]] = [([], None, None)] * 4
     first: list[threading.Event] = [threading.Event() for _ in prompts]
 

@@ -262,7 +262,7 @@ def test_served_configs_are_calibrated_through_their_servers_before_their_replay
     assert (one["predicted"]["attainment"], two["predicted"]["attainment"]) == (1 / 6, 3 / 6)
     assert doc["recommended"] == two and not one["meets_slo"]
 
-    validate(doc, request, 1, None, tmp_path, pilot_requests=4)
+    validate(doc, request, 1, None, tmp_path, pilot_requests=4, probe_batches=(1, 2, 4))
 
     assert (two["validation_role"], one["validation_role"]) == ("recommended", "rejected")
     docs = documented_fields()
