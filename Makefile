@@ -59,12 +59,14 @@ test-avx2: install
 	PDCLUSTER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
 		$(VENV)/bin/pytest -q -p no:cacheprovider $(AVX2_TESTS)
 
-# The edit loop (~1.5 minutes on 2 cores): no cluster, no server (in-process or `serve`), no SmolLM2,
+# The edit loop (~1 minute on 2 cores): no cluster, no server (in-process or `serve`), no SmolLM2,
 # no test that spawns torch processes; tests/experiments/ (not the product's) is left to
-# `make test`, which runs everything.
+# `make test`, which runs everything. Its modules are short: the two processes take single
+# tests, an idle one from the other's queue.
 .PHONY: test-fast
 test-fast: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(XDIST) --ignore=tests/experiments \
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal \
+		--ignore=tests/experiments \
 		-m "not slow and not cluster and not e2e and not server and not subprocess"
 
 # Ray nodes on one machine in network, mount and pid namespaces of their own, joined by a
