@@ -14,7 +14,8 @@ and `served-model-name` (default: the model) and may set its own `mode`, `prefil
 values win over the shared ones for that model, wherever those came from. Each model gets
 pools of its own.
 
-The keys and their types come from the `serve` parser itself (pydantic checks them), so a
+A key may be written with underscores for its dashes (`max_num_seqs: 32`), as vLLM's config
+files are. The keys and their types come from the `serve` parser itself (pydantic checks them), so a
 flag added there is a key of the file and an environment variable with no more code.
 """
 
@@ -63,13 +64,33 @@ class Layers:
 
 
 def long_names(action: argparse.Action) -> list[str]:
-    """The flag's long names without their dashes (`--http-port`, `--port` -> both)."""
-    return [s[2:] for s in action.option_strings if s.startswith("--")]
+    """The flag's long names without their dashes (`--http-port`, `--port` -> both); of a
+    `--x/--no-x` flag, the `--x` ones (`negated_names` has the others)."""
+    names = [s[2:] for s in action.option_strings if s.startswith("--")]
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [n for n in names if not n.startswith("no-")]
+    return names
+
+
+def negated_names(action: argparse.Action) -> list[str]:
+    """Of a `--x/--no-x` flag, the `no-x` names; of any other, none."""
+    if not isinstance(action, argparse.BooleanOptionalAction):
+        return []
+    return [s[2:] for s in action.option_strings if s.startswith("--no-")]
+
+
+def _spellings(names: list[str]) -> list[str]:
+    """Each name with dashes and, as vLLM's config files may write it, with underscores."""
+    return list(dict.fromkeys([*names, *(n.replace("-", "_") for n in names)]))
 
 
 def env_name(action: argparse.Action) -> str:
     """`--max-num-seqs` -> `PDCLUSTER_MAX_NUM_SEQS` (its first long name)."""
     return ENV_PREFIX + long_names(action)[0].upper().replace("-", "_")
+
+
+# The field of a `--no-x` spelling (`--x/--no-x` flags): its value is stored negated.
+_NEGATED = "negated__"
 
 
 def _field_type(action: argparse.Action) -> Any:
@@ -94,19 +115,29 @@ def _field_type(action: argparse.Action) -> Any:
 def _model(name: str, actions: list[argparse.Action],
            extra: Mapping[str, Any] | None = None) -> type[pydantic.BaseModel]:
     """A strict-keyed model whose fields are the flags' destinations, aliased by their long
-    names."""
+    names with dashes or underscores (a `--no-x` spelling: a field of its own)."""
     fields: dict[str, Any] = dict(extra or {})
     for action in actions:
-        alias = pydantic.AliasChoices(*long_names(action))
+        alias = pydantic.AliasChoices(*_spellings(long_names(action)))
         fields[action.dest] = (_field_type(action), pydantic.Field(None, validation_alias=alias))
+        if negated_names(action):
+            alias = pydantic.AliasChoices(*_spellings(negated_names(action)))
+            fields[_NEGATED + action.dest] = (bool | None,
+                                              pydantic.Field(None, validation_alias=alias))
     return pydantic.create_model(name, __config__=pydantic.ConfigDict(extra="forbid"), **fields)
 
 
 def _values(model: pydantic.BaseModel, actions: Mapping[str, argparse.Action]) -> dict[str, Any]:
     """The set fields as argparse destinations (`--no-x: true` stores False in `x`)."""
     values = model.model_dump(exclude_unset=True, exclude={*POOLS, "models"})
-    return {dest: (not value if isinstance(actions[dest], argparse._StoreFalseAction) else value)
-            for dest, value in values.items() if dest in actions}
+    out = {}
+    for field_name, value in values.items():
+        dest = field_name.removeprefix(_NEGATED)
+        if dest not in actions:
+            continue
+        negated = field_name != dest or isinstance(actions[dest], argparse._StoreFalseAction)
+        out[dest] = not value if negated and value is not None else value
+    return out
 
 
 def _error(where: str, error: pydantic.ValidationError,
@@ -158,6 +189,8 @@ def layers(parser: argparse.ArgumentParser, worker_actions: list[argparse.Action
         _check_models(path, parsed)
     env_model = _model("Environment", [a for a in actions if a.dest != "help"])
     names = {env_name(a): long_names(a)[0] for a in actions if a.dest != "help"}
+    names.update({ENV_PREFIX + n.upper().replace("-", "_"): n
+                  for a in actions for n in negated_names(a)})
     given = {names[k]: v for k, v in environ.items() if k in names}
     try:
         result.defaults.update(_values(env_model.model_validate(given), by_dest))

@@ -53,9 +53,24 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """Flags as vLLM's command line takes them: `--max_num_seqs=8` is `--max-num-seqs=8`
+    (the name's underscores, never a value's; nothing after a lone `--`)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; for `serve`, over the `--config` file and `PDCLUSTER_*` variables
     (`serve.config_layers`), whose errors exit with code 2 like argparse's."""
+    argv = dashed(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command != "serve":
@@ -65,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.pool_overrides = found.pools
     args.model_layers = found.models
+    if args.model_tag is not None:  # `serve MODEL`, as `vllm serve MODEL`
+        if "--model" in argv or any(a.startswith("--model=") for a in argv):
+            args.serve_parser.error("give the model once: as MODEL or as --model")
+        if args.model_layers:
+            args.serve_parser.error("MODEL: the config file's models: names each model")
+        args.model = args.model_tag
     return args
 
 

@@ -51,6 +51,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                             "'port: 8000') and per-pool sections 'prefill:' and 'decode:' "
                             "(replicas, resource and any per-worker setting); see "
                             "docs/operators.md")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as `vllm serve MODEL` takes it (or --model)")
     serve.add_argument("--model", default="smollm2",
                        help="model name (smollm2, tiny), HF directory or .gguf file")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"],
@@ -146,9 +148,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="most requests a worker runs at once")
     worker.add_argument("--torch-threads", type=int, default=1,
                         help="intra-op threads per worker")
-    worker.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false",
-                        help="do not reuse cached prompt blocks (by default they are)")
+    worker.add_argument("--prefix-caching", "--enable-prefix-caching",
+                        dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse cached prompt blocks")
     worker.add_argument("--num-cpus-per-worker", type=float, default=1.0,
                         help="Ray CPUs each worker reserves")
     worker.add_argument("--num-gpus-per-worker", type=float, default=0.0,
@@ -218,16 +220,28 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
                        help="key ScalePool needs; default $PDCLUSTER_ADMIN_KEY")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="bind a non-loopback --host without any key")
-    serve.add_argument("--tls-cert", default=None, help="server certificate (PEM), both doors")
-    serve.add_argument("--tls-key", default=None, help="its private key (PEM)")
-    serve.add_argument("--tls-client-ca", default=None,
-                       help="CA (PEM) client certificates must chain to: mutual TLS")
+    serve.add_argument("--tls-cert", "--ssl-certfile", default=None,
+                       help="server certificate (PEM), both doors")
+    serve.add_argument("--tls-key", "--ssl-keyfile", default=None,
+                       help="its private key (PEM)")
+    serve.add_argument("--tls-client-ca", "--ssl-ca-certs", default=None,
+                       help="CA (PEM) client certificates must chain to: mutual TLS, every "
+                            "client presents one (vLLM's --ssl-ca-certs with "
+                            "--ssl-cert-reqs 2)")
     serve.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
                        help="seconds running requests get to finish on SIGTERM or when their "
                             "worker is scaled away (then they move or are aborted)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="longest a request may run, queue included (a shorter gRPC "
                             "deadline wins); default: no limit")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) used in "
+                            "place of the tokenizer's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's command lines: tool_choice 'auto' is always "
+                            "served where the chat template writes Hermes <tool_call> blocks")
+    serve.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
+                       help="how 'auto' tool calls are parsed from the text (Hermes only)")
     serve.add_argument("--no-migration", action="store_true",
                        help="end a dead worker's requests with an error instead of moving "
                             "them to another worker")
@@ -334,8 +348,25 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
                           log_prompts=args.log_prompts,
                           generation_config=args.generation_config,
                           override_generation_config=parse_generation_override(
-                              args.override_generation_config))
+                              args.override_generation_config),
+                          chat_template=chat_template_arg(args.chat_template))
     return ServedModel(cluster, router)
+
+
+def chat_template_arg(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the value itself where it is a Jinja template.
+
+    Raises:
+        ValueError: neither a readable file nor a template.
+    """
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def _pool_spec(args: argparse.Namespace, pool: str, shared: dict[str, Any]) -> Any:

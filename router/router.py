@@ -63,6 +63,8 @@ class RouterConfig:
             generation_config.json; `vllm`, none; else a folder holding that file.
         override_generation_config: generation_config.json keys over what was read
             (`--override-generation-config`; `max_new_tokens` is max_tokens; null removes).
+        chat_template: a Jinja chat template used in place of the tokenizer's
+            (`--chat-template`); None: the tokenizer's.
     """
 
     max_running: int = defaults.MAX_RUNNING
@@ -74,6 +76,7 @@ class RouterConfig:
     log_prompts: bool = False
     generation_config: str = "auto"
     override_generation_config: Mapping[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -113,6 +116,8 @@ class Router:
         if self.config.served_model_name:
             self.model_info = replace(self.model_info, name=self.config.served_model_name)
         self.tokenizer = load_tokenizer(self.model_info.model_dir)
+        if self.config.chat_template is not None:
+            self.tokenizer.chat_template = self.config.chat_template
         self.generation = load_generation_defaults(self.config.generation_config,
                                                    self.model_info.model_dir,
                                                    self.config.override_generation_config)

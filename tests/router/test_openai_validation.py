@@ -10,6 +10,7 @@ from engine import load_tokenizer
 from router.chat import ChatTemplate
 from router.errors import InvalidRequestError
 from router.openai_protocol import ChatCompletionRequest
+from router.router import Router, RouterConfig
 from router.tool_calls import ToolCalling, ToolCallStream
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {
@@ -120,6 +121,19 @@ def test_a_template_that_takes_tools_gets_them_as_its_argument(tiny_dir):
     with pytest.raises(InvalidRequestError, match="takes tools, but not in a format this "
                        "server parses"):
         _calling(template, tools=[TOOL], tool_choice="auto")
+
+
+def test_a_served_chat_template_replaces_the_tokenizers(backend):
+    """`serve --chat-template`: the router renders chats with it, tools included; the
+    tokenizer's own template is what a router without it uses."""
+    router = Router(backend, RouterConfig(chat_template=TOOL_TEMPLATE))
+    assert router.chat_template.takes_tools
+    ids = router.chat_template.render(USER, [TOOL])
+    assert router.tokenizer.decode(ids) == "<tools>f;</tools>\n<user>hi</user>\n<assistant>"
+    plain = Router(backend)
+    assert plain.tokenizer.chat_template != TOOL_TEMPLATE
+    assert plain.tokenizer.decode(plain.chat_template.render(USER)) != \
+        router.tokenizer.decode(router.chat_template.render(USER))
 
 
 def test_auto_on_a_hermes_template_parses_the_models_calls(tiny_dir):

@@ -18,6 +18,7 @@ from cluster.config import ClusterConfig, PoolSpec
 from commands.cli import main
 from engine import CacheConfig, defaults
 from engine.config import kv_pool_bytes, parse_dtype
+from tests.pki import make_pki
 
 REPO = Path(__file__).resolve().parents[2]
 GB = 2**30
@@ -114,7 +115,7 @@ decode:
 
 @pytest.mark.parametrize(("text", "message"), [
     ("max-num-seqs: many\n", "max-num-seqs: Input should be a valid integer"),
-    ("max_num_seqs: 4\n", "max_num_seqs: unknown key"),
+    ("max-num-seq: 4\n", "max-num-seq: unknown key"),
     ("decode:\n  replica: 2\n", "decode.replica: unknown key"),
     ("prefill:\n  port: 9000\n", "prefill.port: unknown key"),  # not a per-worker setting
     ("prefill:\n  max-num-seqs: 1.5\n", "prefill.max-num-seqs: Input should be a valid integer"),
@@ -360,3 +361,82 @@ def test_kv_pool_on_cuda_is_the_share_left_after_the_weights() -> None:
         CacheConfig(kv_cache_memory_gb=1.0, gpu_memory_utilization=0.5)
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         CacheConfig(kv_cache_memory_gb=None, gpu_memory_utilization=1.5)
+
+
+def test_a_vllm_command_line_serves_as_pdclusters_own_spelling(
+        captured: list[Any], tmp_path: Path) -> None:
+    """`vllm serve`'s spellings: the positional model, underscores in flag names (also with
+    `=`), `--no-enable-prefix-caching`, `--ssl-*`, `--enable-auto-tool-choice
+    --tool-call-parser hermes`, `--chat-template FILE`: the same options as pdcluster's."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    pki = make_pki(tmp_path)
+    key, cert, ca = pki["server.key"], pki["server.pem"], pki["ca.pem"]
+    vllm = ["tiny", "--max_num_seqs", "8", "--max-num-batched-tokens=256",
+            "--no-enable-prefix-caching", "--served_model_name=m", "--port", "0",
+            "--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-ca-certs", ca,
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--chat-template", str(template)]
+    ours = ["--model", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+            "--no-prefix-caching", "--served-model-name", "m", "--http-port", "0",
+            "--tls-key", key, "--tls-cert", cert, "--tls-client-ca", ca,
+            "--chat-template", template.read_text()]
+    assert main(["serve", *vllm]) == 0 and main(["serve", *ours]) == 0
+    theirs, mine = captured
+    assert theirs == mine
+    assert theirs.cluster.model == "tiny" and theirs.http_port == 0
+    assert theirs.cluster.decode.engine["max_num_seqs"] == 8
+    assert theirs.cluster.decode.engine["enable_prefix_caching"] is False
+    assert (theirs.security.tls_key, theirs.security.tls_cert,
+            theirs.security.tls_client_ca) == (key, cert, ca)
+    assert theirs.router.chat_template == template.read_text()
+    assert theirs.router.served_model_name == "m"
+    # `--enable-prefix-caching` wins over a file that turned it off.
+    path = write(tmp_path, "no_enable_prefix_caching: true\n")
+    config = serve(captured, "--config", str(path)).cluster
+    assert config.decode.engine["enable_prefix_caching"] is False
+    config = serve(captured, "--config", str(path), "--enable-prefix-caching").cluster
+    assert config.decode.engine["enable_prefix_caching"] is True
+
+
+def test_a_vllm_config_file_with_underscores_and_a_mapping_serves_as_pdclusters(
+        captured: list[Any], tmp_path: Path) -> None:
+    theirs = write(tmp_path, "model: tiny\nmax_num_seqs: 6\ntorch_threads: 2\n"
+                             "enable_prefix_caching: false\n"
+                             "speculative_config:\n  method: ngram\n"
+                             "  num_speculative_tokens: 3\n  prompt_lookup_max: 4\n")
+    assert main(["serve", "--config", str(theirs)]) == 0
+    ours = tmp_path / "ours.yaml"
+    ours.write_text("model: tiny\nmax-num-seqs: 6\ntorch-threads: 2\nno-prefix-caching: true\n"
+                    "speculative-config: '{\"method\": \"ngram\", "
+                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'\n")
+    assert main(["serve", "--config", str(ours)]) == 0
+    (got, want) = captured
+    assert got == want
+    engine = got.cluster.decode.engine
+    assert (engine["max_num_seqs"], engine["torch_threads"],
+            engine["enable_prefix_caching"]) == (6, 2, False)
+    assert engine["speculative_config"] is not None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["tiny", "--model", "tiny"], "give the model once: as MODEL or as --model"),
+    (["tiny", "--tool-call-parser", "mistral"], "--tool-call-parser: invalid choice"),
+    (["tiny", "--max_num_partial_prefills", "2"],
+     "unrecognized arguments: --max-num-partial-prefills"),
+])
+def test_vllm_spellings_it_does_not_take_are_refused_by_name(
+        captured: list[Any], capsys: pytest.CaptureFixture[str], argv: list[str],
+        message: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert captured == []
+
+
+def test_a_chat_template_that_is_neither_file_nor_template_is_refused(
+        captured: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "tiny", "--chat-template", "no-such-file.jinja"]) == 2
+    assert ("--chat-template: 'no-such-file.jinja' is neither a file nor a Jinja template"
+            in capsys.readouterr().err)
+    assert captured == []
