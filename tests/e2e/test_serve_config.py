@@ -27,11 +27,11 @@ prefill:
   max-num-batched-tokens: 256
   max-num-seqs: 4
   kv-cache-gb: 0.0625
-decode:
+decode:  # vLLM's files write underscores: the same keys
   replicas: 1
-  max-num-batched-tokens: 128
-  max-num-seqs: 8
-  kv-cache-gb: 0.125
+  max_num_batched_tokens: 128
+  max_num_seqs: 8
+  kv_cache_gb: 0.125
 """
 
 

@@ -39,11 +39,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def slot(pki: dict[str, str]):
-    slot = ServerSlot("--model", "tiny", "--prefill", "1", "--decode", "2",
-                      "--local-prefill-threshold", "8", "--api-key", API_KEY,
+    # Spelled as `vllm serve` takes it where vLLM has the flag (docs/api.md's table).
+    slot = ServerSlot("tiny", "--prefill", "1", "--decode", "2",
+                      "--local_prefill_threshold", "8", "--api-key", API_KEY,
                       "--admin-key", ADMIN_KEY, "--drain-timeout", "60",
-                      "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"],
-                      "--tls-client-ca", pki["ca.pem"])
+                      "--ssl-certfile", pki["server.pem"], "--ssl-keyfile", pki["server.key"],
+                      "--ssl-ca-certs", pki["ca.pem"])
     yield slot
     slot.close()
 
