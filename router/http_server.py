@@ -63,6 +63,10 @@ _HTTP_ERRORS: dict[type[RouterError], tuple[int, str, str | None]] = {
     UnavailableError: (503, "server_error", "draining"),
 }
 
+# Seconds a refused client should wait before trying again (`retry-after`, which the OpenAI
+# SDKs honour): a full queue frees as requests finish; a draining server is replaced.
+_RETRY_AFTER_S: dict[type[RouterError], int] = {QueueFullError: 1, UnavailableError: 5}
+
 # A client's own id for its request (as vLLM's `X-Request-Id`): the gRPC `Abort` takes it.
 _REQUEST_ID = "x-request-id"
 
@@ -389,7 +393,9 @@ def _failure(out: GenerateOutput) -> tuple[int, dict[str, Any]]:
 async def _router_error(request: Request, exc: Exception) -> Response:
     error = exc if isinstance(exc, RouterError) else RouterError(str(exc))
     status, type_, code = _HTTP_ERRORS.get(type(error), (500, "server_error", None))
-    return JSONResponse(error_body(str(error), type_, error.param, code), status)
+    retry = _RETRY_AFTER_S.get(type(error))
+    return JSONResponse(error_body(str(error), type_, error.param, code), status,
+                        headers=None if retry is None else {"retry-after": str(retry)})
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

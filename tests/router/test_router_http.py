@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -142,6 +143,7 @@ def test_queue_full_is_429(make_servers, wait_until):
         with pytest.raises(openai.RateLimitError) as e:
             api.completions.create(**long)
         assert e.value.code == "queue_full"
+        assert e.value.response.headers["retry-after"] == "1"
         running.close()  # the client goes away: its request is aborted, the queued one runs
         assert queued.result(timeout=30).choices[0].finish_reason in ("length", "stop")
     registry = servers.router.metrics.registry
@@ -149,6 +151,38 @@ def test_queue_full_is_429(make_servers, wait_until):
                                      {"model_name": "tiny", "finish_reason": "abort"}) == 1
     assert registry.get_sample_value("pdcluster:generation_tokens_total",
                                      {"model_name": "tiny"}) < 1000
+
+
+def test_the_sdk_waits_the_retry_after_of_a_full_queue_then_is_served(make_servers,
+                                                                      wait_until):
+    """The OpenAI SDK retries a 429 after its `retry-after` (1 s); without one it would
+    retry after at most 0.5 s. A retry once the slot is free is served."""
+    servers = make_servers(max_running=1, max_queue=0, queue_timeout_s=None)
+    sent: list[tuple[str, float]] = []
+
+    def on_request(request: httpx.Request) -> None:
+        sent.append(("request", time.monotonic()))
+
+    def on_response(response: httpx.Response) -> None:
+        sent.append((str(response.status_code), time.monotonic()))
+
+    http = httpx.Client(event_hooks={"request": [on_request], "response": [on_response]})
+    patient = openai.OpenAI(base_url=f"http://127.0.0.1:{servers.http_port}/v1",
+                            api_key="unused", max_retries=5, timeout=30, http_client=http)
+    running = _openai(servers.http_port).completions.create(
+        stream=True, model="tiny", prompt=PROMPT, max_tokens=1000, **GREEDY)
+    next(iter(running))
+    with ThreadPoolExecutor(1) as pool:
+        retried = pool.submit(patient.completions.create, model="tiny", prompt=PROMPT,
+                              max_tokens=4)
+        wait_until(lambda: any(what == "429" for what, _ in sent))
+        running.close()  # the slot frees while the SDK waits
+        assert retried.result(timeout=30).choices[0].finish_reason in ("length", "stop")
+    events = [what for what, _ in sent]
+    assert events[-2:] == ["request", "200"]
+    assert events[:-2] == ["request", "429"] * (len(events) // 2 - 1) and len(events) >= 4
+    waits = [sent[i + 1][1] - sent[i][1] for i, what in enumerate(events) if what == "429"]
+    assert min(waits) >= 0.95, waits
 
 
 def test_models_health_metrics(api, servers):
