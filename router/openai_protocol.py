@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.chat import ChatTemplate
 from router.errors import InvalidRequestError
@@ -22,14 +23,35 @@ _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p",
 MAX_CHOICES = 128
 
 
+log = logging.getLogger(__name__)
+
+# Fields OpenAI defines that change nothing generated here: taken and ignored, each named
+# once in the log, so the SDKs' and agent frameworks' requests that carry them are served.
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key",
+                  "safety_identifier", "include_obfuscation", "refusal", "annotations",
+                  "function_call", "audio")
+_ignored_seen: set[str] = set()
+
+
 class _Body(BaseModel):
-    """Any field a model does not declare is refused (400 naming it), never ignored."""
+    """Any field a model does not declare is refused (400 naming it); the `IGNORED_FIELDS`
+    a model declares are taken and ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _note_ignored(self) -> _Body:
+        for name in self.model_fields_set & set(IGNORED_FIELDS):
+            if name not in _ignored_seen:
+                _ignored_seen.add(name)
+                log.info("ignoring request field %r (no effect on generation; logged once)",
+                         name)
+        return self
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: nothing here pads the chunks
 
 
 class JsonSchemaFormat(_Body):
@@ -79,6 +101,12 @@ class _Request(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the client's own records; no effect here
+    # Ignored (IGNORED_FIELDS): records and routing hints of OpenAI's own platform.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching here needs no key
+    safety_identifier: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens `token_id:N`
 
     def sampling(self) -> dict[str, Any]:
@@ -170,6 +198,11 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # Ignored (IGNORED_FIELDS): what an SDK sends back of an assistant answer it received.
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    function_call: None = None  # the legacy field, null only
+    audio: None = None  # null only: no audio here
 
     def as_dict(self, index: int) -> dict[str, Any]:
         """The message for the chat template (`developer` is OpenAI's newer `system`)."""

@@ -6,6 +6,7 @@ What a real model does with tools (SmolLM2) is in `test_tool_calls_smollm2.py`."
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 
 from cluster.engine_backend import EngineBackend
 from engine import CacheConfig, LLMEngine, SamplingParams
+from router import openai_protocol
 from router.servers import start_servers
 from tests.conftest import assert_pool_free
 
@@ -139,6 +141,40 @@ def test_calls_and_results_in_the_history_render_in_the_documented_plain_form(ap
     resp = api.chat.completions.create(model="tiny", messages=history, tools=TOOLS[:1],
                                        tool_choice="none", max_tokens=4, temperature=0.0)
     assert resp.usage.prompt_tokens == tokenized["count"]
+
+
+def test_an_agent_replays_its_conversation_with_every_field_the_sdk_emits(api, caplog,
+                                                                         monkeypatch):
+    """Turns as an agent framework on the OpenAI SDK sends them: each assistant answer
+    appended as the SDK returns it (`model_dump()`: `refusal`, `annotations`, `audio` and
+    `function_call` null beside the calls), a tool result after each call, and request
+    fields OpenAI defines that change nothing here (`store`, `metadata`, `service_tier`,
+    `parallel_tool_calls`, `user`). Every turn is served, and the replayed history is the
+    same prompt as the history without those fields; each ignored field is logged once."""
+    extra = {"store": False, "metadata": {"run": "agent-7"}, "service_tier": "auto",
+             "parallel_tool_calls": False, "user": "agent-7"}
+    history: list[dict] = list(MESSAGES)
+    monkeypatch.setattr(openai_protocol, "_ignored_seen", set())  # none logged yet
+    with caplog.at_level(logging.INFO, logger="router.openai_protocol"):
+        for name in ("plan_trip", "set_alarm"):
+            named = {"type": "function", "function": {"name": name}}
+            message = _create(api, messages=history, tool_choice=named, **extra).choices[0].message
+            _check(message.tool_calls[0], name)
+            replayed = message.model_dump()
+            assert {"refusal", "annotations", "audio", "function_call"} <= set(replayed)
+            history += [replayed, {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                                   "content": '{"ok": true}'}]
+        final = _create(api, messages=history, tool_choice="none", max_tokens=4, **extra)
+    assert final.choices[0].finish_reason in ("length", "stop")
+    plain = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls",
+                                                  "tool_call_id") and v is not None}
+             for m in history]
+    again = _create(api, messages=plain, tool_choice="none", max_tokens=4)
+    assert again.usage.prompt_tokens == final.usage.prompt_tokens
+    assert again.choices[0].message.content == final.choices[0].message.content
+    ignored = [r.args[0] for r in caplog.records if "ignoring request field" in r.msg]
+    assert sorted(ignored) == sorted({"store", "metadata", "service_tier", "refusal",
+                                      "annotations", "audio", "function_call"})  # once each
 
 
 def test_parameters_the_grammar_cannot_hold_are_a_400(api):
