@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,26 @@ from router.proto.pdcluster.v1 import pdcluster_pb2 as pb
 from router.proto.pdcluster.v1 import pdcluster_pb2_grpc as pb_grpc
 from router.proto_convert import output_from_proto, status_from_proto
 
+# The calls that may be sent again (`Status`, `Abort`, `ScalePool` to absolute sizes, health
+# checks) are retried by gRPC itself while the server is UNAVAILABLE, e.g. a front door
+# restarting: up to 6 attempts over about 6 s. `Generate` is never sent twice.
+_RETRY_POLICY = {"methodConfig": [{
+    "name": [{"service": "pdcluster.v1.PdCluster", "method": method}
+             for method in ("Status", "Abort", "ScalePool")]
+    + [{"service": "grpc.health.v1.Health"}],
+    "retryPolicy": {"maxAttempts": 6, "initialBackoff": "0.25s", "maxBackoff": "2s",
+                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}
+# Keepalive pings on a channel with calls in flight, so a long stream notices a peer that
+# vanished without closing (a node lost) within about 40 s; the server allows them.
+KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000))
+_CHANNEL_OPTIONS = (("grpc.enable_retries", 1),
+                    ("grpc.service_config", json.dumps(_RETRY_POLICY)), *KEEPALIVE_OPTIONS)
+
 
 class PdClusterClient:
     """Blocking client over one channel; errors surface as `grpc.RpcError` with the server's
-    status code (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, ...).
+    status code (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, ...). `status`, `abort`,
+    `scale` and `health` are retried while the server is UNAVAILABLE (`_RETRY_POLICY`).
 
     Args:
         address: `host:port` of the gRPC server.
@@ -41,9 +58,9 @@ class PdClusterClient:
         if tls or tls_ca or tls_cert or tls_key:
             credentials = grpc.ssl_channel_credentials(
                 _read(tls_ca), _read(tls_key), _read(tls_cert))
-            self._channel = grpc.secure_channel(address, credentials)
+            self._channel = grpc.secure_channel(address, credentials, _CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(address)
+            self._channel = grpc.insecure_channel(address, _CHANNEL_OPTIONS)
         self._stub = pb_grpc.PdClusterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

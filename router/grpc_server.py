@@ -220,8 +220,11 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         self._interval = health_interval_s
         security = security or SecurityConfig()
+        # Clients' keepalive pings (`router.client.KEEPALIVE_OPTIONS`, every 30 s while a
+        # call is open) are welcome even while a long prompt sends nothing back.
         self._server = grpc.aio.server(
-            interceptors=[MalformedRequestInterceptor(), AuthInterceptor(security)])
+            interceptors=[MalformedRequestInterceptor(), AuthInterceptor(security)],
+            options=[("grpc.http2.min_ping_interval_without_data_ms", 20_000)])
         pb_grpc.add_PdClusterServicer_to_server(PdClusterServicer(routers), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,6 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from engine import SamplingParams
 from router.client import PdClusterClient
+from router.servers import start_servers
 from tests.router.conftest import engine_stalled
 
 PROMPT = "The quick brown fox"
@@ -205,3 +209,33 @@ def test_scale(client):
         client.scale(prefill=-1)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("prefill")
+
+
+def test_status_waits_out_a_server_that_is_restarting(loop_thread, backend):
+    """A front door that is down for a moment (restarting): `status` is retried while the
+    port refuses, and answers once a server listens there again; `generate` is never sent
+    twice, so it fails at once."""
+    held = socket.socket()  # bound, not listening: the port refuses, and stays ours
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    started: list = []
+
+    def restart() -> None:
+        held.close()
+        started.append(loop_thread.run(start_servers(backend, grpc_port=port)))
+
+    with PdClusterClient(f"127.0.0.1:{port}", timeout=20) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.generate(prompt_token_ids=[1, 2, 3], max_tokens=1))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        timer = threading.Timer(1.0, restart)
+        timer.start()
+        try:
+            t0 = time.monotonic()
+            assert client.status()["model"] == "tiny"
+            assert time.monotonic() - t0 >= 0.9  # it did wait for the server
+        finally:
+            timer.join()
+            held.close()
+            for servers in started:
+                loop_thread.run(servers.stop(grace=0.5))
