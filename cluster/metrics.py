@@ -175,8 +175,9 @@ class WorkerCollector(Collector):
 
 class VllmCompatCollector(Collector):
     """vLLM-named series (`--metrics-compat vllm`): per-worker load and prefix-cache counters
-    with vLLM's `engine` label, the router queue, and the router's latency histograms and
-    token counters renamed.
+    with vLLM's `engine` label, each worker's `vllm:cache_config_info`, the router queue, the
+    router's latency histograms and token counters renamed, and its per-request token count
+    and inference time histograms (`RouterMetrics.collect_vllm`).
 
     Args:
         backend: the `ClusterBackend` whose workers are reported.
@@ -202,6 +203,8 @@ class VllmCompatCollector(Collector):
                     metric.add_metric([model, "router"],
                                       self.router_metrics.admission.num_waiting)
                 yield metric
+        yield self._cache_config_info(model, workers)
+        yield from self.router_metrics.collect_vllm()
         for family in self.router_metrics.collect_own():
             new_name = _VLLM_ROUTER_NAMES.get(family.name)
             if new_name is None:
@@ -211,3 +214,18 @@ class VllmCompatCollector(Collector):
                 renamed.add_sample(new_name + sample.name[len(family.name):], sample.labels,
                                    sample.value, sample.timestamp, sample.exemplar)
             yield renamed
+
+    @staticmethod
+    def _cache_config_info(model: str, workers: list[Any]) -> Metric:
+        """vLLM's info gauge of each engine's KV cache config (always 1; the figures are
+        labels): tokens per block, KV blocks, the KV dtype; pdcluster keeps no CPU blocks."""
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            labels=["model_name", "engine", "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                    "cache_dtype"])
+        for h in workers:
+            worker_info = getattr(h, "info", None)  # stand-in handles may lack it
+            if h.stats is not None and worker_info is not None:
+                info.add_metric([model, h.worker_id, str(worker_info.block_size),
+                                 str(h.stats.num_blocks), "0", h.stats.kv_cache_dtype], 1)
+        return info

@@ -1,5 +1,5 @@
 """The plan's pick as something to run: the `pdcluster serve` command and the KubeRay
-worker groups (`deploy/kuberay/raycluster.yaml`'s form) that build it."""
+worker groups (`deploy/kuberay/base/raycluster.yaml`'s form) that build it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,16 @@
 """OpenTelemetry traces of a request across the router and the workers (`--otlp-traces-endpoint`).
 
 Every process that takes part in a request (the router, each prefill and decode worker)
-builds one `Tracer` for its role. Spans are exported over OTLP/gRPC by the OpenTelemetry SDK,
-which also reads the standard `OTEL_EXPORTER_OTLP_*` variables (headers, certificates,
-compression, timeout); the endpoint comes from the flag. The router takes a W3C
-`traceparent` from the client's HTTP headers or gRPC metadata, opens the request's span as
-its child, and sends the request span's own `traceparent` to the workers inside `Generate`
-and `Prefill` (`protocol.messages`), so the workers' spans are children of it in the same
+builds one `Tracer` for its role. Spans are exported by the OpenTelemetry SDK over OTLP/gRPC
+(port 4317 by convention) or OTLP/HTTP (`http/protobuf`, port 4318, path `/v1/traces`): the
+standard `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (else `OTEL_EXPORTER_OTLP_PROTOCOL`) picks it,
+and without either an endpoint whose path is `/v1/traces` means OTLP/HTTP. The SDK also reads
+the other `OTEL_EXPORTER_OTLP_*` variables (headers, certificates, compression, timeout); the
+endpoint comes from the flag. The router takes a W3C `traceparent` from the client's HTTP
+headers or gRPC metadata, opens the request's span as its child (with the client's
+`tracestate`, when given to `Tracer.start`, kept in the span's context and its children's),
+and sends the request span's own `traceparent` to the workers inside `Generate` and
+`Prefill` (`protocol.messages`), so the workers' spans are children of it in the same
 trace. Each process reports under its own service name, `pdcluster-<role>` (the prefix is
 `OTEL_SERVICE_NAME` when set), with `pdcluster.role`, `pdcluster.worker_id` and
 `process.pid` as resource attributes.
@@ -21,11 +25,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 # The packages `--otlp-traces-endpoint` needs, as the `tracing` extra installs them.
-INSTALL_HINT = "pip install 'pdcluster[tracing]' (opentelemetry-sdk and " \
-               "opentelemetry-exporter-otlp-proto-grpc)"
+INSTALL_HINT = "pip install 'pdcluster[tracing]' (opentelemetry-sdk, " \
+               "opentelemetry-exporter-otlp-proto-grpc and -proto-http)"
 TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+GRPC, HTTP_PROTOBUF = "grpc", "http/protobuf"
+OTLP_HTTP_PATH = "/v1/traces"
 _OTEL_PREFIX = "OTEL_"
 
 
@@ -34,47 +42,68 @@ class TracingConfig:
     """Where spans go, and the OpenTelemetry settings the workers inherit.
 
     Args:
-        endpoint: the OTLP/gRPC collector, e.g. `http://otel-collector:4317` (`http://`
-            is plaintext, `https://` TLS).
+        endpoint: the collector, e.g. `http://otel-collector:4317` for OTLP/gRPC or
+            `http://otel-collector:4318/v1/traces` for OTLP/HTTP (`http://` is plaintext,
+            `https://` TLS).
         env: the `OTEL_*` variables of the process that read the flag; a worker sets each
             that its own environment lacks before it builds its exporter, so headers and
             certificates given to `serve` reach workers on other nodes too.
+        protocol: `grpc` or `http/protobuf`.
     """
 
     endpoint: str
     env: dict[str, str] = field(default_factory=dict)
+    protocol: str = GRPC
 
     @classmethod
     def from_flag(cls, endpoint: str | None) -> TracingConfig | None:
         """The config for `--otlp-traces-endpoint`; None when the flag is not given.
 
+        The protocol is `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else
+        `OTEL_EXPORTER_OTLP_PROTOCOL`, else `http/protobuf` for an `http(s)://` endpoint
+        whose path is `/v1/traces` and `grpc` for any other. An OTLP/HTTP endpoint without
+        a path gets `/v1/traces`; one with a path is used as it is.
+
         Raises:
-            ValueError: the endpoint is empty, or OTLP over a protocol other than gRPC is
-                asked for (`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`).
-            RuntimeError: the OpenTelemetry SDK or its OTLP/gRPC exporter is not installed;
-                the message says what to install.
+            ValueError: the endpoint is empty, or the protocol is neither `grpc` nor
+                `http/protobuf` (`http/json` is not supported).
+            RuntimeError: the OpenTelemetry SDK or the protocol's OTLP exporter is not
+                installed; the message says what to install.
         """
         if endpoint is None:
             return None
-        if not endpoint.strip():
+        endpoint = endpoint.strip()
+        if not endpoint:
             raise ValueError("--otlp-traces-endpoint: must not be empty")
         env = {k: v for k, v in os.environ.items() if k.startswith(_OTEL_PREFIX)}
-        protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                           env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
-        if protocol != "grpc":
+        url = urlsplit(endpoint)
+        web = url.scheme in ("http", "https")
+        protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or \
+            env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or \
+            (HTTP_PROTOBUF if web and url.path.rstrip("/") == OTLP_HTTP_PATH else GRPC)
+        if protocol not in (GRPC, HTTP_PROTOBUF):
             raise ValueError(f"OTLP protocol {protocol!r}: pdcluster exports traces over "
-                             "grpc only; unset OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL")
-        _exporter_class()  # fail here, before anything starts, when it is missing
-        return cls(endpoint, env)
+                             f"{GRPC} or {HTTP_PROTOBUF}; set "
+                             "OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL to one of them")
+        if protocol == HTTP_PROTOBUF:
+            if not web:
+                raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: OTLP/HTTP needs an "
+                                 "http:// or https:// URL")
+            if url.path in ("", "/"):
+                endpoint = urlunsplit(url._replace(path=OTLP_HTTP_PATH))
+        _exporter_class(protocol)  # fail here, before anything starts, when it is missing
+        return cls(endpoint, env, protocol)
 
 
 class Span:
     """One timed operation; a do-nothing span when tracing is off.
 
-    `traceparent` is the W3C header that makes work elsewhere a child of this span.
+    `traceparent` is the W3C header that makes work elsewhere a child of this span;
+    `tracestate` the W3C vendor state its context carries (None when empty).
     """
 
     traceparent: str | None = None
+    tracestate: str | None = None
 
     def set(self, **attributes: Any) -> None:
         """Add attributes (None values are left out)."""
@@ -96,6 +125,10 @@ class _OtelSpan(Span):
     def traceparent(self) -> str | None:
         context = self._span.get_span_context()
         return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+    @property  # type: ignore[override]
+    def tracestate(self) -> str | None:
+        return self._span.get_span_context().trace_state.to_header() or None
 
     def set(self, **attributes: Any) -> None:
         self._span.set_attributes(_attributes(attributes))
@@ -132,7 +165,7 @@ class Tracer:
             self._tracer = self._provider.get_tracer("pdcluster")
 
     def start(self, name: str, parent: str | None, server: bool = False,
-              **attributes: Any) -> Span:
+              tracestate: str | None = None, **attributes: Any) -> Span:
         """Open a span; the caller ends it.
 
         Args:
@@ -141,13 +174,15 @@ class Tracer:
             parent: the W3C `traceparent` of the parent span (from a client, or from the
                 router's request span); None or malformed starts a new trace.
             server: the span serves a remote caller (the request span of a front door).
+            tracestate: the W3C `tracestate` that came with `parent`; the span's context
+                keeps it (and hands it to the span's children).
             attributes: span attributes (None values are left out).
         """
         if self._tracer is None:
             return NO_SPAN
         from opentelemetry.trace import SpanKind
 
-        span = self._tracer.start_span(name, context=_context(parent),
+        span = self._tracer.start_span(name, context=_context(parent, tracestate),
                                        kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
                                        attributes=_attributes(attributes))
         return _OtelSpan(span)
@@ -159,22 +194,29 @@ class Tracer:
             self._provider = self._tracer = None
 
 
-def _context(traceparent: str | None) -> Any:
+def _context(traceparent: str | None, tracestate: str | None = None) -> Any:
     if not traceparent:
         return None
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    return TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
+    carrier = {TRACEPARENT: traceparent}
+    if tracestate:
+        carrier[TRACESTATE] = tracestate
+    return TraceContextTextMapPropagator().extract(carrier)
 
 
 def _attributes(attributes: Mapping[str, object]) -> dict[str, object]:
     return {k: v for k, v in attributes.items() if v is not None}
 
 
-def _exporter_class() -> Any:
+def _exporter_class(protocol: str = GRPC) -> Any:
     try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace import TracerProvider  # noqa: F401
+
+        if protocol == HTTP_PROTOBUF:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError as e:
         raise RuntimeError(f"--otlp-traces-endpoint needs OpenTelemetry: {INSTALL_HINT} "
                            f"({e})") from e
@@ -194,5 +236,6 @@ def _provider(config: TracingConfig, role: str, worker_id: str | None) -> Any:
         "pdcluster.worker_id": worker_id, "service.instance.id": worker_id,
         "process.pid": os.getpid()}))
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(_exporter_class()(endpoint=config.endpoint)))
+    provider.add_span_processor(BatchSpanProcessor(
+        _exporter_class(config.protocol)(endpoint=config.endpoint)))
     return provider

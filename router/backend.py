@@ -33,6 +33,7 @@ class GenerateRequest:
         traceparent: with tracing on, the W3C `traceparent` of the span the backend's work
             is a child of: the client's as prepared, the router's request span once
             `Router.generate` opened it; None otherwise.
+        tracestate: the W3C `tracestate` that came with `traceparent` (tracing on only).
     """
 
     request_id: str
@@ -40,6 +41,7 @@ class GenerateRequest:
     params: SamplingParams
     arrival_time: float
     traceparent: str | None = None
+    tracestate: str | None = None
 
 
 @dataclass

@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protocol.tracing import TRACEPARENT
+from protocol.tracing import TRACEPARENT, TRACESTATE
 from router.auth import Access, SecurityConfig, bearer_token
 from router.errors import RouterError
 from router.models import Routers
@@ -38,11 +38,12 @@ class PdClusterServicer(pb_grpc.PdClusterServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             router = self.routers.get(request.model)
+            metadata = dict(context.invocation_metadata() or ())
             prepared = router.prepare(
                 **_inputs(request), params=params_from_proto(request.sampling_params),
                 model=request.model or None,
                 request_id=request.request_id if request.HasField("request_id") else None,
-                traceparent=dict(context.invocation_metadata() or ()).get(TRACEPARENT))
+                traceparent=metadata.get(TRACEPARENT), tracestate=metadata.get(TRACESTATE))
             outs = router.generate(prepared, context.time_remaining())
             async with aclosing(outs):
                 async for out in outs:

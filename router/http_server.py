@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from protocol.tracing import TRACEPARENT
+from protocol.tracing import TRACEPARENT, TRACESTATE
 from router.auth import Access, SecurityConfig, bearer_token
 from router.backend import GenerateRequest
 from router.errors import (
@@ -104,7 +104,8 @@ def build_app(routers: Routers, security: SecurityConfig | None = None) -> FastA
         router = routers.get(body.model)
         prompts = [router.prepare(**prompt, params=params, model=body.model,
                                   request_id=raw.headers.get(_REQUEST_ID),
-                                  traceparent=raw.headers.get(TRACEPARENT))
+                                  traceparent=raw.headers.get(TRACEPARENT),
+                                  tracestate=raw.headers.get(TRACESTATE))
                    for prompt in prompts]
         echo = None
         if body.echo:
@@ -123,6 +124,7 @@ def build_app(routers: Routers, security: SecurityConfig | None = None) -> FastA
                                      model=body.model, request_id=raw.headers.get(_REQUEST_ID),
                                      tools=body.tool_dicts(),
                                      traceparent=raw.headers.get(TRACEPARENT),
+                                     tracestate=raw.headers.get(TRACESTATE),
                                      default_max_tokens=router.model_info.max_model_len)
         except InvalidRequestError as e:
             if calling is None or e.param != "json_schema":

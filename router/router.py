@@ -123,7 +123,8 @@ class Router:
                                                    self.config.override_generation_config)
         self.chat_template = ChatTemplate(self.tokenizer)
         self.admission = AdmissionQueue(self.config.max_running, self.config.max_queue)
-        self.metrics = RouterMetrics(self.admission, self.model_info.name)
+        self.metrics = RouterMetrics(self.admission, self.model_info.name,
+                                     self.model_info.max_model_len)
         self._active: dict[str, _Stream] = {}
         self.draining = False
         self._idle = asyncio.Event()
@@ -137,6 +138,7 @@ class Router:
                 request_id: str | None = None,
                 tools: list[dict[str, Any]] | None = None,
                 traceparent: str | None = None,
+                tracestate: str | None = None,
                 default_max_tokens: int | None = None) -> GenerateRequest:
         """Validate and tokenize a request; exactly one of prompt, prompt_token_ids, messages.
 
@@ -151,6 +153,7 @@ class Router:
             tools: OpenAI tool definitions, rendered into a chat's prompt.
             traceparent: the client's W3C `traceparent` (HTTP header or gRPC metadata):
                 with tracing on, the request's span is its child.
+            tracestate: the client's W3C `tracestate`, kept in the request's spans' context.
             default_max_tokens: an omitted max_tokens when the generation config sets none
                 (chat: the context's length); None: SamplingParams' (16). A max_tokens from
                 either default is cut to what fits after the prompt.
@@ -176,8 +179,9 @@ class Router:
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
             raise
+        traced = self.tracer.enabled
         return GenerateRequest(rid, token_ids, sampling, arrival,
-                               traceparent if self.tracer.enabled else None)
+                               traceparent if traced else None, tracestate if traced else None)
 
     def check_model(self, model: str | None) -> None:
         """Raises ModelNotFoundError unless `model` is None, empty or the served model."""
@@ -319,7 +323,7 @@ class Router:
         the request inside an `admission` span."""
         request = stream.request
         stream.span = self.tracer.start(
-            "request", request.traceparent, server=True,
+            "request", request.traceparent, server=True, tracestate=request.tracestate,
             **{"gen_ai.request.id": request.request_id,
                "gen_ai.request.model": self.model_info.name,
                "gen_ai.request.max_tokens": request.params.max_tokens,
@@ -327,7 +331,9 @@ class Router:
         if not self.tracer.enabled:
             return await self._admit(request, timeout)
         request.traceparent = stream.span.traceparent
-        span = self.tracer.start("admission", request.traceparent)
+        request.tracestate = stream.span.tracestate
+        span = self.tracer.start("admission", request.traceparent,
+                                 tracestate=request.tracestate)
         try:
             admitted = await self._admit(request, timeout)
         except RouterError as e:
@@ -501,7 +507,8 @@ class _Stream:
         if self.first_token is None:
             self.first_token = now
             metrics.ttft.observe(now - self.request.arrival_time)
-            self.response_span = self.router.tracer.start("response", self.request.traceparent)
+            self.response_span = self.router.tracer.start("response", self.request.traceparent,
+                                                         tracestate=self.request.tracestate)
         else:
             metrics.itl.observe((now - self.last_token) / num_new)
         self.last_token = now
@@ -531,6 +538,9 @@ class _Stream:
             if self.num_tokens > 1:
                 tpot = (self.last_token - self.first_token) / (self.num_tokens - 1)
                 metrics.tpot.observe(tpot)
+        last = now if self.first_token is None else self.last_token
+        metrics.observe_finished(len(self.request.prompt_token_ids), self.num_tokens,
+                                 last - self.admitted)
         out = out or GenerateOutput(self.request.request_id)
         timings = Timings(queue=self.admitted - arrival,
                           prefill=self.backend_timings.get("prefill", 0.0),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import io
 import json
@@ -19,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +40,8 @@ from router.metrics import ModelBoundMetric, RouterMetrics
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERAY = DEPLOY / "kuberay"
+KUBERAY_BASE = KUBERAY / "base"
+CPU_OVERLAY = KUBERAY / "overlays" / "cpu"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DASHBOARD = DEPLOY / "grafana" / "pdcluster-dashboard.json"
 OPERATORS_GUIDE = ROOT / "docs" / "operators.md"
@@ -76,15 +80,15 @@ def k8s_object(path: Path, kind: str) -> dict[str, Any]:
 
 
 def raycluster() -> dict[str, Any]:
-    return k8s_object(KUBERAY / "raycluster.yaml", "RayCluster")
+    return k8s_object(KUBERAY_BASE / "raycluster.yaml", "RayCluster")
 
 
 def frontend_service() -> dict[str, Any]:
-    return k8s_object(KUBERAY / "raycluster.yaml", "Service")
+    return k8s_object(KUBERAY_BASE / "raycluster.yaml", "Service")
 
 
 def launch_job() -> dict[str, Any]:
-    return k8s_object(KUBERAY / "launch.yaml", "Job")
+    return k8s_object(KUBERAY_BASE / "launch.yaml", "Job")
 
 
 def launch_container() -> dict[str, Any]:
@@ -98,6 +102,75 @@ def launch_argv() -> list[str]:
     args = launch_container()["args"]
     assert args[0] == "serve", args
     return args[1:]
+
+
+def launch_configmap() -> dict[str, Any]:
+    return k8s_object(KUBERAY_BASE / "launch.yaml", "ConfigMap")
+
+
+def mounted_config_path(job: dict[str, Any], configmap: dict[str, Any]) -> tuple[str, str]:
+    """(the path the launcher's `--config` names, the ConfigMap key mounted there)."""
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (config,) = [a.partition("=")[2] for a in container["args"] if a.startswith("--config=")]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])
+               if v.get("configMap", {}).get("name") == configmap["metadata"]["name"]}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in volumes and config.startswith(mount["mountPath"].rstrip("/") + "/"):
+            return config, config[len(mount["mountPath"].rstrip("/")) + 1:]
+    pytest.fail(f"--config={config} is not in a mount of ConfigMap "
+                f"{configmap['metadata']['name']}")
+
+
+def launch_options(job: dict[str, Any] | None = None,
+                   configmap: dict[str, Any] | None = None) -> Any:
+    """The `ServeOptions` the launch Job's `pdcluster serve` builds, by the real CLI: its
+    args, with `--config` read from the ConfigMap mounted there (nothing is started)."""
+    import cluster.frontdoor
+    import cluster.serve
+    from commands.cli import main
+
+    job, configmap = job or launch_job(), configmap or launch_configmap()
+    config, key = mounted_config_path(job, configmap)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    seen: list[Any] = []
+
+    def launch(options: Any, *_: Any) -> dict[str, Any]:
+        seen.append(options)
+        return {"existing": False, "grpc_port": GRPC_PORT, "http_port": HTTP_PORT}
+
+    with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as mp:
+        local = Path(folder) / key
+        local.write_text(configmap["data"][key])
+        for name in [k for k in os.environ if k.startswith("PDCLUSTER_")]:
+            mp.delenv(name)
+        # The keys come from the Secret in the Job's env.
+        for env in container.get("env", []):
+            if env["name"] in ("PDCLUSTER_API_KEY", "PDCLUSTER_ADMIN_KEY"):
+                mp.setenv(env["name"], "test-key")
+        mp.setattr(cluster.frontdoor, "launch", launch)
+        mp.setattr(cluster.serve, "announce", lambda *_: None)
+        argv = [f"--config={local}" if a == f"--config={config}" else a
+                for a in container["args"]]
+        assert main(argv) == 0, argv
+    (options,) = seen
+    return options
+
+
+def kustomize(folder: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize FOLDER`'s objects (skips without kubectl)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl to render the kustomization")
+    result = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [doc for doc in docs if doc["kind"] == kind]
+    return found
 
 
 def worker_groups() -> dict[str, dict[str, Any]]:
@@ -405,7 +478,7 @@ def test_yaml_parses_into_mappings(path: Path):
     docs = load_docs(path)
     assert docs, f"{path} holds no YAML document"
     assert all(isinstance(doc, dict) for doc in docs)
-    if path.parent == KUBERAY:
+    if KUBERAY in path.parents:
         for doc in docs:
             assert {"apiVersion", "kind"} <= doc.keys(), path.name
             # Kubernetes objects are named; a Kustomization is kubectl's input, not an object.
@@ -415,8 +488,9 @@ def test_yaml_parses_into_mappings(path: Path):
 
 def test_expected_artefacts_exist():
     for path in (DOCKERFILE, DEPLOY / "Dockerfile.dockerignore", DEPLOY / "docker-entrypoint.sh",
-                 DEPLOY / "ray-cluster.yaml", KUBERAY / "raycluster.yaml",
-                 KUBERAY / "launch.yaml", DASHBOARD, OPERATORS_GUIDE):
+                 DEPLOY / "ray-cluster.yaml", KUBERAY_BASE / "raycluster.yaml",
+                 KUBERAY_BASE / "launch.yaml", KUBERAY_BASE / "disruption.yaml",
+                 CPU_OVERLAY / "kustomization.yaml", DASHBOARD, OPERATORS_GUIDE):
         assert path.is_file(), f"missing {path.relative_to(ROOT)}"
     assert json.loads(DASHBOARD.read_text())["panels"]
 
@@ -588,49 +662,95 @@ def test_launch_job_starts_a_detached_cluster_on_the_raycluster():
     assert flags.get("--host") == "0.0.0.0"
     assert int(flags.get("--grpc-port", GRPC_PORT)) == GRPC_PORT
     assert int(flags.get("--http-port", HTTP_PORT)) == HTTP_PORT
-    if flags.get("--mode", "disaggregated") == "disaggregated":
+    cluster = launch_options().cluster  # the args and the mounted --config file
+    assert (cluster.num_prefill, cluster.num_decode) == (2, 2)
+    if cluster.mode == "disaggregated":
         # Prefill and decode workers live in different pods, which share no /dev/shm: with
         # `shm` each decode pod would hold a shared-memory KV pool no transfer can use.
-        assert flags.get("--transport") in ("zmq", "torch")
+        assert set(cluster.transports) <= {"zmq", "torch"}, cluster.transports
     # Worker traffic crosses the pod network: only holders of the cluster's key are heard.
-    assert flags.get("--internal-auth", "auto") in ("auto", "curve")
+    assert cluster.internal_auth in ("auto", "curve")
 
 
-def test_launched_pools_fit_in_their_worker_groups():
-    flags = parse_flags(launch_argv(), "serve", "launch.yaml")
-    per_worker = {"nvidia.com/gpu": float(flags["--num-gpus-per-worker"]),
-                  "cpu": float(flags["--num-cpus-per-worker"])}
+def assert_pools_fit(groups: dict[str, dict[str, Any]], options: Any) -> None:
+    """Each pool's workers fit its group's pods at the replicas the cluster starts with."""
+    cluster = options.cluster
     for name in POOLS:
-        count = int(flags[f"--{name}"])
-        group = worker_groups()[name]
+        spec = getattr(cluster, name)
+        count = getattr(cluster, f"num_{name}")
+        group = groups[name]
         limits = ray_container(group)["resources"]["limits"]
+        per_worker = {"nvidia.com/gpu": spec.num_gpus, "cpu": spec.num_cpus}
         for key, need in per_worker.items():
-            per_pod = quantity(limits[key])
+            per_pod = quantity(limits.get(key, 0))
             fit_per_pod = int(per_pod // need) if need else count
             # Enough at the replicas the cluster starts with, so serving starts at once.
             pods = group.get("replicas", group["minReplicas"])
             assert count <= fit_per_pod * pods, (
                 f"{count} {name} workers x {need} {key} do not fit {pods} pods x {per_pod}")
-        assert int(flags.get("--torch-threads", 1)) <= float(flags["--num-cpus-per-worker"])
+        assert spec.engine["torch_threads"] <= spec.num_cpus, name
+
+
+def test_launched_pools_fit_in_their_worker_groups():
+    assert_pools_fit(worker_groups(), launch_options())
 
 
 def test_launched_gpu_workers_get_a_gpu_dtype_and_a_share_of_its_memory():
     """On a GPU the KV pool is a share of the device (not an absolute CPU-sized GB), the
     shares of the workers on one GPU fit in it, and the dtype is one FlashInfer takes."""
+    cluster = launch_options().cluster
+    for name in POOLS:
+        spec = getattr(cluster, name)
+        assert spec.num_gpus > 0, name
+        assert spec.engine["dtype"] in ("auto", "bfloat16", "float16"), name
+        assert spec.engine["kv_cache_memory_gb"] is None, name
+        share = spec.engine["gpu_memory_utilization"]
+        assert share > 0 and share * round(1 / spec.num_gpus) <= 1, (
+            f"{name}: workers sharing a GPU overcommit it")
+
+
+def test_launch_job_reads_per_pool_settings_from_the_mounted_config():
+    """The pools' engine settings live in the ConfigMap, mounted where `--config` points;
+    the args keep only what wires the Job to the cluster and the Service."""
+    job, configmap = launch_job(), launch_configmap()
+    config, key = mounted_config_path(job, configmap)
+    assert key in configmap["data"]
+    file = yaml.safe_load(configmap["data"][key])
+    assert {"prefill", "decode"} <= file.keys()
     flags = parse_flags(launch_argv(), "serve", "launch.yaml")
-    gpus = float(flags["--num-gpus-per-worker"])
-    assert gpus > 0
-    assert flags.get("--dtype", "auto") in ("auto", "bfloat16", "float16")
-    assert "--kv-cache-gb" not in flags
-    share = float(flags["--gpu-memory-utilization"])
-    assert share > 0 and share * round(1 / gpus) <= 1, "workers sharing a GPU overcommit it"
+    assert flags["--config"] == config
+    engine_flags = {f"--{k}" for k in file if k not in POOLS}
+    assert not engine_flags & flags.keys(), "set twice: the command line would win"
+    cluster = launch_options().cluster
+    # The sections reach the pools: each gets its own step budget and batch.
+    for name in POOLS:
+        engine = getattr(cluster, name).engine
+        assert engine["max_num_seqs"] == file[name]["max-num-seqs"], name
+        assert engine["max_num_batched_tokens"] == file[name]["max-num-batched-tokens"], name
+    assert cluster.prefill.engine["max_num_seqs"] != cluster.decode.engine["max_num_seqs"]
 
 
-def test_kustomization_lists_existing_files():
-    (kustomization,) = load_docs(KUBERAY / "kustomization.yaml")
-    for resource in kustomization["resources"]:
-        assert (KUBERAY / resource).is_file(), resource
-    assert {"raycluster.yaml", "launch.yaml"} <= set(kustomization["resources"])
+def test_kustomizations_list_existing_resources():
+    for folder in (KUBERAY, KUBERAY_BASE, CPU_OVERLAY):
+        (kustomization,) = load_docs(folder / "kustomization.yaml")
+        for resource in kustomization["resources"]:
+            target = folder / resource
+            assert target.is_file() or (target / "kustomization.yaml").is_file(), target
+        for patch in kustomization.get("patches", []):
+            assert "path" not in patch or (folder / patch["path"]).is_file(), patch
+    (base,) = load_docs(KUBERAY_BASE / "kustomization.yaml")
+    assert set(base["resources"]) == {"raycluster.yaml", "disruption.yaml", "launch.yaml"}
+    (top,) = load_docs(KUBERAY / "kustomization.yaml")
+    assert top["resources"] == ["base"]
+
+
+def test_kustomize_renders_the_base_as_its_files():
+    rendered = kustomize(KUBERAY)
+    files = [doc for name in ("raycluster.yaml", "disruption.yaml", "launch.yaml")
+             for doc in load_docs(KUBERAY_BASE / name)]
+    key = sorted((d["kind"], d["metadata"]["name"]) for d in rendered)
+    assert key == sorted((d["kind"], d["metadata"]["name"]) for d in files)
+    assert one(rendered, "RayCluster") == raycluster()
 
 
 def test_servicemonitor_scrapes_the_frontend_metrics():
@@ -643,6 +763,387 @@ def test_servicemonitor_scrapes_the_frontend_metrics():
     assert port_names[endpoint["port"]] == HTTP_PORT and endpoint["path"] == "/metrics"
     annotations = service["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(HTTP_PORT)
+
+
+# ================================================================ KubeRay hardening
+
+# What KubeRay's RayCluster CRD (v1) accepts in the parts of `spec` these manifests write,
+# copied by name from its openAPIV3Schema: ray-operator/config/crd/bases/
+# ray.io_rayclusters.yaml (also helm-chart/kuberay-operator/crds/) at KubeRay v1.5.1, the
+# first release with `authOptions` (mode enum [disabled, token]); the same types at v1.7.0,
+# which adds authOptions.secretName and .enableK8sTokenAuth (unused here). A type, a tuple
+# (a string enum), a dict (an object with exactly these properties), STRING_MAP (an object
+# of string values) or OPAQUE (checked elsewhere: a core PodTemplateSpec, quantities).
+# The CRD has no `scale` subresource (`subresources: {status: {}}`): KEDA or an HPA cannot
+# scale a RayCluster; Ray's autoscaler does.
+STRING_MAP, OPAQUE = "object of strings", "opaque"
+KUBERAY_CRD_SPEC: dict[str, Any] = {
+    "rayVersion": str,
+    "enableInTreeAutoscaling": bool,
+    "suspend": bool,
+    "authOptions": {"mode": ("disabled", "token")},
+    "autoscalerOptions": {
+        "upscalingMode": ("Default", "Aggressive", "Conservative"),
+        "idleTimeoutSeconds": int,
+        "resources": OPAQUE,
+        "securityContext": OPAQUE,
+        "image": str,
+        "imagePullPolicy": str,
+        "version": ("v1", "v2"),
+    },
+    "headGroupSpec": {"serviceType": str, "rayStartParams": STRING_MAP, "template": OPAQUE,
+                      "enableIngress": bool},
+    "workerGroupSpecs": [{"groupName": str, "replicas": int, "minReplicas": int,
+                          "maxReplicas": int, "idleTimeoutSeconds": int, "numOfHosts": int,
+                          "rayStartParams": STRING_MAP, "template": OPAQUE, "suspend": bool}],
+}
+KUBERAY_CRD_REQUIRED = {"spec": {"headGroupSpec"}, "headGroupSpec": {"template"},
+                        "workerGroupSpecs": {"groupName", "minReplicas", "maxReplicas",
+                                             "template"}}
+# KubeRay's pod labels (ray-operator/controllers/ray/utils/constant.go, v1.5.1):
+# RayClusterLabelKey, RayNodeGroupLabelKey (the head's group: "headgroup"),
+# RayNodeTypeLabelKey. The token Secret it generates: named after the cluster
+# (utils.CheckName), key RAY_AUTH_TOKEN_SECRET_KEY = "auth_token"; Ray reads the token from
+# RAY_AUTH_TOKEN when RAY_AUTH_MODE is "token".
+KUBERAY_TOKEN_KEY = "auth_token"
+RAY_MIN_TOKEN_AUTH = (2, 52, 0)  # utils/validation.go: token mode needs Ray 2.52.0
+
+
+def crd_violations(value: Any, schema: Any, where: str) -> list[str]:
+    """Where `value` leaves the CRD schema excerpt `schema`: unknown fields, wrong types,
+    values outside an enum, missing required fields."""
+    if schema is OPAQUE:
+        return []
+    if schema is STRING_MAP:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            return [f"{where}: not an object of strings: {value!r}"]
+        return []
+    if isinstance(schema, tuple):
+        return [] if value in schema else [f"{where}: {value!r} not one of {schema}"]
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            return [f"{where}: not an array"]
+        return [v for i, item in enumerate(value)
+                for v in crd_violations(item, schema[0], f"{where}[{i}]")]
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return [f"{where}: not an object"]
+        out = [f"{where}.{key}: not a field of the CRD" for key in value.keys() - schema.keys()]
+        name = where.rsplit(".", 1)[-1].split("[")[0]
+        out += [f"{where}.{key}: required" for key in
+                KUBERAY_CRD_REQUIRED.get(name, set()) - value.keys()]
+        return out + [v for key in value.keys() & schema.keys()
+                      for v in crd_violations(value[key], schema[key], f"{where}.{key}")]
+    # `bool` is an `int` in Python, not in OpenAPI.
+    ok = type(value) is schema or (schema is float and type(value) is int)
+    return [] if ok else [f"{where}: {value!r} is not a {schema.__name__}"]
+
+
+def kuberay_pod_labels(cluster: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The labels each group's pods carry: the template's plus KubeRay's."""
+    name = cluster["metadata"]["name"]
+    spec = cluster["spec"]
+    groups = {"headgroup": ("head", spec["headGroupSpec"])}
+    groups.update({g["groupName"]: ("worker", g) for g in spec["workerGroupSpecs"]})
+    return {group: {**g["template"].get("metadata", {}).get("labels", {}),
+                    "ray.io/cluster": name, "ray.io/group": group, "ray.io/node-type": kind}
+            for group, (kind, g) in groups.items()}
+
+
+# ---------------------------------------------------------------- Pod Security Standards
+
+# The "restricted" profile (kubernetes.io/docs/concepts/security/pod-security-standards/),
+# the rules these manifests can break.
+RESTRICTED_VOLUMES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                                "persistentVolumeClaim", "projected", "secret"})
+SECCOMP_ALLOWED = frozenset({"RuntimeDefault", "Localhost"})
+CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
+
+
+def pod_specs(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every pod spec in a manifest, wherever it is nested (a RayCluster's groups, a Job's
+    template, a Deployment's, a CronJob's, a bare Pod): any mapping with `containers`."""
+    found = []
+    if isinstance(node, dict):
+        if isinstance(node.get("containers"), list):
+            found.append((where or "spec", node))
+        for key, value in node.items():
+            found += pod_specs(value, f"{where}.{key}" if where else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += pod_specs(value, f"{where}[{i}]")
+    return found
+
+
+def container_violations(security: dict[str, Any], pod_security: dict[str, Any],
+                         where: str) -> list[str]:
+    """A container's breaches of the restricted profile, given its pod's securityContext."""
+    out = []
+    if security.get("allowPrivilegeEscalation") is not False:
+        out.append(f"{where}: allowPrivilegeEscalation must be false")
+    if security.get("privileged") is True:
+        out.append(f"{where}: privileged")
+    capabilities = security.get("capabilities", {})
+    if "ALL" not in capabilities.get("drop", []):
+        out.append(f"{where}: capabilities.drop must hold ALL")
+    if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+        out.append(f"{where}: adds capabilities {capabilities['add']}")
+    non_root = security.get("runAsNonRoot", pod_security.get("runAsNonRoot"))
+    if non_root is not True:
+        out.append(f"{where}: runAsNonRoot must be true (container or pod)")
+    if security.get("runAsUser", pod_security.get("runAsUser")) == 0:
+        out.append(f"{where}: runAsUser 0")
+    seccomp = security.get("seccompProfile", pod_security.get("seccompProfile", {}))
+    if seccomp.get("type") not in SECCOMP_ALLOWED:
+        out.append(f"{where}: seccompProfile.type must be RuntimeDefault or Localhost "
+                   "(container or pod)")
+    if security.get("procMount", "Default") != "Default":
+        out.append(f"{where}: procMount")
+    return out
+
+
+def restricted_violations(pod: dict[str, Any], where: str) -> list[str]:
+    """A pod spec's breaches of the restricted profile: pod-level rules, then each
+    container's (init and ephemeral included)."""
+    out = []
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(field) is True:
+            out.append(f"{where}: {field}")
+    pod_security = pod.get("securityContext", {})
+    if pod_security.get("runAsUser") == 0:
+        out.append(f"{where}: pod runAsUser 0")
+    if pod_security.get("seccompProfile", {}).get("type", "RuntimeDefault") not in \
+            SECCOMP_ALLOWED:
+        out.append(f"{where}: pod seccompProfile {pod_security['seccompProfile']}")
+    for volume in pod.get("volumes", []):
+        kinds = volume.keys() - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"{where}: volume {volume['name']} is {sorted(kinds)}")
+    for field in CONTAINER_LISTS:
+        for container in pod.get(field, []):
+            at = f"{where}.{field}[{container.get('name')}]"
+            out += container_violations(container.get("securityContext", {}), pod_security, at)
+            for port in container.get("ports", []):
+                if port.get("hostPort"):
+                    out.append(f"{at}: hostPort {port['hostPort']}")
+    return out
+
+
+def kuberay_manifests() -> dict[str, list[dict[str, Any]]]:
+    """Every Kubernetes manifest under deploy/kuberay (kustomizations left out: their
+    output is checked rendered), by file."""
+    return {str(path.relative_to(DEPLOY)): [d for d in load_docs(path)
+                                            if d["kind"] != "Kustomization"]
+            for path in sorted(KUBERAY.rglob("*.yaml"))}
+
+
+def every_pod(docs: list[dict[str, Any]], where: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(f"{where}: {doc['kind']}/{doc['metadata']['name']} {at}", pod)
+            for doc in docs for at, pod in pod_specs(doc.get("spec", {}))]
+
+
+def test_restricted_profile_on_every_pod_and_container():
+    checked = []
+    for name, docs in kuberay_manifests().items():
+        checked += every_pod(docs, name)
+    for at, pod in checked:
+        assert not restricted_violations(pod, at), restricted_violations(pod, at)
+    # Not vacuous: the head, three worker groups and the launch Job.
+    assert len(checked) == 5, [at for at, _ in checked]
+    # KubeRay's own containers: the autoscaler sidecar takes autoscalerOptions'
+    # securityContext (in the head pod); `wait-gcs-ready` copies the Ray container's.
+    head = raycluster()["spec"]["headGroupSpec"]["template"]["spec"]
+    sidecar = raycluster()["spec"]["autoscalerOptions"]["securityContext"]
+    assert not container_violations(sidecar, head.get("securityContext", {}), "autoscaler")
+
+
+def test_restricted_profile_on_the_rendered_overlays():
+    for folder in (KUBERAY, CPU_OVERLAY):
+        pods = every_pod(kustomize(folder), str(folder.relative_to(DEPLOY)))
+        assert len(pods) == 5
+        for at, pod in pods:
+            assert not restricted_violations(pod, at), restricted_violations(pod, at)
+
+
+def without(pod: dict[str, Any], *path: str | int) -> dict[str, Any]:
+    broken = copy.deepcopy(pod)
+    node: Any = broken
+    for key in path[:-1]:
+        node = node[key]
+    del node[path[-1]]
+    return broken
+
+
+def with_value(pod: dict[str, Any], value: Any, *path: str | int) -> dict[str, Any]:
+    broken = copy.deepcopy(pod)
+    node: Any = broken
+    for key in path[:-1]:
+        node = node.setdefault(key, {}) if isinstance(node, dict) else node[key]
+    node[path[-1]] = value
+    return broken
+
+
+@pytest.mark.parametrize("breach", [
+    lambda p: without(p, "containers", 0, "securityContext", "allowPrivilegeEscalation"),
+    lambda p: without(p, "containers", 0, "securityContext", "capabilities"),
+    lambda p: without(p, "securityContext", "seccompProfile"),
+    lambda p: without(p, "securityContext", "runAsNonRoot"),
+    lambda p: with_value(p, False, "containers", 0, "securityContext", "runAsNonRoot"),
+    lambda p: with_value(p, True, "containers", 0, "securityContext", "privileged"),
+    lambda p: with_value(p, {"type": "Unconfined"}, "containers", 0, "securityContext",
+                         "seccompProfile"),
+    lambda p: with_value(p, True, "hostNetwork"),
+    lambda p: with_value(p, [{"name": "x", "hostPath": {"path": "/"}}], "volumes"),
+    lambda p: with_value(p, [{"name": "init", "securityContext": {}}], "initContainers"),
+], ids=["allowPrivilegeEscalation", "capabilities", "seccomp", "runAsNonRoot",
+        "container-runAsNonRoot-false", "privileged", "unconfined", "hostNetwork",
+        "hostPath", "bare-init-container"])
+def test_restricted_checker_catches_one_missing_field(breach: Any):
+    """Each manifest's pods pass; one field taken from one of them fails the checker."""
+    for at, pod in every_pod(load_docs(KUBERAY_BASE / "raycluster.yaml")
+                             + load_docs(KUBERAY_BASE / "launch.yaml"), "base"):
+        assert not restricted_violations(pod, at)
+        assert restricted_violations(breach(pod), at), at
+
+
+# ---------------------------------------------------------------- CRD fields, auth
+
+
+@pytest.mark.parametrize("source", ["base", "cpu"])
+def test_raycluster_uses_only_fields_of_kuberays_crd(source: str):
+    cluster = raycluster() if source == "base" else one(kustomize(CPU_OVERLAY), "RayCluster")
+    assert cluster["apiVersion"] == "ray.io/v1"
+    assert not crd_violations(cluster["spec"], KUBERAY_CRD_SPEC, "spec"), crd_violations(
+        cluster["spec"], KUBERAY_CRD_SPEC, "spec")
+
+
+def test_crd_check_refuses_what_the_crd_refuses():
+    spec = raycluster()["spec"]
+    broken = [with_value(spec, "tokens", "authOptions", "mode"),
+              with_value(spec, "1", "workerGroupSpecs", 0, "maxReplicas"),
+              with_value(spec, True, "workerGroupSpecs", 0, "minReplicas"),
+              with_value(spec, {"x": 1}, "headGroupSpec", "rayStartParams"),
+              with_value(spec, "token", "authMode"),
+              without(spec, "workerGroupSpecs", 0, "groupName")]
+    for each in broken:
+        assert crd_violations(each, KUBERAY_CRD_SPEC, "spec")
+
+
+def test_ray_token_auth_guards_the_cluster_and_reaches_the_launcher(tmp_path: Path):
+    cluster = raycluster()
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
+    version = tuple(int(x) for x in cluster["spec"]["rayVersion"].split("."))
+    assert version >= RAY_MIN_TOKEN_AUTH
+    env = {e["name"]: e for e in launch_container()["env"]}
+    from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR
+
+    assert env[AUTH_MODE_ENV_VAR]["value"] == "token"
+    (token_var,) = [name for name, e in env.items() if e.get("valueFrom", {}).get(
+        "secretKeyRef", {}).get("key") == KUBERAY_TOKEN_KEY]
+    assert env[token_var]["valueFrom"]["secretKeyRef"]["name"] == cluster["metadata"]["name"]
+    # Ray itself, given the Job's two variables (and no token file), runs in token mode
+    # with that token: the names are the ones Ray reads.
+    script = ("from ray._raylet import AuthenticationTokenLoader as L, AuthenticationMode "
+              "as M, get_authentication_mode as mode\n"
+              "print(mode() == M.TOKEN, L.instance().get_raw_token())")
+    token = "0123456789abcdef0123456789abcdef"
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    run_env.update({"HOME": str(tmp_path), AUTH_MODE_ENV_VAR: env[AUTH_MODE_ENV_VAR]["value"],
+                    token_var: token})
+    result = subprocess.run([sys.executable, "-c", script], env=run_env, capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["True", token], result.stderr
+
+
+# ---------------------------------------------------------------- disruption, draining
+
+
+def test_disruption_budgets_cover_each_group():
+    budgets = [d for d in load_docs(KUBERAY_BASE / "disruption.yaml")
+               if d["kind"] == "PodDisruptionBudget"]
+    labels = kuberay_pod_labels(raycluster())
+    covered = {}
+    for budget in budgets:
+        assert budget["apiVersion"] == "policy/v1"
+        wanted = budget["spec"]["selector"]["matchLabels"]
+        (group,) = [g for g, have in labels.items() if wanted.items() <= have.items()]
+        covered[group] = budget["spec"]
+    assert covered.keys() == labels.keys(), "a group without a budget, or one with two"
+    # Single pods nothing replaces in place: no eviction.
+    for group in ("headgroup", "frontdoor"):
+        assert covered[group] == {"minAvailable": 1, "selector": covered[group]["selector"]}
+    assert worker_groups()["frontdoor"]["maxReplicas"] == 1
+    # A pool loses one pod at a time.
+    for group in POOLS:
+        assert covered[group]["maxUnavailable"] == 1 and "minAvailable" not in covered[group]
+
+
+def test_frontdoor_prestop_waits_out_the_drain_timeout():
+    """On deletion the front-door pod holds SIGTERM back for the serve drain timeout (the
+    launch config's, or DRAIN_TIMEOUT_S), and its grace period covers that and `ray stop`."""
+    from protocol.defaults import DRAIN_TIMEOUT_S
+
+    group = worker_groups()["frontdoor"]
+    pod = group["template"]["spec"]
+    command = ray_container(group)["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    wait = float(command[1])
+    drain = launch_options().drain_timeout_s
+    assert drain == DRAIN_TIMEOUT_S, "the config changed it: check this test's numbers"
+    assert drain <= wait <= drain + 15
+    grace = pod["terminationGracePeriodSeconds"]
+    assert type(grace) is int and wait + 20 <= grace <= wait + 120
+    # The other pods keep Kubernetes' default: they hold no client connection.
+    for name, other in worker_groups().items():
+        if name != "frontdoor":
+            assert "lifecycle" not in ray_container(other)
+
+
+# ---------------------------------------------------------------- CPU overlay
+
+
+def test_cpu_overlay_asks_for_no_gpu_and_runs_cpu_settings():
+    docs = kustomize(CPU_OVERLAY)
+    assert "nvidia.com/gpu" not in json.dumps(docs)
+    cluster = one(docs, "RayCluster")
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    images = {c["image"] for _, pod in every_pod(docs, "cpu") for c in pod["containers"]}
+    assert images == {"registry.example.com/pdcluster:0.1.0-cpu"}
+    for name in POOLS:
+        resources = ray_container(groups[name])["resources"]
+        assert resources["limits"] == resources["requests"]
+        assert quantity(resources["limits"]["cpu"]) >= 1
+        assert "tolerations" not in groups[name]["template"]["spec"]
+    options = launch_options(one(docs, "Job"), one(docs, "ConfigMap"))
+    for name in POOLS:
+        spec = getattr(options.cluster, name)
+        assert spec.num_gpus == 0, name
+        assert spec.engine["dtype"] == "float32", name
+        assert spec.engine["gpu_memory_utilization"] is None, name
+        assert spec.engine["kv_cache_memory_gb"] > 0, name
+        assert spec.engine["torch_threads"] == spec.num_cpus, name
+    assert_pools_fit(groups, options)
+    # The rest of the base is untouched: auth, budgets, the front door's drain window.
+    assert cluster["spec"]["authOptions"] == raycluster()["spec"]["authOptions"]
+    door = copy.deepcopy(worker_groups()["frontdoor"])
+    ray_container(door)["image"] = ray_container(groups["frontdoor"])["image"]
+    assert groups["frontdoor"] == door, "the overlay changes only the front door's image"
+    assert len([d for d in docs if d["kind"] == "PodDisruptionBudget"]) == 4
+
+
+def test_ray_autoscaler_reads_the_cpu_overlay():
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
+
+    cr = one(kustomize(CPU_OVERLAY), "RayCluster")
+    cr["metadata"].setdefault("namespace", "default")
+    node_types = _derive_autoscaling_config_from_ray_cr(cr)["available_node_types"]
+    for name, resource in POOLS.items():
+        resources = node_types[name]["resources"]
+        assert resources.get("GPU", 0) == 0 and resources["CPU"] == 8, resources
+        assert resources.get(resource, 0) > 0
+
 
 
 # ================================================================ Ray cluster launcher

@@ -73,10 +73,15 @@ def test_tracing_and_log_prompts_flags(captured: list[Any], monkeypatch: pytest.
     tracing = captured[1].cluster.tracing
     assert tracing.endpoint == "http://otel:4317" and captured[1].router.log_prompts is True
     assert tracing.env["OTEL_EXPORTER_OTLP_HEADERS"] == "x-token=abc"  # the workers get it
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert tracing.protocol == "grpc"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")  # OTLP/HTTP, 4318
+    assert main(["serve", "--model", "tiny", "--otlp-traces-endpoint", "http://otel:4318"]) == 0
+    tracing = captured[2].cluster.tracing
+    assert (tracing.protocol, tracing.endpoint) == ("http/protobuf", "http://otel:4318/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     assert main(["serve", "--model", "tiny", "--otlp-traces-endpoint", "http://otel:4318"]) == 2
-    assert "exports traces over grpc only" in capsys.readouterr().err
-    assert len(captured) == 2
+    assert "pdcluster exports traces over grpc or http/protobuf" in capsys.readouterr().err
+    assert len(captured) == 3
 
 
 def test_kv_cache_dtype_reaches_every_worker(captured: list[Any],
