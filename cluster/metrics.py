@@ -57,6 +57,8 @@ _VLLM_WORKER_GAUGES = {
     "vllm:kv_cache_usage_perc": ("kv_usage", "Fraction of KV-cache blocks in use (0-1)."),
 }
 _VLLM_WORKER_COUNTERS = {
+    "vllm:num_preemptions": ("num_preemptions",
+                             "Requests preempted (KV freed, recomputed later)."),
     "vllm:prefix_cache_queries": ("prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache."),
     "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),

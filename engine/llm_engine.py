@@ -419,6 +419,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_parked=len(self.scheduler.parked),
             num_waiting_for_kv=self.num_waiting_for_kv(),
+            num_preemptions=self.scheduler.num_preemptions,
             num_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free_blocks,
             kv_usage=pool.usage,

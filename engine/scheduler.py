@@ -88,6 +88,7 @@ class Scheduler:
         # Requests holding blocks outside the batch: remote KV in flight, or prefilled KV
         # waiting to be shipped.
         self.parked: dict[str, Request] = {}
+        self.num_preemptions = 0  # cumulative: running requests sent back to be recomputed
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -170,6 +171,7 @@ class Scheduler:
         self.kv.reset(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
 

@@ -25,6 +25,8 @@ class EngineStats:
         num_parked: requests held outside the batch (waiting for remote KV, or prefilled
             and waiting to be shipped).
         num_waiting_for_kv: parked requests whose KV has not landed yet.
+        num_preemptions: running requests preempted (their KV freed, to be recomputed) when
+            blocks ran out (cumulative).
         num_blocks: KV blocks in the pool.
         num_free_blocks: of them, free (prefix-cached ones included).
         kv_usage: share of blocks in use.
@@ -53,6 +55,7 @@ class EngineStats:
     num_waiting: int
     num_parked: int
     num_waiting_for_kv: int
+    num_preemptions: int
     num_blocks: int
     num_free_blocks: int
     kv_usage: float

@@ -45,6 +45,7 @@ class WorkerStats(msgspec.Struct, kw_only=True):
         num_parked: requests held outside the batch (waiting for remote KV, or prefilled
             and waiting to be shipped).
         num_waiting_for_kv: parked requests whose KV has not landed yet.
+        num_preemptions: running requests preempted when blocks ran out (cumulative).
         num_blocks: KV blocks in the pool.
         num_free_blocks: of them, free (prefix-cached ones included).
         kv_usage: share of blocks in use.
@@ -86,6 +87,7 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     num_parked: int = 0
     num_waiting_for_kv: int = 0
+    num_preemptions: int = 0
     num_blocks: int = 0
     num_free_blocks: int = 0
     kv_usage: float = 0.0

@@ -15,7 +15,7 @@ from protocol.status import WorkerStats
 from router.admission import AdmissionQueue
 from router.metrics import RouterMetrics, token_count_buckets
 
-STATS = WorkerStats(num_blocks=512, kv_cache_dtype="int8")
+STATS = WorkerStats(num_blocks=512, kv_cache_dtype="int8", num_preemptions=3)
 
 
 def backend() -> SimpleNamespace:
@@ -88,6 +88,14 @@ def test_each_engine_reports_its_cache_config():
     assert info == {(("block_size", "16"), ("cache_dtype", "int8"), ("engine", "decode-0"),
                      ("model_name", "smollm2"), ("num_cpu_blocks", "0"),
                      ("num_gpu_blocks", "512")): 1.0}  # prefill-0 has sent no stats yet
+
+
+def test_each_engine_counts_its_preemptions():
+    metrics = RouterMetrics(AdmissionQueue(max_running=1, max_queue=1), "smollm2")
+    samples = exposition(metrics, compat=True)
+    assert {labels: v for (name, labels), v in samples.items()
+            if name == "vllm:num_preemptions_total"} == {
+        (("engine", "decode-0"), ("model_name", "smollm2")): 3.0}
 
 
 def test_without_the_flag_no_vllm_series_is_exported():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from engine.scheduler import Scheduler
 from tests.conftest import SMOL_CHATS, assert_pool_free, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -64,15 +65,20 @@ def test_tiny_prefix_cache_hits_match_hf():
     assert_pool_free(llm.engine)
 
 
-def test_tiny_forced_preemption_matches_hf():
+def test_tiny_forced_preemption_matches_hf(monkeypatch):
     # 24 blocks of 4 tokens cannot hold eight ~30-token requests growing by 24 tokens.
     llm = LLM("tiny", cache=CacheConfig(block_size=4, num_blocks=24, enable_prefix_caching=False))
+    preempted: list[str] = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, request, out: (
+        preempted.append(request.request_id), preempt(self, request, out)))
     prompts = PREEMPTED
     outputs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy("tiny", prompt, GREEDY.max_tokens)
     assert llm.engine.block_pool.num_free_blocks == 24
     assert_pool_free(llm.engine)
+    assert preempted and llm.engine.stats().num_preemptions == len(preempted)  # the metric's
 
 
 def test_tiny_static_policy_matches_hf():
