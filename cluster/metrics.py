@@ -226,8 +226,7 @@ class VllmCompatCollector(Collector):
             labels=["model_name", "engine", "block_size", "num_gpu_blocks", "num_cpu_blocks",
                     "cache_dtype"])
         for h in workers:
-            worker_info = getattr(h, "info", None)  # stand-in handles may lack it
-            if h.stats is not None and worker_info is not None:
-                info.add_metric([model, h.worker_id, str(worker_info.block_size),
+            if h.stats is not None:
+                info.add_metric([model, h.worker_id, str(h.info.block_size),
                                  str(h.stats.num_blocks), "0", h.stats.kv_cache_dtype], 1)
         return info
