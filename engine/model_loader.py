@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from rich.console import Console
@@ -71,10 +72,34 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+# config.json keys read without transformers: a file that has them all and plain rotary
+# embeddings is read as JSON; otherwise transformers' config class for the architecture fills
+# in its defaults and builds the scaled rotary tables. (AutoConfig imports much of
+# transformers, over a second of every worker's start.)
+_PLAIN_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "rms_norm_eps", "max_position_embeddings", "bos_token_id",
+               "eos_token_id")
+
+
+def _hf_config(model_dir: Path) -> PretrainedConfig | SimpleNamespace:
+    """config.json's fields, as transformers' config object where only it has them all."""
+    try:
+        fields = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model: {model_dir}/config.json is unreadable: {e}") from e
+    if not isinstance(fields, dict):
+        raise ModelLoadError(f"model: {model_dir}/config.json is not a JSON object")
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    plain = all(key in fields for key in _PLAIN_KEYS) and isinstance(rope, dict) \
+        and rope.get("rope_type", rope.get("type", "default")) == "default" \
+        and ("rope_theta" in fields or "rope_theta" in rope)
+    return SimpleNamespace(**fields) if plain else AutoConfig.from_pretrained(model_dir)
+
+
 def read_model_config(model_dir: Path, max_model_len: int | None = None
-                      ) -> tuple[ModelConfig, PretrainedConfig]:
-    """Our architecture record and the Hugging Face config it came from."""
-    hf = AutoConfig.from_pretrained(model_dir)
+                      ) -> tuple[ModelConfig, PretrainedConfig | SimpleNamespace]:
+    """Our architecture record and the Hugging Face config fields it came from."""
+    hf = _hf_config(model_dir)
     archs = tuple(getattr(hf, "architectures", None) or ("LlamaForCausalLM",))
     if not set(archs) & set(SUPPORTED_ARCHITECTURES):
         raise ModelLoadError(f"architecture {archs} is not supported; "
@@ -99,8 +124,8 @@ def read_model_config(model_dir: Path, max_model_len: int | None = None
     return cfg, hf
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
+def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig | SimpleNamespace,
+               dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Build the model and fill it from the directory's safetensors files."""
     rope = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len, device)
     with torch.device("meta"):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from engine.sampling_params import SamplingParams
 
@@ -15,9 +16,22 @@ from engine.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 4
 
 
+# tokenizer_config.json classes that are tokenizer.json as it stands: loaded as such, without
+# AutoTokenizer's look-up (which imports much of transformers, over a second of every start).
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerBase:
     """The model directory's fast tokenizer (tokenizer.json); never fetched from a hub."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        declared = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        declared = {}
+    if isinstance(declared, dict) and declared.get("tokenizer_class") in _GENERIC_CLASSES \
+            and (Path(model_dir) / "tokenizer.json").is_file():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise ValueError(f"tokenizer in {model_dir} has no fast (tokenizer.json) backend")
     return tokenizer
