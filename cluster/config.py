@@ -11,6 +11,7 @@ import ray
 from engine import defaults as engine_defaults
 from protocol import Role
 from protocol.defaults import DRAIN_TIMEOUT_S, LOCAL_PREFILL_THRESHOLD, RESERVE_TIMEOUT_S
+from protocol.logs import LogConfig
 from protocol.tracing import TracingConfig
 from router.auth import is_loopback
 
@@ -111,6 +112,7 @@ class ClusterConfig:
             for a dead one) gets its pool's spec.
         tracing: where the router and the workers export their spans
             (`--otlp-traces-endpoint`); None: no tracing.
+        log: the level and format of every worker's log (`--log-level`, `--log-format`).
 
     Raises:
         ValueError: a field out of range, naming it.
@@ -130,6 +132,7 @@ class ClusterConfig:
     prefill: PoolSpec = PoolSpec()
     decode: PoolSpec = PoolSpec()
     tracing: TracingConfig | None = None
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -68,8 +68,10 @@ from protocol import (
     Step,
     TokenRecord,
     WireSamplingParams,
+    attempt_id,
 )
 from protocol.defaults import RESERVE_RETRY_S
+from protocol.logs import request_log
 from protocol.tracing import Tracer
 from router.backend import GenerateRequest, TokenDelta
 from router.placement import Placement, PrefixIndex, place_request, spread_onto
@@ -219,6 +221,7 @@ class Dispatcher:
         """`_place_attempt` inside a `placement` span (until the decode worker has the
         request, and for a remote prefill its blocks reserved and the prefill sent)."""
         span = self.tracer.start("placement", state.request.traceparent,
+                                 tracestate=state.request.tracestate,
                                  **{"pdcluster.attempt": state.attempt + 1})
         try:
             await self._place_attempt(state, exclude)
@@ -243,7 +246,7 @@ class Dispatcher:
         request = state.request
         self._attempts.pop(state.attempt_id, None)
         state.attempt += 1
-        state.attempt_id = f"{request.request_id}@{state.attempt}"
+        state.attempt_id = attempt_id(request.request_id, state.attempt)
         self._attempts[state.attempt_id] = state
         prompt = request.prompt_token_ids
         generated = list(state.generated)
@@ -260,7 +263,8 @@ class Dispatcher:
             decode.add(request.request_id)
             command = Generate(request_id=state.attempt_id, prompt_token_ids=prompt,
                                params=params, remote_prefill=placement.prefill_worker is not None,
-                               output_token_ids=generated, traceparent=request.traceparent)
+                               output_token_ids=generated, traceparent=request.traceparent,
+                               tracestate=request.tracestate)
             if not command.remote_prefill:
                 await self.pool.send(decode, command)
                 return
@@ -306,7 +310,7 @@ class Dispatcher:
             request_id=state.attempt_id, prompt_token_ids=state.request.prompt_token_ids,
             params=params, peer_info=peer_info,
             dst_block_ids=reply.dst_block_ids, num_cached_tokens=reply.num_cached_tokens,
-            traceparent=state.request.traceparent))
+            traceparent=state.request.traceparent, tracestate=state.request.tracestate))
 
     def forget(self, worker_id: str) -> None:
         """The worker left its pool (stopped, or changing its role): forget its prefixes."""
@@ -335,8 +339,8 @@ class Dispatcher:
             state.queue.put_nowait(TokenDelta(state.request.request_id, [], "error",
                                               error=why))
             return
-        log.log(level, "request %s placed again after %d tokens: %s",
-                state.request.request_id, len(state.generated), why)
+        log.log(level, "placed again after %d tokens: %s", len(state.generated), why,
+                extra=request_log(state.request.request_id, state.request.traceparent))
         if count:
             self.metrics.migrations.inc()
         try:

@@ -12,6 +12,11 @@ the cluster's CURVE key), binds the same ports and adopts the live workers by th
 were open on the dead one end with a broken connection; the workers end those requests and
 free their KV when they are adopted.
 
+`pdcluster drain` drains the front door in place, for a front-door pod's preStop hook:
+health `NOT_SERVING`, new requests refused (503 with `retry-after` / `UNAVAILABLE`), the
+running ones finish (up to the drain timeout); the workers go on. A drained front door stays
+drained until its process ends (its pod's Ray stops); Ray then restarts the actor on the
+replacement pod, in a new process that serves: the drain is recorded nowhere else.
 `pdcluster stop` drains the front door, stops the workers and removes every actor.
 """
 
@@ -33,6 +38,7 @@ from cluster.backend import ClusterBackend
 from cluster.pool import Detached
 from cluster.serve import ServeOptions, run
 from protocol.defaults import DRAIN_TIMEOUT_S
+from protocol.logs import configure_logging
 from router.servers import Servers
 
 log = logging.getLogger(__name__)
@@ -80,16 +86,16 @@ class FrontDoor:
     Args:
         options: what `pdcluster serve` was asked for.
         name: the cluster's name (its actors' names start with it).
-        log_settings: `--log-level` and `--log-format` of its log (the actor's, in Ray's logs).
+
+    Its log takes the level and format every process of the cluster takes
+    (`options.cluster.log`); the actor's lines land in Ray's logs.
     """
 
-    def __init__(self, options: ServeOptions, name: str,
-                 log_settings: tuple[str, str] = ("INFO", "text")) -> None:
-        from router.logs import configure_logging
-
-        configure_logging(*log_settings)
+    def __init__(self, options: ServeOptions, name: str) -> None:
+        configure_logging(options.cluster.log.level, options.cluster.log.format)
         logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)
         self.name = name
+        self.drain_timeout_s = options.drain_timeout_s
         self.endpoints: dict[str, Any] | None = None
         self.error: str | None = None
         self.started = time.time()
@@ -97,6 +103,7 @@ class FrontDoor:
         self._restarted = self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._servers: Servers | None = None
         self._thread = threading.Thread(target=self._serve, args=(options,), daemon=True,
                                         name="frontdoor")
         self._thread.start()
@@ -133,6 +140,7 @@ class FrontDoor:
                 registry.put.remote({"grpc_port": servers.grpc_port,
                                      "http_port": servers.http_port,
                                      "cluster_key": backend.pool.cluster_key})
+            self._servers = servers
             self._ready.set()
         await run(options, self._stop, detached, on_ready)
 
@@ -148,6 +156,43 @@ class FrontDoor:
             raise RuntimeError(f"the front door failed to start: {self.error}")
         return self.endpoints
 
+    def drain(self, timeout_s: float | None = None) -> int:
+        """Stop admitting and wait for the running requests, leaving the workers running:
+        health `NOT_SERVING`, new requests refused as in `serve`'s SIGTERM drain. It stays
+        drained until this process ends; the process Ray restarts the actor in serves.
+
+        Args:
+            timeout_s: how long the running requests may take; None: the front door's own
+                `--drain-timeout`.
+
+        Returns:
+            How many requests were still running at the timeout (they go on until the
+            process ends).
+
+        Raises:
+            RuntimeError: it does not serve (still starting, failed, or stopping), or its
+                event loop did not answer.
+        """
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
+        if not self._ready.wait(timeout_s) or self._servers is None or self._loop is None:
+            raise RuntimeError(f"the front door does not serve ({self.error or 'starting'})")
+        if self._stopping:
+            raise RuntimeError("the front door is stopping")
+        left_s = max(timeout_s - (time.monotonic() - started), 0.0)
+        log.info("draining: refusing new requests, waiting up to %g s for running ones",
+                 left_s)
+        done = asyncio.run_coroutine_threadsafe(self._servers.drain(left_s), self._loop)
+        try:
+            # Beyond the drain's own timeout only when the event loop is stuck.
+            left = done.result(left_s + 30)
+        except TimeoutError:
+            done.cancel()
+            raise RuntimeError("the front door's event loop did not answer") from None
+        log.info("drained: %d requests still running; refusing new ones until this "
+                 "process ends", left)
+        return left
+
     def shutdown(self, timeout_s: float = 600.0) -> None:
         """Drain, stop the workers and the servers (then the caller kills the actor)."""
         self._stopping = True
@@ -157,7 +202,6 @@ class FrontDoor:
 
 
 def launch(options: ServeOptions, name: str = DEFAULT_NAME,
-           log_settings: tuple[str, str] = ("INFO", "text"),
            ready_timeout_s: float = 600.0) -> dict[str, Any]:
     """Start a detached cluster on the Ray cluster at `options.address` and return its
     endpoints once it serves; the caller may then exit. Where a cluster of that name
@@ -191,12 +235,46 @@ def launch(options: ServeOptions, name: str = DEFAULT_NAME,
         node = ray.get_runtime_context().get_node_id()
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
     door = FrontDoor.options(name=frontdoor_name(name), lifetime="detached",
-                             max_restarts=-1, **placement).remote(options, name, log_settings)
+                             max_restarts=-1, **placement).remote(options, name)
     try:
         return {**ray.get(door.ready.remote(ready_timeout_s)), "existing": False}
     except Exception:
         stop(options.address, name, drain_timeout_s=0)
         raise
+
+
+def drain(address: str | None, name: str = DEFAULT_NAME,
+          timeout_s: float | None = None) -> int | None:
+    """Drain a detached cluster's front door in place and wait until it is drained
+    (`FrontDoor.drain`); the workers go on, for the front door Ray starts next.
+
+    Args:
+        address: the Ray cluster (None: auto).
+        name: the cluster's `--name`.
+        timeout_s: how long running requests may take; None: the front door's own
+            `--drain-timeout`.
+
+    Returns:
+        How many requests were still running at the timeout; None: no such cluster.
+
+    Raises:
+        ValueError: a negative `timeout_s`.
+        RuntimeError: the front door does not serve (`FrontDoor.drain`).
+    """
+    if timeout_s is not None and timeout_s < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {timeout_s:g}")
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+    try:
+        door = ray.get_actor(frontdoor_name(name))
+    except ValueError:
+        return None
+    try:
+        return ray.get(door.drain.remote(timeout_s))
+    except ray.exceptions.RayTaskError as e:
+        raise RuntimeError(str(e.cause)) from None
+    except ray.exceptions.RayActorError:
+        raise RuntimeError("the front door died before it was drained") from None
 
 
 def stop(address: str | None, name: str = DEFAULT_NAME,

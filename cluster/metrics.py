@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from engine.stats import STEP_TOKEN_BUCKETS
 from router.metrics import ModelBoundMetric
 
 _TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -177,9 +184,10 @@ class WorkerCollector(Collector):
 
 class VllmCompatCollector(Collector):
     """vLLM-named series (`--metrics-compat vllm`): per-worker load and prefix-cache counters
-    with vLLM's `engine` label, each worker's `vllm:cache_config_info`, the router queue, the
-    router's latency histograms and token counters renamed, and its per-request token count
-    and inference time histograms (`RouterMetrics.collect_vllm`).
+    with vLLM's `engine` label, each worker's `vllm:cache_config_info` and
+    `vllm:iteration_tokens_total`, the router queue, the router's latency histograms and
+    token counters renamed, and its per-request token count and inference time histograms
+    (`RouterMetrics.collect_vllm`).
 
     Args:
         backend: the `ClusterBackend` whose workers are reported.
@@ -206,6 +214,7 @@ class VllmCompatCollector(Collector):
                                       self.router_metrics.admission.num_waiting)
                 yield metric
         yield self._cache_config_info(model, workers)
+        yield self._iteration_tokens(model, workers)
         yield from self.router_metrics.collect_vllm()
         for family in self.router_metrics.collect_own():
             new_name = _VLLM_ROUTER_NAMES.get(family.name)
@@ -230,3 +239,20 @@ class VllmCompatCollector(Collector):
                 info.add_metric([model, h.worker_id, str(h.info.block_size),
                                  str(h.stats.num_blocks), "0", h.stats.kv_cache_dtype], 1)
         return info
+
+    @staticmethod
+    def _iteration_tokens(model: str, workers: list[Any]) -> Metric:
+        """vLLM's histogram of the tokens each engine step computed, per engine, from the
+        bucket counts each worker keeps of its steps (`WorkerStats.step_token_counts`).
+        One series per worker, as vLLM's: a sum over the pool would drop whenever a
+        worker left it, which `rate()` reads as a counter reset."""
+        histogram = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            labels=["model_name", "engine"])
+        bounds = [str(float(le)) for le in STEP_TOKEN_BUCKETS] + ["+Inf"]
+        for h in workers:
+            if h.stats is not None and h.stats.step_token_counts:
+                counts = list(accumulate(h.stats.step_token_counts))
+                histogram.add_metric([model, h.worker_id], list(zip(bounds, counts, strict=True)),
+                                     sum_value=h.stats.step_tokens)
+        return histogram

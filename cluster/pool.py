@@ -202,7 +202,7 @@ class WorkerPool:
         spec = WorkerSpec(worker_id=worker_id, role=role, model=self.config.model,
                           router_endpoint=self.endpoint, host=self.config.host,
                           cluster_key=self.cluster_key, transports=self.config.transports,
-                          tracing=self.config.tracing, **pool.engine)
+                          tracing=self.config.tracing, log=self.config.log, **pool.engine)
         bundle = {"CPU": pool.num_cpus}
         if pool.num_gpus:
             bundle["GPU"] = pool.num_gpus

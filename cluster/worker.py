@@ -38,6 +38,7 @@ from protocol import (
     encode,
 )
 from protocol.defaults import STATS_INTERVAL_S
+from protocol.logs import LogConfig, RequestTraces, configure_logging, request_log
 from protocol.secure import ClusterKey, SocketGuard
 from protocol.tracing import Tracer, TracingConfig
 from protocol.worker_role import WorkerRole
@@ -81,6 +82,10 @@ class WorkerSpec:
             the node has an RDMA device).
         tracing: where the worker exports its spans (`prefill`, `kv_transfer`, `decode`);
             None: no tracing.
+        speculative_config: `--speculative-config` (decode and mixed workers).
+        log: the level and format of the worker process's log (`serve --log-level`,
+            `--log-format`); None leaves the process's logging as it is (a worker that
+            shares its process).
     """
 
     worker_id: str
@@ -106,6 +111,7 @@ class WorkerSpec:
     mooncake_protocol: str = "auto"
     tracing: TracingConfig | None = None
     speculative_config: str | None = None
+    log: LogConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
@@ -124,6 +130,10 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.started = time.monotonic()
+        # Every record about a request gets its trace id (`protocol.logs`).
+        self.traces = RequestTraces()
+        if spec.log is not None:
+            configure_logging(spec.log.level, spec.log.format, filters=[self.traces])
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._sockets = SocketGuard(self._ctx, spec.cluster_key)
@@ -206,8 +216,7 @@ class Worker:
             try:
                 self._apply(command)
             except Exception as e:  # a bad command must not kill the reader
-                log.exception("command %s failed", type(command).__name__)
-                self._fail(command.request_id, f"{type(e).__name__}: {e}")
+                self._fail(command, f"{type(e).__name__}: {e}")
 
     def _apply(self, command: Command) -> None:
         if isinstance(command, Abort):
@@ -219,14 +228,19 @@ class Worker:
     def _guard(self, command: Command) -> Any:
         """Run a command on the engine; a failure answers the request instead of vanishing."""
         def run(engine: LLMEngine) -> None:
+            self.traces.add(command.request_id, getattr(command, "traceparent", None))
             try:
                 self.send(self.role.handle(engine, command))
             except Exception as e:
-                self._fail(command.request_id, f"{type(e).__name__}: {e}")
+                self._fail(command, f"{type(e).__name__}: {e}")
         return run
 
-    def _fail(self, request_id: str, error: str) -> None:
-        self.send([Failed(worker_id=self.spec.worker_id, request_id=request_id, error=error)])
+    def _fail(self, command: Command, error: str) -> None:
+        """Answer a command that failed here (called where it raised)."""
+        log.error("%s failed: %s", type(command).__name__, error, exc_info=True,
+                  extra=request_log(command.request_id, getattr(command, "traceparent", None)))
+        self.send([Failed(worker_id=self.spec.worker_id, request_id=command.request_id,
+                          error=error)])
 
     def _start_pump(self) -> None:
         """Hand the role's transfer events to the engine thread, until the role changes."""
@@ -312,6 +326,7 @@ class Worker:
             self.loop.submit(self._push_stats)
 
     def _push_stats(self, engine: LLMEngine) -> None:
+        self.traces.keep(set(engine.requests) | self.role.pending())
         self._sample_utilization(engine)
         self.send([Stats(worker_id=self.spec.worker_id, stats=self.stats(engine))])
 
@@ -359,6 +374,7 @@ class Worker:
         def abort_all(engine: LLMEngine) -> int:
             request_ids = set(engine.requests) | self.role.pending()
             for request_id in request_ids:
+                log.info("ended: its front door was replaced", extra=request_log(request_id))
                 self.role.abort(engine, request_id)  # its replies were for the old router
             return len(request_ids)
         aborted = self.loop.call(abort_all)

@@ -1,4 +1,5 @@
-"""The `pdcluster` command line: serve, stop, generate, status, scale, bench, profile, plan."""
+"""The `pdcluster` command line: serve, stop, drain, generate, status, scale, bench,
+profile, plan."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import sys
 from typing import Any
 
 from bench import cli as bench_cli
-from commands import generate, plan, profile, scale, serve, status, stop
+from commands import drain, generate, plan, profile, scale, serve, status, stop
 
 # In the order `pdcluster --help` lists them; each module registers its own subcommand
 # (`add_parser`) and the function that runs it (`func`). bench's imports only what its
 # flags need: running a benchmark needs the bench extra.
-SUBCOMMANDS = (serve, stop, generate, status, scale, bench_cli, profile, plan)
+SUBCOMMANDS = (serve, stop, drain, generate, status, scale, bench_cli, profile, plan)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from commands.arguments import slo_arg
 from engine import defaults as engine_defaults
 from protocol import defaults
+from protocol.logs import LOG_FORMATS, LOG_LEVELS
 from protocol.serving import SLO_HELP
-from router.logs import LOG_LEVELS
 
 if TYPE_CHECKING:
     from cluster.config_file import Layers
@@ -156,10 +156,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     worker.add_argument("--num-gpus-per-worker", type=float, default=0.0,
                         help="Ray GPUs each worker reserves (a fraction shares a GPU)")
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-                       help="level of the server's log; INFO includes one line per finished "
-                            "request (ids, token counts, latencies, workers; never the text)")
-    serve.add_argument("--log-format", choices=["text", "json"], default="text",
-                       help="json: one object per line, for log shippers")
+                       help="level of the front door's and every worker's log; INFO includes "
+                            "one line per finished request (ids, token counts, latencies, "
+                            "workers; never the text)")
+    serve.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                       help="json: one object per line, for log shippers (a line about a "
+                            "request carries its request_id and trace_id)")
     serve.add_argument("--log-prompts", action="store_true",
                        help="the per-request log line also carries the prompt and output "
                             "text (off: never)")
@@ -264,9 +266,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cluster.serve import ServeOptions, run
     from engine.hardware import isa_cap
+    from protocol.logs import configure_logging
     from protocol.tracing import TracingConfig
     from router.auth import SecurityConfig
-    from router.logs import configure_logging
 
     isa_cap()  # a bad PDCLUSTER_CPU_ISA fails here, not in every worker
     try:
@@ -298,7 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
     if args.detach:
-        return _serve_detached(options, args.name, (args.log_level, args.log_format))
+        return _serve_detached(options, args.name)
     asyncio.run(run(options))
     return 0
 
@@ -322,6 +324,7 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
     from cluster.config import TRANSPORTS, ClusterConfig
     from cluster.serve import ServedModel
     from engine import parse_generation_override
+    from protocol.logs import LogConfig
     from router.router import RouterConfig
 
     shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
@@ -340,6 +343,7 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
         local_prefill_threshold=args.local_prefill_threshold,
         drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
         internal_auth=args.internal_auth, tracing=tracing,
+        log=LogConfig(args.log_level, args.log_format),
         prefill=_pool_spec(args, "prefill", shared), decode=_pool_spec(args, "decode", shared))
     router = RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
                           served_model_name=args.served_model_name,
@@ -381,13 +385,13 @@ def _pool_spec(args: argparse.Namespace, pool: str, shared: dict[str, Any]) -> A
                     engine={**shared, **values})
 
 
-def _serve_detached(options: Any, name: str, log: tuple[str, str]) -> int:
+def _serve_detached(options: Any, name: str) -> int:
     """`serve --detach`: start the cluster as detached Ray actors, print its endpoints and
     exit; it serves on until `pdcluster stop` (`cluster.frontdoor`)."""
     from cluster.frontdoor import launch
     from cluster.serve import announce
 
-    endpoints = launch(options, name, log)
+    endpoints = launch(options, name)
     if endpoints["existing"]:
         print(f"{name!r} already runs: its settings are kept (`pdcluster stop --name {name}` "
               f"first to change them)", flush=True)

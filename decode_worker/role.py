@@ -5,7 +5,9 @@ Commands in: `Generate` (local or remote prefill) and aborts. Replies out: `Rese
 tokens; per-request errors ride inside it). All engine calls happen on the engine thread.
 With tracing on, each request gets a `decode` span, a child of the router's request span:
 from the moment it joins the batch (its remote KV landed, or it was added to prefill
-here) to its finish.
+here) to its finish. Its log lines about a request (`protocol.logs.request_log`): WARNING
+when one fails (a failed KV transfer included), INFO when a moved one arrives, DEBUG for
+each reservation and landing.
 
 A request's life here, and what holds it in each state:
 
@@ -34,6 +36,7 @@ A request's life here, and what holds it in each state:
 
 from __future__ import annotations
 
+import logging
 import time
 
 from engine import EngineOutput, KVCacheFullError, LLMEngine
@@ -49,8 +52,11 @@ from protocol import (
     Step,
     TokenRecord,
 )
+from protocol.logs import request_log
 from protocol.tracing import Span, Tracer
 from protocol.worker_role import WorkerRole
+
+log = logging.getLogger(__name__)
 
 
 def token_record(out: EngineOutput, error: str | None = None, transfer_failed: bool = False,
@@ -81,8 +87,8 @@ class DecodeRole(WorkerRole):
                  kv_wait_timeout_s: float = 600.0, tracer: Tracer | None = None) -> None:
         super().__init__(worker_id)
         self.tracer = tracer or Tracer(None, "decode")
-        # a reservation's traceparent and prompt length, until its KV lands
-        self._traces: dict[str, tuple[str | None, int]] = {}
+        # a reservation's traceparent, tracestate and prompt length, until its KV lands
+        self._traces: dict[str, tuple[str | None, str | None, int]] = {}
         self._spans: dict[str, Span] = {}  # decode spans, until the request finishes
         self.role = Role.DECODE if receiver is not None else Role.MIXED
         self.endpoint = receiver
@@ -105,19 +111,30 @@ class DecodeRole(WorkerRole):
         params = command.params.to_params()
         if not command.remote_prefill or self.receiver is None:
             engine.add_request(rid, command.prompt_token_ids, params, command.output_token_ids)
-            self._start_span(rid, command.traceparent, local_prefill=True,
+            if command.output_token_ids:
+                log.info("moved here: recomputing its %d prompt and %d streamed tokens",
+                         len(command.prompt_token_ids), len(command.output_token_ids),
+                         extra=request_log(rid))
+            else:
+                log.debug("queued to prefill its %d prompt tokens here",
+                          len(command.prompt_token_ids), extra=request_log(rid))
+            self._start_span(rid, command.traceparent, command.tracestate, local_prefill=True,
                              prompt_tokens=len(command.prompt_token_ids))
             return []
         try:
             request = engine.reserve_remote(rid, command.prompt_token_ids, params)
         except KVCacheFullError as e:
+            log.debug("no blocks for a remote prefill: %s", e, extra=request_log(rid))
             return [Rejected(worker_id=self.worker_id, request_id=rid, reason=str(e))]
         skip = request.num_computed_tokens // self.block_size
         dst = request.block_ids[skip:]
         self.receiver.expect(rid, dst, timeout_s=self.kv_wait_timeout_s)
         self._expecting[rid] = time.monotonic()
+        log.debug("reserved %d blocks (%d prompt tokens cached) for a remote prefill", len(dst),
+                  request.num_computed_tokens, extra=request_log(rid))
         if self.tracer.enabled:
-            self._traces[rid] = (command.traceparent, len(command.prompt_token_ids))
+            self._traces[rid] = (command.traceparent, command.tracestate,
+                                 len(command.prompt_token_ids))
         return [Reserved(worker_id=self.worker_id, request_id=rid, dst_block_ids=dst,
                          num_cached_tokens=request.num_computed_tokens)]
 
@@ -130,7 +147,7 @@ class DecodeRole(WorkerRole):
         for event in events:
             rid = event.request_id
             reserved = self._expecting.pop(rid, time.monotonic())
-            trace = self._traces.pop(rid, (None, None))  # whatever the ending
+            trace = self._traces.pop(rid, (None, None, None))  # whatever the ending
             if rid in self._aborting:
                 self._aborting.discard(rid)
                 out = engine.abort_request(rid, "abort")
@@ -149,22 +166,24 @@ class DecodeRole(WorkerRole):
         return [self._step(records)] if records else []
 
     def _landed(self, engine: LLMEngine, rid: str, first: FirstToken, transport: str,
-                reserved: float, trace: tuple[str | None, int | None]) -> TokenRecord:
+                reserved: float, trace: tuple[str | None, str | None, int | None]
+                ) -> TokenRecord:
         """The request joins the batch; its first record carries the prefill's timings.
 
         Timings travel with the token, so they can never arrive after the stream ended.
         `transfer` is the time the reserved blocks waited beyond the prefill itself.
         """
         out = engine.complete_remote(rid, first.token_id)
-        traceparent, prompt_tokens = trace
-        self._start_span(rid, traceparent, local_prefill=False, prompt_tokens=prompt_tokens,
-                         transport=transport)
+        traceparent, tracestate, prompt_tokens = trace
+        self._start_span(rid, traceparent, tracestate, local_prefill=False,
+                         prompt_tokens=prompt_tokens, transport=transport)
         if first.logprobs:
             out.new_logprobs = [first.logprobs]
         prefill_s = first.prefill_s
-        waited = time.monotonic() - reserved
-        return token_record(out, timings={"prefill": prefill_s,
-                                          "transfer": max(waited - prefill_s, 0.0)},
+        transfer_s = max(time.monotonic() - reserved - prefill_s, 0.0)
+        log.debug("KV landed over %s (prefill %.3fs, transfer wait %.3fs)", transport,
+                  prefill_s, transfer_s, extra=request_log(rid))
+        return token_record(out, timings={"prefill": prefill_s, "transfer": transfer_s},
                             transport=transport)
 
     def abort(self, engine: LLMEngine, request_id: str) -> list[Reply]:
@@ -180,18 +199,21 @@ class DecodeRole(WorkerRole):
         return set(self._expecting)
 
     def _step(self, records: list[TokenRecord]) -> Step:
-        if self.tracer.enabled:
-            for record in records:
-                if record.finish_reason is not None:
-                    self._end_span(record)
+        for record in records:
+            if record.finish_reason == "error":
+                log.warning("failed: %s", record.error,
+                            extra=request_log(record.request_id))
+            if record.finish_reason is not None and self.tracer.enabled:
+                self._end_span(record)
         return Step(worker_id=self.worker_id, outputs=records)
 
-    def _start_span(self, rid: str, traceparent: str | None, local_prefill: bool,
-                    prompt_tokens: int | None, transport: str | None = None) -> None:
+    def _start_span(self, rid: str, traceparent: str | None, tracestate: str | None,
+                    local_prefill: bool, prompt_tokens: int | None,
+                    transport: str | None = None) -> None:
         if not self.tracer.enabled:
             return
         self._spans[rid] = self.tracer.start(
-            "decode", traceparent,
+            "decode", traceparent, tracestate=tracestate,
             **{"pdcluster.request_id": rid, "pdcluster.worker_id": self.worker_id,
                "pdcluster.local_prefill": local_prefill,
                "gen_ai.usage.prompt_tokens": prompt_tokens, "pdcluster.kv.transport": transport})

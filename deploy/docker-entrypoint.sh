@@ -12,7 +12,7 @@
 # `serve` executable of its own (the Ray Serve CLI).
 set -e
 case "${1:-}" in
-    "" | -* | serve | stop | generate | status | scale | bench | profile | plan)
+    "" | -* | serve | stop | drain | generate | status | scale | bench | profile | plan)
         set -- pdcluster "$@"
         ;;
 esac

@@ -33,7 +33,7 @@ from engine.spec_decode import (
     finish_step,
     speculates,
 )
-from engine.stats import EngineStats
+from engine.stats import EngineStats, StepTokenCounts
 from engine.structured_output import GrammarCompiler
 from engine.threads import ThreadGovernor, cgroup_cpu_limit
 from engine.tokenizer import load_tokenizer
@@ -166,6 +166,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # What the last step computed (`SchedulerOutput.items`), for step-time accounting.
         self.last_step: list[tuple[int, int, bool]] = []
+        self.step_token_counts = StepTokenCounts()
         self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
 
     def set_speculative_config(
@@ -297,12 +298,17 @@ class LLMEngine:
     def step(self, layer_hook: StepLayerHook | None = None) -> list[EngineOutput]:
         """Schedule, run the model once, and report what changed."""
         schedule = self.scheduler.schedule()
+        for request in schedule.preempted:
+            # `request` is the key pdcluster's log formats read a request's fields from.
+            log.info("preempted (no free KV blocks): its %d tokens are recomputed later",
+                     request.num_tokens, extra={"request": {"request_id": request.request_id}})
         if not schedule.scheduled:
             self.last_step = []
             return []
         if self.threads is not None:
             self.threads.update()
         result = self._run(schedule, layer_hook)
+        self.step_token_counts.add(sum(n for _, n, _ in self.last_step))
         before = {s.request.request_id: len(s.request.output_token_ids)
                   for s in schedule.scheduled}
         changed = self.scheduler.postprocess(schedule, result.tokens)
@@ -426,6 +432,8 @@ class LLMEngine:
             prefix_hit_rate=pool.num_hits / pool.num_queries if pool.num_queries else 0.0,
             prefix_cache_hits=pool.num_hits,
             prefix_cache_queries=pool.num_queries,
+            step_token_counts=list(self.step_token_counts.counts),
+            step_tokens=self.step_token_counts.total,
             **self.runner.counters,
             **self.spec_counters.stats(),
         )

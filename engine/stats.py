@@ -6,7 +6,27 @@ struct: the engine imports no wire library), so every field here is one of that 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+
+# vLLM's buckets of tokens per engine step (`vllm:iteration_tokens_total`).
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class StepTokenCounts:
+    """Engine steps counted by the tokens each computed (prompt, output and drafted
+    tokens): `counts[i]` the steps of more than `STEP_TOKEN_BUCKETS[i - 1]` and at most
+    `STEP_TOKEN_BUCKETS[i]` tokens, the last those above the top bucket; `total` every
+    step's tokens. Cumulative since the engine started."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
+        self.total = 0
+
+    def add(self, num_tokens: int) -> None:
+        """Count one step that computed `num_tokens` tokens."""
+        self.counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
+        self.total += num_tokens
 
 
 @dataclass(frozen=True)
@@ -33,6 +53,9 @@ class EngineStats:
         prefix_hit_rate: prompt tokens served from the prefix cache, as a share.
         prefix_cache_hits: prompt tokens found in the prefix cache (cumulative).
         prefix_cache_queries: prompt tokens looked up in it (cumulative).
+        step_token_counts: steps by the tokens they computed, one count per bucket of
+            `STEP_TOKEN_BUCKETS` and one above them (`StepTokenCounts`; cumulative).
+        step_tokens: tokens computed, over those steps (cumulative).
         prefill_tokens: prompt tokens computed (cumulative).
         decode_tokens: tokens decoded (cumulative).
         flops: model FLOPs computed (cumulative).
@@ -62,6 +85,8 @@ class EngineStats:
     prefix_hit_rate: float
     prefix_cache_hits: int
     prefix_cache_queries: int
+    step_token_counts: list[int]
+    step_tokens: int
     prefill_tokens: int
     decode_tokens: int
     flops: float

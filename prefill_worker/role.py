@@ -5,7 +5,8 @@ prefill's timing travel with the KV to the decode worker (a `protocol.kv.FirstTo
 which reports them with the token. All engine calls happen on the engine loop thread. With
 tracing on, each request gets a `prefill` span (command to first token) and a
 `kv_transfer` span (first layer sent to the decode side's acknowledgement: transport,
-blocks, bytes), children of the router's request span.
+blocks, bytes), children of the router's request span. Its log lines about a request
+(`protocol.logs.request_log`): WARNING when one fails, DEBUG when it is queued and shipped.
 
 A request's life here, and what holds it in each state (the decode worker has already
 reserved its destination blocks):
@@ -34,6 +35,7 @@ reserved its destination blocks):
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -41,8 +43,11 @@ from engine import EngineOutput, LLMEngine
 from engine.scheduler import SchedulerOutput
 from kv_transfer import KVSender, TransferDone, TransferEvent
 from protocol import Command, Failed, FirstToken, Prefill, Reply, Role
+from protocol.logs import request_log
 from protocol.tracing import NO_SPAN, Span, Tracer
 from protocol.worker_role import RoleLoad, WorkerRole
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +56,7 @@ class _Job:
     dst_block_ids: list[int]
     skip_blocks: int  # the decode side's prefix-cache hits: never sent
     traceparent: str | None = None
+    tracestate: str | None = None
     started: float = field(default_factory=time.monotonic)
     begun: bool = False
     aborted: bool = False
@@ -108,9 +114,12 @@ class PrefillRole(WorkerRole):
         job = self._jobs[rid] = _Job(self._peers[command.peer_info.receiver_id],
                                      command.dst_block_ids,
                                      command.num_cached_tokens // self.block_size,
-                                     command.traceparent)
+                                     command.traceparent, command.tracestate)
+        log.debug("queued: %d prompt tokens, %d cached on the decode side",
+                  len(command.prompt_token_ids), command.num_cached_tokens,
+                  extra=request_log(rid))
         job.span = self.tracer.start(
-            "prefill", command.traceparent,
+            "prefill", command.traceparent, tracestate=command.tracestate,
             **{"pdcluster.request_id": rid, "pdcluster.worker_id": self.worker_id,
                "gen_ai.usage.prompt_tokens": len(command.prompt_token_ids),
                "pdcluster.cached_tokens": command.num_cached_tokens})
@@ -131,7 +140,7 @@ class PrefillRole(WorkerRole):
                 self.sender.begin(item.request.request_id, job.peer_id, src, job.dst_block_ids)
                 job.begun = True
                 job.transfer_span = self.tracer.start(
-                    "kv_transfer", job.traceparent,
+                    "kv_transfer", job.traceparent, tracestate=job.tracestate,
                     **{"pdcluster.request_id": item.request.request_id,
                        "pdcluster.worker_id": self.worker_id,
                        "pdcluster.kv.transport": self.sender.peer_transports.get(job.peer_id),
@@ -177,7 +186,9 @@ class PrefillRole(WorkerRole):
             failed = None if isinstance(event, TransferDone) else event.reason
             job.span.end(failed)  # still open when the transfer failed before the token
             job.transfer_span.end(failed)
-            if failed is not None and not job.aborted:
+            if failed is None:
+                log.debug("KV shipped", extra=request_log(event.request_id))
+            elif not job.aborted:
                 replies.append(self._failed(event.request_id,
                                             f"KV transfer failed: {failed}", True))
         return replies
@@ -206,5 +217,6 @@ class PrefillRole(WorkerRole):
         return RoleLoad(queued_prefill_tokens=queued)
 
     def _failed(self, request_id: str, error: str, transfer_failed: bool = False) -> Failed:
+        log.warning("failed: %s", error, extra=request_log(request_id))
         return Failed(worker_id=self.worker_id, request_id=request_id, error=error,
                       transfer_failed=transfer_failed)

@@ -8,9 +8,10 @@ Worker -> router (`Reply`): `Reserved` / `Rejected` (answers to a remote-prefill
 `Generate`), `Step` (one per engine step: every request's new tokens), `Failed` (a request
 ended outside a step), `Stats` (pushed load figures).
 
-Request ids on the wire are the router's *attempt* ids: a request placed again (its worker
-died, its KV transfer failed) gets a new one, so a late message about an earlier attempt is
-recognised and dropped rather than confused with the current one.
+Request ids on the wire are the router's *attempt* ids (`attempt_id`: `<request id>@<n>`):
+a request placed again (its worker died, its KV transfer failed) gets a new one, so a late
+message about an earlier attempt is recognised and dropped rather than confused with the
+current one.
 
 A message that does not decode raises `msgspec.DecodeError` (or its `ValidationError`
 subclass); receivers log and drop it, they never crash on it.
@@ -45,6 +46,18 @@ class Role(enum.StrEnum):
     def decodes(self) -> bool:
         """True for the roles that stream tokens (decode and mixed)."""
         return self is not Role.PREFILL
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id the workers know the `attempt`-th placement of a request by."""
+    return f"{request_id}@{attempt}"
+
+
+def split_attempt_id(attempt: str) -> tuple[str, int | None]:
+    """The client's request id and the attempt number of an `attempt_id`; an id that is
+    not one is its own request id, with no attempt."""
+    request_id, at, number = attempt.rpartition("@")
+    return (request_id, int(number)) if at and number.isdigit() else (attempt, None)
 
 
 class _Message(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -118,7 +131,10 @@ class Generate(_Message, tag="generate"):
             penalties, grammar), so the stream continues where it stopped. Always prefilled
             locally.
         traceparent: the W3C `traceparent` of the router's request span when tracing is
-            on: the worker's spans for the request are its children.
+            on (the worker's spans for the request are its children), else the client's;
+            its trace id is on the worker's log lines about the request.
+        tracestate: the W3C `tracestate` that came with `traceparent`: the worker's spans
+            keep it in their context.
     """
 
     request_id: str
@@ -127,6 +143,7 @@ class Generate(_Message, tag="generate"):
     remote_prefill: bool = False
     output_token_ids: list[int] = []
     traceparent: str | None = None
+    tracestate: str | None = None
 
 
 class Prefill(_Message, tag="prefill"):
@@ -140,6 +157,7 @@ class Prefill(_Message, tag="prefill"):
         dst_block_ids: the reserved blocks, prefix-cache hits left out.
         num_cached_tokens: prompt tokens the decode side already holds.
         traceparent: as in `Generate`.
+        tracestate: as in `Generate`.
     """
 
     request_id: str
@@ -149,6 +167,7 @@ class Prefill(_Message, tag="prefill"):
     dst_block_ids: list[int]
     num_cached_tokens: int = 0
     traceparent: str | None = None
+    tracestate: str | None = None
 
 
 class Abort(_Message, tag="abort"):

@@ -52,6 +52,10 @@ class WorkerStats(msgspec.Struct, kw_only=True):
         prefix_hit_rate: prompt tokens served from the prefix cache, as a share.
         prefix_cache_hits: prompt tokens found in the prefix cache (cumulative).
         prefix_cache_queries: prompt tokens looked up in it (cumulative).
+        step_token_counts: engine steps by the tokens they computed: one count per bucket
+            of `engine.stats.STEP_TOKEN_BUCKETS` (vLLM's of `vllm:iteration_tokens_total`)
+            and one above them (cumulative).
+        step_tokens: tokens computed, over those steps (cumulative).
         prefill_tokens: prompt tokens computed (cumulative).
         decode_tokens: tokens decoded (cumulative).
         flops: model FLOPs computed (cumulative).
@@ -94,6 +98,8 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     prefix_hit_rate: float = 0.0
     prefix_cache_hits: int = 0
     prefix_cache_queries: int = 0
+    step_token_counts: list[int] = []
+    step_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     flops: float = 0.0

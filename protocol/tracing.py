@@ -22,6 +22,7 @@ one shared do-nothing span, so the request path pays a method call per span.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 GRPC, HTTP_PROTOBUF = "grpc", "http/protobuf"
 OTLP_HTTP_PATH = "/v1/traces"
+# version-trace id-parent id-flags, as OpenTelemetry's propagator reads it (lowercase hex).
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(?:-.*)?")
 _OTEL_PREFIX = "OTEL_"
 
 
@@ -192,6 +195,15 @@ class Tracer:
         if self._provider is not None:
             self._provider.shutdown()
             self._provider = self._tracer = None
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The 32-hex trace id of a W3C `traceparent` (`00-<trace id>-<span id>-<flags>`); None
+    for a missing or malformed one, or the all-zero id the standard calls invalid."""
+    match = _TRACEPARENT.fullmatch((traceparent or "").strip())
+    if match is None or match[1] == "ff" or match[2] == "0" * 32 or match[3] == "0" * 16:
+        return None
+    return match[2]
 
 
 def _context(traceparent: str | None, tracestate: str | None = None) -> Any:

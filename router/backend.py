@@ -30,10 +30,11 @@ class GenerateRequest:
     """A validated, tokenized request on its way to the workers.
 
     Args:
-        traceparent: with tracing on, the W3C `traceparent` of the span the backend's work
-            is a child of: the client's as prepared, the router's request span once
-            `Router.generate` opened it; None otherwise.
-        tracestate: the W3C `tracestate` that came with `traceparent` (tracing on only).
+        traceparent: the W3C `traceparent` the backend's work belongs to: the client's as
+            prepared; with tracing on, the router's request span's once `Router.generate`
+            opened it (the same trace). Its trace id is on every log line about the
+            request, the workers' included.
+        tracestate: the W3C `tracestate` that came with `traceparent`.
     """
 
     request_id: str

@@ -21,6 +21,7 @@ from engine import (
     load_tokenizer,
 )
 from protocol import defaults
+from protocol.logs import request_log
 from protocol.tracing import NO_SPAN, Span, Tracer
 from router.admission import AdmissionQueue
 from router.backend import Backend, GenerateRequest, TokenDelta
@@ -152,7 +153,8 @@ class Router:
             request_id: the client's id; None to have one made.
             tools: OpenAI tool definitions, rendered into a chat's prompt.
             traceparent: the client's W3C `traceparent` (HTTP header or gRPC metadata):
-                with tracing on, the request's span is its child.
+                with tracing on, the request's span is its child; either way its trace id
+                is on the request's log lines.
             tracestate: the client's W3C `tracestate`, kept in the request's spans' context.
             default_max_tokens: an omitted max_tokens when the generation config sets none
                 (chat: the context's length); None: SamplingParams' (16). A max_tokens from
@@ -179,9 +181,7 @@ class Router:
         except RouterError as e:
             self.metrics.rejected.labels(e.code).inc()
             raise
-        traced = self.tracer.enabled
-        return GenerateRequest(rid, token_ids, sampling, arrival,
-                               traceparent if traced else None, tracestate if traced else None)
+        return GenerateRequest(rid, token_ids, sampling, arrival, traceparent, tracestate)
 
     def check_model(self, model: str | None) -> None:
         """Raises ModelNotFoundError unless `model` is None, empty or the served model."""
@@ -377,7 +377,9 @@ class Router:
                 f"the request ran past its deadline after {stream.num_tokens} tokens; it was "
                 "aborted") from None
         except Exception as e:
-            log.exception("backend failed on request %s", stream.request.request_id)
+            log.exception("backend failed on the request",
+                          extra=request_log(stream.request.request_id,
+                                            stream.request.traceparent))
             yield stream.finish("error", f"backend failed: {e}")
             return
         yield stream.finish("error", "backend stream ended without a finish_reason")
@@ -550,12 +552,14 @@ class _Stream:
         usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.num_cached_tokens)
         flushed = self.detok.flush()
         text = out.text + flushed
-        fields = {"request_id": self.request.request_id, "model": self.router.model_info.name,
-                  "status": reason, "prompt_tokens": usage.prompt_tokens,
-                  "output_tokens": usage.completion_tokens,
-                  "cached_tokens": usage.cached_tokens, "queue_s": timings.queue,
-                  "ttft_s": None if self.first_token is None else timings.ttft,
-                  "tpot_s": tpot, "e2e_s": timings.e2e, "workers": list(self.workers)}
+        # `request_id`, and `trace_id` when the request has a trace
+        fields = request_log(self.request.request_id, self.request.traceparent)["request"]
+        fields |= {"model": self.router.model_info.name, "status": reason,
+                   "prompt_tokens": usage.prompt_tokens,
+                   "output_tokens": usage.completion_tokens,
+                   "cached_tokens": usage.cached_tokens, "queue_s": timings.queue,
+                   "ttft_s": None if self.first_token is None else timings.ttft,
+                   "tpot_s": tpot, "e2e_s": timings.e2e, "workers": list(self.workers)}
         if self.output_text is not None:
             fields["prompt"] = self.router.tokenizer.decode(self.request.prompt_token_ids)
             fields["output"] = "".join(self.output_text) + flushed

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -126,6 +127,12 @@ def launch_options(job: dict[str, Any] | None = None,
                    configmap: dict[str, Any] | None = None) -> Any:
     """The `ServeOptions` the launch Job's `pdcluster serve` builds, by the real CLI: its
     args, with `--config` read from the ConfigMap mounted there (nothing is started)."""
+    return launched(job, configmap)[0]
+
+
+def launched(job: dict[str, Any] | None = None,
+             configmap: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """`launch_options`, and the cluster's `--name` that `serve --detach` launches."""
     import cluster.frontdoor
     import cluster.serve
     from commands.cli import main
@@ -135,8 +142,8 @@ def launch_options(job: dict[str, Any] | None = None,
     (container,) = job["spec"]["template"]["spec"]["containers"]
     seen: list[Any] = []
 
-    def launch(options: Any, *_: Any) -> dict[str, Any]:
-        seen.append(options)
+    def launch(options: Any, name: str, *_: Any) -> dict[str, Any]:
+        seen.append((options, name))
         return {"existing": False, "grpc_port": GRPC_PORT, "http_port": HTTP_PORT}
 
     with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as mp:
@@ -153,8 +160,8 @@ def launch_options(job: dict[str, Any] | None = None,
         argv = [f"--config={local}" if a == f"--config={config}" else a
                 for a in container["args"]]
         assert main(argv) == 0, argv
-    (options,) = seen
-    return options
+    (found,) = seen
+    return found
 
 
 def kustomize(folder: Path) -> list[dict[str, Any]]:
@@ -1079,24 +1086,51 @@ def test_disruption_budgets_cover_each_group():
         assert covered[group]["maxUnavailable"] == 1 and "minAvailable" not in covered[group]
 
 
-def test_frontdoor_prestop_waits_out_the_drain_timeout():
-    """On deletion the front-door pod holds SIGTERM back for the serve drain timeout (the
-    launch config's, or DRAIN_TIMEOUT_S), and its grace period covers that and `ray stop`."""
+def frontdoor_prestop(group: dict[str, Any]) -> tuple[argparse.Namespace, list[str]]:
+    """The front-door pod's preStop hook: its `pdcluster drain` as the CLI parses it, and
+    the command run after it, whatever the drain answers."""
+    from commands.cli import build_parser
+
+    command = ray_container(group)["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/sh", "-c"] and len(command) == 3, command
+    subprocess.run(["sh", "-n", "-c", command[2]], check=True, timeout=10)
+    drain, then = (shlex.split(part) for part in command[2].split(";"))
+    assert drain[:2] == ["pdcluster", "drain"], drain
+    return build_parser().parse_args(drain[1:]), then
+
+
+@pytest.mark.parametrize("source", ["base", "cpu overlay"])
+def test_frontdoor_prestop_drains_the_front_door_then_stops_ray(source: str):
+    """On deletion the front-door pod drains the launched cluster's front door in place
+    (`pdcluster drain`, up to the front door's own drain timeout: the launch config's),
+    then stops Ray there so the front door restarts on the replacement pod; the grace
+    period covers the command's start, the drain and `ray stop`'s own grace period."""
     from protocol.defaults import DRAIN_TIMEOUT_S
 
-    group = worker_groups()["frontdoor"]
-    pod = group["template"]["spec"]
-    command = ray_container(group)["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[0] == "sleep" and len(command) == 2, command
-    wait = float(command[1])
-    drain = launch_options().drain_timeout_s
-    assert drain == DRAIN_TIMEOUT_S, "the config changed it: check this test's numbers"
-    assert drain <= wait <= drain + 15
-    grace = pod["terminationGracePeriodSeconds"]
-    assert type(grace) is int and wait + 20 <= grace <= wait + 120
+    with warnings.catch_warnings():  # Ray's CLI module imports Ray Serve's (pydantic) models
+        warnings.simplefilter("ignore")
+        from ray.scripts.scripts import stop as ray_stop
+
+    if source == "base":
+        groups, (options, name) = worker_groups(), launched()
+    else:
+        docs = kustomize(CPU_OVERLAY)
+        groups = {g["groupName"]: g for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]}
+        options, name = launched(one(docs, "Job"), one(docs, "ConfigMap"))
+    group = groups["frontdoor"]
+    drain, then = frontdoor_prestop(group)
+    assert (drain.command, drain.address, drain.name) == ("drain", "auto", name)
+    assert then == ["ray", "stop"]
+    assert drain.drain_timeout is None  # the front door's own, which the launch config sets
+    timeout = options.drain_timeout_s
+    assert timeout == DRAIN_TIMEOUT_S, "the config changed it: check this test's numbers"
+    (ray_stop_grace,) = [p.default for p in ray_stop.params if p.name == "grace_period"]
+    grace = group["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert type(grace) is int
+    assert 10 + timeout + ray_stop_grace + 10 <= grace <= timeout + 120
     # The other pods keep Kubernetes' default: they hold no client connection.
-    for name, other in worker_groups().items():
-        if name != "frontdoor":
+    for other_name, other in groups.items():
+        if other_name != "frontdoor":
             assert "lifecycle" not in ray_container(other)
 
 

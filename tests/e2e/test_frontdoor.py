@@ -1,6 +1,6 @@
 """`pdcluster serve --detach` on a real Ray cluster (this test process is its head): the
 launcher SIGKILLed, the front door's process SIGKILLed and restarted by Ray with the same workers,
-the launcher run again, then `pdcluster stop`."""
+the launcher run again, `pdcluster drain` under a live stream, then `pdcluster stop`."""
 
 from __future__ import annotations
 
@@ -76,15 +76,17 @@ def _health(http_base: str) -> int | None:
 class _Stream(threading.Thread):
     """A long greedy HTTP stream; `decoding` once tokens flow, `error` how it ended."""
 
-    def __init__(self, http_base: str) -> None:
+    def __init__(self, http_base: str, max_tokens: int = 900) -> None:
         super().__init__(daemon=True)
         self.http_base = http_base
+        self.max_tokens = max_tokens
         self.decoding = threading.Event()
         self.finish: list[str] = []
+        self.ended: float | None = None  # monotonic seconds at the finish reason
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"prompt": PROMPT_IDS, "max_tokens": 900, "stream": True, **GREEDY}
+        body = {"prompt": PROMPT_IDS, "max_tokens": self.max_tokens, "stream": True, **GREEDY}
         try:
             with httpx.stream("POST", self.http_base + "/v1/completions", json=body,
                               timeout=60) as reply:
@@ -94,11 +96,38 @@ class _Stream(threading.Thread):
                         chunk = json.loads(line[6:])
                         self.finish += [c["finish_reason"] for c in chunk["choices"]
                                         if c["finish_reason"]]
+                        if self.finish and self.ended is None:
+                            self.ended = time.monotonic()
                         self.decoding.set()
         except httpx.HTTPError as e:
             self.error = e
         finally:
             self.decoding.set()
+
+
+class _Command(threading.Thread):
+    """The CLI run to its end: its output (stdout and stderr) line by line as it comes, its
+    exit code, and `ended` when it exited (monotonic seconds)."""
+
+    def __init__(self, *argv: str) -> None:
+        super().__init__(daemon=True)
+        self.argv = argv
+        self.lines: list[str] = []
+        self.returncode: int | None = None
+        self.ended: float | None = None
+
+    def run(self) -> None:
+        with subprocess.Popen(_cli(*self.argv), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
+            assert process.stdout is not None
+            self.lines.extend(process.stdout)
+            self.returncode = process.wait(180)
+        self.ended = time.monotonic()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
 
 
 def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
@@ -164,7 +193,52 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
         assert READY.search(again.stdout).groups() == (grpc_address, http_base)
         assert ray.get(door.ready.remote())["pid"] == restarted["pid"]
 
-        # 4. `pdcluster stop` drains and removes every actor of the cluster.
+        # 4. `pdcluster drain`, as the front-door pod's preStop hook runs it, under a live
+        # stream, held in flight by SIGSTOPping the decode workers until the drain has
+        # begun: health NOT_SERVING and new requests refused at once, no answer from the
+        # command while the stream cannot end; the stream ends with all its tokens, then
+        # the command returns 0; the workers go on.
+        workers = {wid: w["pid"] for wid, w in _workers(grpc_address).items()}
+        stream = _Stream(http_base, max_tokens=300)
+        stream.start()
+        assert stream.decoding.wait(60)
+        paused = [pid for wid, pid in workers.items() if wid.startswith("decode-")]
+        try:
+            for pid in paused:
+                os.kill(pid, signal.SIGSTOP)
+            drain = _Command("drain", "--address", ray_head, "--name", name)
+            drain.start()
+            wait_for(lambda: _health(http_base) == 503, "the front door to drain",
+                     timeout_s=60, poll_s=0.05)
+            draining = time.monotonic()
+            refused_http = httpx.post(http_base + "/v1/completions", timeout=30, json={
+                "prompt": PROMPT_IDS, "max_tokens": 4, **GREEDY})
+            assert refused_http.status_code == 503, refused_http.text
+            assert refused_http.headers["retry-after"] == "5"
+            assert refused_http.json()["error"]["code"] == "draining"
+            with PdClusterClient(grpc_address, timeout=30) as client:
+                assert client.health() == "NOT_SERVING"
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(client.generate(prompt_token_ids=PROMPT_IDS, max_tokens=4, **GREEDY))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            # A drain that did not wait would have answered by now (it takes milliseconds).
+            time.sleep(max(draining + 1.0 - time.monotonic(), 0.0))
+            assert not stream.finish
+            assert not [line for line in drain.lines if line.startswith("drained")], \
+                drain.output
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
+        stream.join(120)
+        drain.join(120)
+        assert stream.error is None and stream.finish == ["length"]
+        assert drain.returncode == 0, drain.output
+        assert stream.ended < drain.ended, "the drain returned before the stream ended"
+        assert _health(http_base) == 503  # drained until its process ends
+        assert {wid: w["pid"] for wid, w in _workers(grpc_address).items()} == workers
+        assert ray.get(door.ready.remote())["pid"] == restarted["pid"]
+
+        # 5. `pdcluster stop` drains and removes every actor of the cluster.
         done = subprocess.run(_cli("stop", "--address", ray_head, "--name", name),
                               capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stderr
@@ -172,9 +246,14 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
         with pytest.raises(grpc.RpcError) as refused:
             _workers(grpc_address)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        again = subprocess.run(_cli("stop", "--address", ray_head, "--name", name),
-                               capture_output=True, text=True, timeout=180)
-        assert again.returncode == 1 and f"no detached cluster named {name!r}" in again.stderr
+        commands = [_Command(c, "--address", ray_head, "--name", name)
+                    for c in ("stop", "drain")]
+        for command in commands:
+            command.start()
+        for command in commands:
+            command.join(180)
+            assert command.returncode == 1, command.output
+            assert f"no detached cluster named {name!r}" in command.output
     finally:
         launcher.kill()
         launcher.wait(30)

@@ -197,7 +197,8 @@ def test_metrics_carry_model_name_and_vllm_names(disaggregated):
 def test_traces_follow_a_request_through_prefill_and_decode(disaggregated, otlp, smollm2):
     """One OpenAI request with the client's `traceparent`: every span of it, from the
     router, the prefill worker and the decode worker processes, is in the client's trace,
-    a child of the router's request span, which is a child of the client's span."""
+    a child of the router's request span, which is a child of the client's span, and keeps
+    the client's `tracestate`."""
     import openai
 
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
@@ -206,7 +207,8 @@ def test_traces_follow_a_request_through_prefill_and_decode(disaggregated, otlp,
     reply = http.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Name three kinds of tree."}],
         max_tokens=8, temperature=0.0,
-        extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+        extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01",
+                       "tracestate": "congo=t61rcWkgMzE"})
     names = {"request", "admission", "placement", "prefill", "kv_transfer", "decode",
              "response"}
     spans = otlp.trace(trace_id, names)
@@ -215,6 +217,7 @@ def test_traces_follow_a_request_through_prefill_and_decode(disaggregated, otlp,
     request = span["request"]
     assert request.parent_span_id == client_span and not request.error
     assert all(span[name].parent_span_id == request.span_id for name in names - {"request"})
+    assert {s.trace_state for s in spans} == {"congo=t61rcWkgMzE"}
     assert request.attributes["gen_ai.usage.completion_tokens"] == \
         reply.usage.completion_tokens == 8
     with PdClusterClient(disaggregated.grpc, timeout=10) as client:

@@ -1,5 +1,5 @@
-"""One log line per finished request (no prompt or output text unless `--log-prompts`), and
-the text/JSON formats."""
+"""One log line per finished request (no prompt or output text unless `--log-prompts`), with
+the client's trace id when it sent a `traceparent`, and the text/JSON formats."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import logging
 import httpx
 import pytest
 
-from router.logs import REQUEST_LOGGER, JsonFormatter, configure_logging, log_request
+from protocol.logs import JsonFormatter, TextFormatter, configure_logging
+from router.logs import REQUEST_LOGGER, log_request
 
 PROMPT = "a secret prompt about zebras"
 
@@ -30,10 +31,13 @@ def test_one_line_per_finished_request(servers, offline, caplog):
         "model": "tiny", "status": "length", "prompt_tokens": len(offline.tokenizer.encode(
             PROMPT)), "output_tokens": 5, "cached_tokens": 0, "workers": ["engine-0"]}
     assert 0 < fields["ttft_s"] <= fields["e2e_s"] and fields["tpot_s"] >= 0
-    assert record.getMessage().startswith("finished request_id=log-me model=tiny status=length")
+    assert "trace_id" not in fields  # no traceparent came with it
+    readable = TextFormatter().format(record)
+    assert " INFO pdcluster.requests: finished request_id=log-me model=tiny status=length " \
+        in readable
     line = JsonFormatter().format(record)
     assert json.loads(line)["request_id"] == "log-me" and json.loads(line)["output_tokens"] == 5
-    for written in (record.getMessage(), line):
+    for written in (readable, line):
         assert PROMPT not in written and (not text.strip() or text not in written)
 
 
@@ -48,7 +52,22 @@ def test_log_prompts_adds_the_prompt_and_the_output(make_servers, offline, caplo
                  and r.request["request_id"] == "log-prompt"]
     assert record.request["prompt"] == PROMPT
     assert record.request["output"] == resp.json()["choices"][0]["text"] != ""
-    assert f"prompt={PROMPT} " in record.getMessage()
+    assert f"prompt={PROMPT} " in TextFormatter().format(record)
+
+
+def test_the_line_carries_the_clients_trace_id(servers, caplog):
+    caplog.set_level(logging.INFO, logger=REQUEST_LOGGER)
+    trace = "0af7651916cd43dd8448eb211c80319c"
+    resp = httpx.post(f"http://127.0.0.1:{servers.http_port}/v1/completions", json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 2},
+        headers={"X-Request-Id": "traced-line", "traceparent": f"00-{trace}-b7ad6b7169203331-01"},
+        timeout=30)
+    assert resp.status_code == 200
+    (record,) = [r for r in caplog.records if r.name == REQUEST_LOGGER
+                 and r.request["request_id"] == "traced-line"]
+    assert json.loads(JsonFormatter().format(record))["trace_id"] == trace
+    assert f"request_id=traced-line trace_id={trace} model=tiny" in \
+        TextFormatter().format(record)
 
 
 @pytest.fixture

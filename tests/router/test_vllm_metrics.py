@@ -1,9 +1,11 @@
 """vLLM's per-request series under `--metrics-compat vllm`: prompt and generation token
-counts and inference time per finished request, each engine's `vllm:cache_config_info`, and
-request latency buckets past 80 s as vLLM's; none of them without the flag."""
+counts and inference time per finished request, each engine's `vllm:cache_config_info` and
+`vllm:iteration_tokens_total` (from a real engine's steps), and request latency buckets past
+80 s as vLLM's; none of them without the flag."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import httpx
@@ -11,6 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import ClusterMetrics, VllmCompatCollector
+from engine import CacheConfig, LLMEngine, SamplingParams
 from protocol.status import WorkerStats
 from router.admission import AdmissionQueue
 from router.metrics import RouterMetrics, token_count_buckets
@@ -18,19 +21,20 @@ from router.metrics import RouterMetrics, token_count_buckets
 STATS = WorkerStats(num_blocks=512, kv_cache_dtype="int8", num_preemptions=3)
 
 
-def backend() -> SimpleNamespace:
+def backend(stats: WorkerStats = STATS) -> SimpleNamespace:
     """A decode worker with its info and stats, and one still without stats."""
     workers = {
-        "decode-0": SimpleNamespace(worker_id="decode-0", role="decode", stats=STATS,
+        "decode-0": SimpleNamespace(worker_id="decode-0", role="decode", stats=stats,
                                     info=SimpleNamespace(block_size=16, num_blocks=512)),
         "prefill-0": SimpleNamespace(worker_id="prefill-0", role="prefill", stats=None,
                                      info=SimpleNamespace(block_size=16, num_blocks=256))}
     return SimpleNamespace(workers=workers, metrics=ClusterMetrics("smollm2"))
 
 
-def exposition(metrics: RouterMetrics, compat: bool) -> dict[tuple[str, tuple], float]:
+def exposition(metrics: RouterMetrics, compat: bool,
+               stats: WorkerStats = STATS) -> dict[tuple[str, tuple], float]:
     if compat:
-        metrics.registry.register(VllmCompatCollector(backend(), metrics))
+        metrics.registry.register(VllmCompatCollector(backend(stats), metrics))
     text = generate_latest(metrics.registry).decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
@@ -96,6 +100,33 @@ def test_each_engine_counts_its_preemptions():
     assert {labels: v for (name, labels), v in samples.items()
             if name == "vllm:num_preemptions_total"} == {
         (("engine", "decode-0"), ("model_name", "smollm2")): 3.0}
+
+
+def test_each_engine_histograms_the_tokens_of_its_steps():
+    """Two prompts of 10 and 30 tokens, 5 tokens each: one step computes both prompts (40
+    tokens), then 4 steps decode a token of each (2 tokens); vLLM's buckets."""
+    engine = LLMEngine("tiny", cache=CacheConfig(block_size=16, num_blocks=64))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("a", list(range(100, 110)), params)
+    engine.add_request("b", list(range(200, 230)), params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    samples = exposition(RouterMetrics(AdmissionQueue(max_running=1, max_queue=1), "smollm2"),
+                         compat=True, stats=WorkerStats(**asdict(engine.stats())))
+    series = {name: v for (name, labels), v in samples.items()
+              if name.startswith("vllm:iteration_tokens_total")
+              and dict(labels).get("engine") == "decode-0"}
+    assert steps == 5
+    assert series["vllm:iteration_tokens_total_count"] == steps
+    assert series["vllm:iteration_tokens_total_sum"] == 40 + 4 * 2
+    buckets = {dict(labels)["le"]: v for (name, labels), v in samples.items()
+               if name == "vllm:iteration_tokens_total_bucket"}
+    assert list(buckets) == ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0",
+                             "1024.0", "2048.0", "4096.0", "8192.0", "16384.0", "+Inf"]
+    assert [buckets[le] for le in ("1.0", "8.0", "32.0", "64.0", "16384.0", "+Inf")] == \
+        [0, 4, 4, 5, 5, 5]
 
 
 def test_without_the_flag_no_vllm_series_is_exported():

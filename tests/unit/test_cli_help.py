@@ -26,7 +26,7 @@ def test_every_flag_of_every_command_has_help() -> None:
     assert missing == []
 
 
-SUBCOMMANDS = ["serve", "stop", "generate", "status", "scale", "bench", "profile", "plan"]
+SUBCOMMANDS = ["serve", "stop", "drain", "generate", "status", "scale", "bench", "profile", "plan"]
 
 
 def test_every_subcommand_is_registered_in_order() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.config import TRANSPORTS
 from commands.cli import main
+from protocol.logs import LogConfig
 from tests.pki import make_pki
 
 
@@ -117,17 +118,18 @@ def test_detach_hands_the_options_to_the_front_door(
 
     launched: list[Any] = []
 
-    def launch(options: Any, name: str, log_settings: tuple[str, str]) -> dict[str, Any]:
-        launched.append((options, name, log_settings))
+    def launch(options: Any, name: str) -> dict[str, Any]:
+        launched.append((options, name))
         return {"grpc_port": 50061, "http_port": 8001, "existing": True}
 
     monkeypatch.setattr(cluster.frontdoor, "launch", launch)
     monkeypatch.setenv("PDCLUSTER_CACHE", str(tmp_path))  # the endpoint file goes there
     assert main(["serve", "--model", "tiny", "--detach", "--address", "auto", "--name", "c1",
                  "--decode", "2", "--log-format", "json", "--log-level", "debug"]) == 0
-    ((options, name, log_settings),) = launched
+    ((options, name),) = launched
     assert (options.address, options.cluster.num_decode, name) == ("auto", 2, "c1")
-    assert log_settings == ("DEBUG", "json")
+    assert options.cluster.log == LogConfig("DEBUG", "json")  # the front door's and workers'
+
     out = capsys.readouterr().out
     assert "'c1' already runs" in out
     assert "pdcluster ready: gRPC 127.0.0.1:50061  OpenAI http://127.0.0.1:8001/v1" in out

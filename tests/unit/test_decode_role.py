@@ -1,5 +1,6 @@
 """The decode role on a real engine and KV receiver: reservations that never get their KV;
-its `decode` spans, received by a real OTLP receiver, end on every ending of a request."""
+its `decode` spans, received by a real OTLP receiver, end on every ending of a request and
+keep the client's W3C `tracestate`."""
 
 import time
 
@@ -14,6 +15,7 @@ from tests.conftest import assert_pool_free
 from tests.otlp_receiver import OtlpReceiver
 
 TRACE_ID, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+STATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
 
 
 def _role(kv_wait_timeout_s: float, tracer: Tracer | None = None
@@ -26,12 +28,13 @@ def _role(kv_wait_timeout_s: float, tracer: Tracer | None = None
                               tracer), receiver
 
 
-def _message(rid: str, remote_prefill: bool = True, max_tokens: int = 4) -> Generate:
+def _message(rid: str, remote_prefill: bool = True, max_tokens: int = 4,
+             tracestate: str | None = None) -> Generate:
     params = WireSamplingParams.from_params(
         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     return Generate(request_id=rid, prompt_token_ids=list(range(100, 130)), params=params,
                     remote_prefill=remote_prefill,
-                    traceparent=f"00-{TRACE_ID}-{PARENT}-01")
+                    traceparent=f"00-{TRACE_ID}-{PARENT}-01", tracestate=tracestate)
 
 
 def _records(replies: list) -> list:
@@ -144,3 +147,26 @@ def test_decode_spans_end_when_requests_finish_are_aborted_or_lose_their_kv(trac
         assert span.attributes["pdcluster.local_prefill"] is True and not span.error
         assert span.resource["service.name"] == "pdcluster-decode"
         assert span.resource["pdcluster.worker_id"] == "decode-0"
+
+
+def test_decode_spans_keep_the_clients_tracestate(traced):
+    """The router's `Generate` carries the client's `tracestate` beside the `traceparent`:
+    the span of a request prefilled here and that of one whose KV landed both keep it."""
+    otlp, tracer = traced
+    engine, role, receiver = _role(kv_wait_timeout_s=600, tracer=tracer)
+    try:
+        role.handle(engine, _message("here", remote_prefill=False, tracestate=STATE))
+        role.handle(engine, _message("landed", tracestate=STATE))
+        role.on_events(engine, [TransferDone("landed", FirstToken(token_id=42, prefill_s=0.1),
+                                             "zmq")])
+        while engine.has_unfinished_requests():
+            role.on_outputs(engine.step())
+        assert_pool_free(engine)
+    finally:
+        receiver.close()
+    tracer.shutdown()
+    spans = {s.attributes["pdcluster.request_id"]: s for s in otlp.spans}
+    assert set(spans) == {"here", "landed"}
+    for span in spans.values():
+        assert (span.trace_id, span.parent_span_id, span.trace_state) == \
+            (TRACE_ID, PARENT, STATE)

@@ -37,6 +37,8 @@ from router.backend import GenerateRequest, TokenDelta
 BLOCK_BYTES = 4096
 LONG = list(range(100, 140))  # 40 tokens: above the threshold, prefilled remotely
 SHORT = list(range(100, 106))  # 6 tokens: prefilled on the decode worker
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TRACESTATE = "congo=t61rcWkgMzE"
 
 
 def worker_info(worker_id: str, role: Role, num_blocks: int) -> WorkerInfo:
@@ -95,9 +97,11 @@ class Harness:
         self.received: dict[str, list[TokenDelta]] = {}
         self.streams: dict[str, asyncio.Task] = {}
 
-    def start(self, request_id: str, prompt: list[int], **params: Any) -> None:
+    def start(self, request_id: str, prompt: list[int], traceparent: str | None = None,
+              tracestate: str | None = None, **params: Any) -> None:
         params.setdefault("max_tokens", 64)
-        request = GenerateRequest(request_id, prompt, SamplingParams(**params), 0.0)
+        request = GenerateRequest(request_id, prompt, SamplingParams(**params), 0.0,
+                                  traceparent, tracestate)
         self.received[request_id] = []
 
         async def read(stream: AsyncIterator[TokenDelta]) -> None:
@@ -160,12 +164,12 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     async def scenario(h: Harness) -> None:
         h.pool.add("decode-0", Role.DECODE)
         h.pool.add("prefill-0", Role.PREFILL)
-        h.start("r", LONG, max_tokens=3)
+        h.start("r", LONG, TRACEPARENT, TRACESTATE, max_tokens=3)
         await until(lambda: h.pool.to("decode-0"))
         params = WireSamplingParams.from_params(SamplingParams(max_tokens=3))
         assert h.pool.to("decode-0") == [Generate(
             request_id="r@1", prompt_token_ids=LONG, params=params, remote_prefill=True,
-            output_token_ids=[])]
+            output_token_ids=[], traceparent=TRACEPARENT, tracestate=TRACESTATE)]
         assert h.pool.workers["decode-0"].in_flight == {"r"}
         h.reply("decode-0", Reserved(worker_id="decode-0", request_id="r@1",
                                      dst_block_ids=[3, 4, 9], num_cached_tokens=28))
@@ -173,8 +177,9 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
         prefill = h.pool.to("prefill-0")[0]
         assert isinstance(prefill, Prefill)
         assert (prefill.request_id, prefill.prompt_token_ids, prefill.params,
-                prefill.dst_block_ids, prefill.num_cached_tokens) == \
-            ("r@1", LONG, params, [3, 4, 9], 28)
+                prefill.dst_block_ids, prefill.num_cached_tokens, prefill.traceparent,
+                prefill.tracestate) == ("r@1", LONG, params, [3, 4, 9], 28, TRACEPARENT,
+                                        TRACESTATE)
         assert prefill.peer_info == h.pool.workers["decode-0"].info.peer_info
         assert prefill.peer_info.receiver_id == "rx-decode-0"
         assert h.pool.workers["prefill-0"].in_flight == {"r"}

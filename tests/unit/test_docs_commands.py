@@ -31,7 +31,7 @@ from markdown_it import MarkdownIt  # CommonMark's reference parser; rich brings
 
 import cluster.serve
 import commands.serve
-import router.logs
+import protocol.logs
 from commands.cli import build_parser, parse_args
 from tests.conftest import clear_flag_env
 
@@ -314,13 +314,13 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> Captured:
     async def run(options: Any) -> None:
         seen.options.append(options)
 
-    def detached(options: Any, name: str, log: Any) -> int:
+    def detached(options: Any, name: str) -> int:
         seen.options.append(options)
         return 0
 
     monkeypatch.setattr(cluster.serve, "run", run)
     monkeypatch.setattr(commands.serve, "_serve_detached", detached)
-    monkeypatch.setattr(router.logs, "configure_logging", lambda *_: None)
+    monkeypatch.setattr(protocol.logs, "configure_logging", lambda *_: None)
     return seen
 
 

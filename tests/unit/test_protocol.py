@@ -164,7 +164,8 @@ def test_the_workers_info_survives_ray():
 
 def test_engine_stats_are_worker_stats():
     """A worker sends its engine's stats inside `WorkerStats`: every figure has a field."""
-    kinds = {"str": lambda i: f"v{i}", "int": lambda i: i, "float": lambda i: i + 0.5}
+    kinds = {"str": lambda i: f"v{i}", "int": lambda i: i, "float": lambda i: i + 0.5,
+             "list[int]": lambda i: [i, i + 1]}
     values = {f.name: kinds[f.type](i) for i, f in enumerate(dataclasses.fields(EngineStats))}
     assert set(values) <= set(WorkerStats.__struct_fields__)
     wire = decode_reply(encode(Stats(worker_id="w", stats=WorkerStats(
