@@ -45,11 +45,13 @@ def _abort(pool: ThreadPoolExecutor, grpc_client: PdClusterClient, servers: Serv
            backend, wait_until) -> Future:
     """Abort `abort-me` through the gRPC API once its add waits in the stalled engine's
     queue (so the abort runs after it, before any step); returns once the router took the
-    abort (its backend part waits for the stalled engine)."""
+    abort and its backend part waits in the stalled engine's queue behind the add (the
+    router counts the abort before its thread queues it there)."""
     wait_until(lambda: backend.loop.num_pending == 1)
     aborted = pool.submit(grpc_client.abort, "abort-me")
     wait_until(lambda: servers.router.metrics.registry.get_sample_value(
         "pdcluster:requests_aborted_total", {"model_name": "tiny", "cause": "api"}) == 1)
+    wait_until(lambda: backend.loop.num_pending == 2)
     return aborted
 
 
