@@ -18,12 +18,12 @@ from router.proto_convert import output_from_proto, status_from_proto
 # The calls that may be sent again (`Status`, `Abort`, `ScalePool` to absolute sizes, health
 # checks) are retried by gRPC itself while the server is UNAVAILABLE, e.g. a front door
 # restarting: 5 attempts (gRPC's own ceiling; more is clamped, with an error logged), the
-# waits between them drawn up to 0.5, 1, 2 and 4 s. `Generate` is never sent twice.
+# waits between them drawn up to 0.25, 0.5, 1 and 2 s. `Generate` is never sent twice.
 _RETRY_POLICY = {"methodConfig": [{
     "name": [{"service": "pdcluster.v1.PdCluster", "method": method}
              for method in ("Status", "Abort", "ScalePool")]
     + [{"service": "grpc.health.v1.Health"}],
-    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "4s",
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.25s", "maxBackoff": "2s",
                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}
 # Keepalive pings on a channel with calls in flight, so a long stream notices a peer that
 # vanished without closing (a node lost) within about 40 s; the server allows them.
