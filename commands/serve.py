@@ -264,11 +264,18 @@ def speculative_arg(text: str) -> str:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from router.auth import SecurityConfig, check_bind
+
+    # Refused before the runtime is imported (seconds): a flag error answers at once.
+    security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              tls_client_ca=args.tls_client_ca)
+    check_bind(args.host, security, args.allow_unauthenticated)
+
     from cluster.serve import ServeOptions, run
     from engine.hardware import isa_cap
     from protocol.logs import configure_logging
     from protocol.tracing import TracingConfig
-    from router.auth import SecurityConfig
 
     isa_cap()  # a bad PDCLUSTER_CPU_ISA fails here, not in every worker
     try:
@@ -287,9 +294,6 @@ def _serve(args: argparse.Namespace) -> int:
             if len(per_model) == 1:
                 raise
             raise ValueError(f"models.{i} ({model_args.model}): {e}") from None
-    security = SecurityConfig(api_key=args.api_key, admin_key=args.admin_key,
-                              tls_cert=args.tls_cert, tls_key=args.tls_key,
-                              tls_client_ca=args.tls_client_ca)
     options = ServeOptions(models[0].cluster, args.address, args.host, args.grpc_port,
                            args.http_port, models[0].router,
                            security=security,
@@ -327,6 +331,7 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
     from protocol.logs import LogConfig
     from router.router import RouterConfig
 
+    check_model_given(args.model)
     shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
     if args.transport == "mooncake":
         from kv_transfer.transports.mooncake import check_installed
@@ -355,6 +360,22 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
                               args.override_generation_config),
                           chat_template=chat_template_arg(args.chat_template))
     return ServedModel(cluster, router)
+
+
+def check_model_given(model: str) -> None:
+    """Refuse the placeholder `pdcluster plan` writes when it is not told the model's
+    folder, before anything starts.
+
+    Raises:
+        ValueError: `model` is that placeholder, saying what to put there.
+    """
+    from planner.deploy import MODEL_PLACEHOLDER
+
+    if model == MODEL_PLACEHOLDER:
+        raise ValueError(f"--model {MODEL_PLACEHOLDER} is the placeholder `pdcluster plan` "
+                         "writes without --model: replace it with the model's folder (a "
+                         "Hugging Face directory) or .gguf file, or plan again with "
+                         "--model PATH")
 
 
 def chat_template_arg(value: str | None) -> str | None:

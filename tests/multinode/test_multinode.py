@@ -66,16 +66,16 @@ class Cluster:
             for name in NODES if name != "head"]
         for proc in starts:
             assert proc.wait(120) == 0, "a Ray worker node did not start"
-        deadline = time.monotonic() + 120
-        while self._alive_nodes() < len(NODES):
-            assert time.monotonic() < deadline, "the Ray nodes did not all join"
-            time.sleep(0.5)
-
-    def _alive_nodes(self) -> int:
+        # One Ray client on the head, polling until every node has joined (a client per
+        # poll would start a Python process and connect each time).
         out = self.hosts.run("head", [sys.executable, "-c", (
-            "import ray; ray.init(address='auto', logging_level='ERROR'); "
-            "print(sum(n['Alive'] for n in ray.nodes()))")]).stdout
-        return int(out.split()[-1])
+            "import time, ray; ray.init(address='auto', logging_level='ERROR')\n"
+            "deadline = time.monotonic() + 120\n"
+            f"while sum(n['Alive'] for n in ray.nodes()) < {len(NODES)} "
+            "and time.monotonic() < deadline:\n"
+            "    time.sleep(0.2)\n"
+            "print(sum(n['Alive'] for n in ray.nodes()))")], timeout_s=180).stdout
+        assert int(out.split()[-1]) == len(NODES), "the Ray nodes did not all join"
 
     def serve(self, *flags: str, timeout_s: float = 300.0) -> None:
         """`pdcluster serve` on the head, joined to the Ray cluster, ready for clients."""
