@@ -55,17 +55,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="comma-separated step token budgets to try")
     plan.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS,
                       help="most requests a worker runs at once")
-    plan.add_argument("--cost-per-hour-prefill", type=float, default=1.0,
-                      help="cost of a prefill worker per hour")
-    plan.add_argument("--cost-per-hour-decode", type=float, default=1.0,
-                      help="cost of a decode (or colocated) worker per hour")
+    plan.add_argument("--model", default=None, metavar="PATH",
+                      help="the model's folder (or .gguf file) the emitted `serve` command "
+                           "serves; default: a placeholder `serve` refuses until replaced")
+    plan.add_argument("--cost-per-hour-prefill", type=float, default=None,
+                      help="cost of a prefill worker per hour (default: its accelerator's "
+                           "list price in planner/data/prices.yaml x its TP, 1 for a CPU)")
+    plan.add_argument("--cost-per-hour-decode", type=float, default=None,
+                      help="cost of a decode (or colocated) worker per hour (default: as "
+                           "for prefill)")
     plan.add_argument("--max-accelerators", type=int, default=None,
                       help="search every P+D split and TP degree per role (one profile per "
                            "degree) within this many accelerators, instead of --max-workers")
-    plan.add_argument("--cost-per-accelerator-hour-prefill", type=float, default=1.0,
-                      help="with --max-accelerators: cost of a prefill accelerator per hour")
-    plan.add_argument("--cost-per-accelerator-hour-decode", type=float, default=1.0,
-                      help="with --max-accelerators: cost of a decode accelerator per hour")
+    plan.add_argument("--cost-per-accelerator-hour-prefill", type=float, default=None,
+                      help="with --max-accelerators: cost of a prefill accelerator per hour "
+                           "(default: its list price in planner/data/prices.yaml, 1 for a "
+                           "CPU)")
+    plan.add_argument("--cost-per-accelerator-hour-decode", type=float, default=None,
+                      help="with --max-accelerators: cost of a decode accelerator per hour "
+                           "(default: as for prefill)")
     plan.add_argument("--no-pareto", action="store_true",
                       help="with --max-accelerators: find only the pick's sustained rate, "
                            "not every simulated configuration's (no Pareto front)")
@@ -171,8 +179,9 @@ def plan_request(args: argparse.Namespace) -> Any:
                        int_list(args.local_prefill_thresholds, "local-prefill-thresholds"),
                        int_list(args.max_num_batched_tokens, "max-num-batched-tokens"),
                        args.max_num_seqs,
-                       {"prefill": args.cost_per_hour_prefill,
-                        "decode": args.cost_per_hour_decode})
+                       {"prefill": _worker_price(prefill, args.cost_per_hour_prefill),
+                        "decode": _worker_price(decode, args.cost_per_hour_decode)},
+                       serve_model=args.model)
 
 
 def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,10 +206,10 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
     request = BudgetRequest(
         profiles_by_tp(prefills), profiles_by_tp(decodes), requests,
         Slo.parse(args.slo, args.attainment), args.max_accelerators,
-        {"prefill": args.cost_per_accelerator_hour_prefill,
-         "decode": args.cost_per_accelerator_hour_decode},
+        {"prefill": _accelerator_price(prefills, args.cost_per_accelerator_hour_prefill),
+         "decode": _accelerator_price(decodes, args.cost_per_accelerator_hour_decode)},
         tuple(m.strip() for m in args.modes.split(",") if m.strip()), budgets[0],
-        args.max_num_seqs, thresholds[0], front=not args.no_pareto)
+        args.max_num_seqs, thresholds[0], front=not args.no_pareto, serve_model=args.model)
     with Progress("[progress.description]{task.description}", BarColumn(),
                   "{task.completed}/{task.total}", TimeElapsedColumn(),
                   console=notes) as progress:
@@ -213,6 +222,30 @@ def run_budget_plan(args: argparse.Namespace) -> dict[str, Any]:
                 f"{s['pruned_by_latency']} by unloaded latency; {s['simulated']} simulated "
                 f"over {s['cost_levels']} cost levels in {s['seconds']:.0f} s")
     return {**doc, "calibration": calibration}
+
+
+def _accelerator_price(profiles: list[Any], given: float | None) -> float:
+    """One accelerator-hour of a role: the flag's price, else its profiles' list price
+    (`planner.prices`; 1 for a CPU or an unlisted device)."""
+    from planner.prices import UNPRICED, accelerator_price
+
+    if given is not None:
+        return given
+    prices = {accelerator_price(p) for p in profiles}
+    if len(prices) > 1:
+        raise ValueError("one role's profiles are of devices with different list prices: "
+                         "plan each accelerator separately, or give its "
+                         "--cost-per-accelerator-hour-*")
+    (price,) = prices
+    return UNPRICED if price is None else price
+
+
+def _worker_price(profile: Any, given: float | None) -> float:
+    """A worker's cost per hour: the flag's, else its accelerator's list price x its TP
+    (`planner.prices`)."""
+    from planner.prices import worker_price
+
+    return given if given is not None else worker_price(profile)
 
 
 def _profiles(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:

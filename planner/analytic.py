@@ -4,24 +4,33 @@ Each step is priced from its work (per TP rank: the weights, heads and FLOPs spl
 ways):
 
 - the linear layers: `2 x tokens x active weights` FLOPs (the LM head only for the
-  sampled positions) at the device's peak times an efficiency that grows with the token
-  count (`Accelerator.gemm_efficiency`), or the weights' read at memory bandwidth if that
-  takes longer (a decode step of few requests is bound by the read; an MoE layer reads
-  the experts its tokens are routed to);
+  sampled positions) at the device's peak times an efficiency that grows with the rows
+  a GEMM sees (`Accelerator.gemm_efficiency`): the step's tokens for the dense layers,
+  `tokens x top_k / experts` for each expert of an MoE layer; or the weights' read at
+  memory bandwidth if that takes longer (a decode step of few requests is bound by the
+  read; an MoE layer reads the experts its tokens are routed to);
 - attention: `4 x heads x head_dim` FLOPs per query-key pair at
-  `attention_efficiency` of the peak, or the KV read (every request's context) and write
-  at memory bandwidth if that takes longer;
-- tensor parallelism: two ring all-reduces of the step's activations per layer over the
-  link (half its bidirectional bandwidth per direction), each with a latency;
+  `attention_efficiency` of the KV dtype's peak, or the KV read (every request's
+  context) and write at memory bandwidth if that takes longer;
+- tensor parallelism: two all-reduces of the step's activations per layer at the
+  per-rank bandwidth of the link's topology (`Accelerator.collective_bandwidth`) times
+  `collective_efficiency`, each with a latency;
 - fixed overheads per step and per layer.
+
+Precision per operation as vLLM and TensorRT-LLM run an fp8 checkpoint: the decoder's
+linear weights in fp8, the activations, the all-reduces, the embedding and the LM head
+in bf16 (`activation_dtype`); attention in the KV cache's dtype.
 
 The KV transfer of a request is its blocks' bytes (layers x KV heads x head dim x 2 x the
 KV dtype's bytes per token) over the network, plus a fixed latency. A worker's KV capacity
-is its devices' usable memory less the weights (per TP shard) and the activations of a
-full step.
+is, per device, its memory (GiB) times `memory_utilization` (vLLM's
+`gpu_memory_utilization`) less the runtime's reserve, the weights (its TP shard) and the
+activations of a full step.
 
-`analytic_profile` evaluates the model on the grid `pdcluster profile` measures and fits
-the same linear models on those points, so the profile it writes has the measured one's
+`analytic_profile` evaluates the model on the grid `pdcluster profile` measures, its
+decode batches extended to `max_num_seqs` (`decode_batches`: the table is not extrapolated
+from the memory-bound small batches), and fits the same linear models on those points, so
+the profile it writes has the measured one's
 schema and the simulator reads either.
 """
 
@@ -37,7 +46,7 @@ import numpy as np
 from engine import defaults
 from planner.measure import fit_profile
 from planner.profile import DECODE_BATCHES, LinearModel, Profile
-from planner.specs import DTYPE_BYTES, Accelerator, ModelShape, experts_touched
+from planner.specs import DTYPE_BYTES, Accelerator, ModelShape, experts_touched, tp_problem
 
 _EMPTY = LinearModel((), ())  # replaced by the fits
 GIB = 2**30
@@ -66,9 +75,8 @@ class StepModel:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
-        if self.shape.num_heads % self.tp:
-            raise ValueError(f"tp {self.tp} does not divide the {self.shape.num_heads} "
-                             f"attention heads of {self.shape.name}")
+        if problem := tp_problem(self.shape, self.tp):
+            raise ValueError(f"tp {self.tp} {problem} of {self.shape.name}")
         if self.tp > self.accelerator.devices_per_node:
             raise ValueError(f"tp {self.tp} exceeds the {self.accelerator.devices_per_node} "
                              f"devices of one {self.accelerator.name} node")
@@ -80,22 +88,37 @@ class StepModel:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         self.accelerator.flops(self.dtype)  # refuses a dtype the device has no figure for
 
+    @property
+    def activation_dtype(self) -> str:
+        """The dtype of the activations, the all-reduces, the embedding and the LM head:
+        the weights' own, bf16 for fp8 weights (vLLM's and TensorRT-LLM's fp8 checkpoints
+        quantize the decoder's linear layers only)."""
+        return "bfloat16" if self.dtype == "fp8" else self.dtype
+
     # ---- the work of a step ----
 
     def gemm_flops(self, tokens: int, seqs: int) -> float:
         """FLOPs of the linear layers (all ranks together)."""
+        return sum(self._gemm_work(tokens, seqs).values())
+
+    def _gemm_work(self, tokens: int, seqs: int) -> dict[str, float]:
+        """The linear layers' FLOPs by GEMM shape: `dense` (attention projections and
+        router, the step's tokens as rows), `experts` (each expert's rows), `head`."""
         s = self.shape
-        per_token = s.num_layers * (s.attention_params + s.experts_per_token * s.expert_params
-                                    + s.router_params)
-        return 2.0 * (tokens * per_token + seqs * s.vocab_size * s.hidden_size)
+        dense = s.attention_params + s.router_params
+        return {"dense": 2.0 * tokens * s.num_layers * dense,
+                "experts": 2.0 * tokens * s.num_layers * s.experts_per_token * s.expert_params,
+                "head": 2.0 * seqs * s.vocab_size * s.hidden_size}
 
     def weight_bytes(self, tokens: int) -> float:
         """Weight bytes a step reads (all ranks together): every layer's attention and the
-        experts its tokens reach, and the LM head."""
+        experts its tokens reach in the weights' dtype, and the LM head in the
+        activations'."""
         s = self.shape
         layer = s.attention_params + experts_touched(s, tokens) * s.expert_params + \
             s.router_params
-        return (s.num_layers * layer + s.vocab_size * s.hidden_size) * DTYPE_BYTES[self.dtype]
+        return s.num_layers * layer * DTYPE_BYTES[self.dtype] + \
+            s.vocab_size * s.hidden_size * DTYPE_BYTES[self.activation_dtype]
 
     def attention_flops(self, pairs: float) -> float:
         """FLOPs of QK^T and PV over `pairs` query-key pairs."""
@@ -130,27 +153,37 @@ class StepModel:
         seqs = len(items)
         pairs = sum(n * (start + (n + 1) / 2) for start, n, _ in items)
         context = sum(start for start, _, _ in items)
-        peak = a.flops(self.dtype)
         bandwidth = a.memory_bandwidth_gbs * 1e9 * a.bandwidth_efficiency
-        efficiency = a.gemm_efficiency * tokens / (tokens + a.gemm_half_tokens)
         passes = a.gemm_weight_passes if tokens > a.gemm_packed_rows else 1.0
-        # One row is a matrix-vector product: no tiles to fill, so the efficiency curve
-        # (a GEMM's) leaves it; its 2 FLOPs per weight hide under the read on real devices.
-        if tokens <= 1:
-            efficiency = 1.0
-        gemm = max(self.gemm_flops(tokens, seqs) / tp / (peak * efficiency),
-                   passes * self.weight_bytes(tokens) / tp / bandwidth)
-        attention = max(self.attention_flops(pairs) / tp / (peak * a.attention_efficiency),
+        work = self._gemm_work(tokens, seqs)
+        rows = {"dense": tokens, "experts": tokens * s.experts_per_token / s.num_experts,
+                "head": seqs}
+        peaks = {"dense": a.flops(self.dtype), "experts": a.flops(self.dtype),
+                 "head": a.flops(self.activation_dtype)}
+        compute = sum(work[k] / (peaks[k] * self._gemm_efficiency(rows[k])) for k in work
+                      if work[k])
+        gemm = max(compute / tp, passes * self.weight_bytes(tokens) / tp / bandwidth)
+        attention_peak = a.flops(self.kv_dtype) if self.kv_dtype != "fp8" or a.fp8_tflops \
+            else a.flops("bfloat16")
+        attention = max(self.attention_flops(pairs) / tp
+                        / (attention_peak * a.attention_efficiency),
                         self.kv_bytes(context, tokens) / tp / bandwidth)
         all_reduce = 0.0
         if tp > 1:
-            per_direction = a.link_bandwidth_gbs * 1e9 / 2
-            message = tokens * s.hidden_size * DTYPE_BYTES[self.dtype]
+            message = tokens * s.hidden_size * DTYPE_BYTES[self.activation_dtype]
+            per_rank = a.collective_bandwidth(tp) * 1e9 * a.collective_efficiency
             all_reduce = 2 * s.num_layers * (a.link_latency_us * 1e-6
-                                             + 2 * (tp - 1) / tp * message / per_direction)
+                                             + 2 * (tp - 1) / tp * message / per_rank)
         overhead = a.step_overhead_ms * 1e-3 + s.num_layers * a.layer_overhead_us * 1e-6
         return {"overhead": overhead, "gemm": gemm, "attention": attention,
                 "all_reduce": all_reduce}
+
+    def _gemm_efficiency(self, rows: float) -> float:
+        """The fraction of peak a GEMM of `rows` rows reaches. One row or fewer is a
+        matrix-vector product: no tiles to fill, so the efficiency curve (a GEMM's) leaves
+        it; its 2 FLOPs per weight hide under the read on real devices."""
+        a = self.accelerator
+        return 1.0 if rows <= 1 else a.gemm_efficiency * rows / (rows + a.gemm_half_tokens)
 
     def transfer_time(self, tokens: int) -> float:
         """Seconds to ship `tokens` tokens of KV over the network (all ranks in parallel,
@@ -163,8 +196,12 @@ class StepModel:
     # ---- memory ----
 
     def weights_per_device(self) -> float:
-        """Bytes of weights one device holds (its TP shard)."""
-        return self.shape.num_params * DTYPE_BYTES[self.dtype] / self.tp
+        """Bytes of weights one device holds (its TP shard): the decoder's in the weights'
+        dtype, the embedding and the LM head in the activations'."""
+        s = self.shape
+        table = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+        return ((s.num_params - table) * DTYPE_BYTES[self.dtype]
+                + table * DTYPE_BYTES[self.activation_dtype]) / self.tp
 
     def activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
         """Peak activation bytes of one device in a full step: per token the residual,
@@ -173,39 +210,52 @@ class StepModel:
         s, tp = self.shape, self.tp
         width = 2 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim / tp + \
             2 * s.intermediate_size * s.experts_per_token / tp
-        return max_num_batched_tokens * width * DTYPE_BYTES[self.dtype] + \
+        return max_num_batched_tokens * width * DTYPE_BYTES[self.activation_dtype] + \
             max_num_seqs * s.vocab_size / tp * 4
 
     def kv_capacity(self, max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
                     max_num_seqs: int = defaults.MAX_NUM_SEQS) -> float:
-        """KV bytes one worker holds: over its `tp` devices, usable memory less the weight
-        shard and the activations.
+        """KV bytes one worker holds: over its `tp` devices, the memory vLLM may use
+        (`memory_gb` GiB x `memory_utilization`, its `gpu_memory_utilization`) less the
+        runtime's reserve (`Accelerator.reserve_bytes`), the weight shard and the
+        activations.
 
         Raises:
             ValueError: the weights and activations do not fit.
         """
         a = self.accelerator
-        usable = a.memory_gb * 1e9 * a.memory_utilization
+        usable = a.memory_gb * GIB * a.memory_utilization - a.reserve_bytes(self.tp)
         left = usable - self.weights_per_device() - self.activation_bytes(
             max_num_batched_tokens, max_num_seqs)
         if left <= 0:
             raise ValueError(f"{self.shape.name} at tp {self.tp} does not fit a "
-                             f"{a.name}: {self.weights_per_device() / 1e9:.1f} GB of weights "
-                             f"per device, {usable / 1e9:.1f} GB usable")
+                             f"{a.name}: {self.weights_per_device() / GIB:.1f} GiB of weights "
+                             f"per device, {usable / GIB:.1f} GiB usable")
         return self.tp * left
 
 
 # ---- the profile ----
 
-def _grid(max_model_len: int) -> dict[str, list[Any]]:
-    """The schedules `pdcluster profile` measures, extended to long prompts."""
+def decode_batches(max_num_seqs: int) -> list[int]:
+    """The decode table's batch sizes: the measured profile's, then doubling up to
+    `max_num_seqs` (and it), so no batch a worker runs is extrapolated."""
+    batches = [b for b in DECODE_BATCHES if b <= max_num_seqs]
+    while batches[-1] < max_num_seqs:
+        batches.append(min(2 * batches[-1], max_num_seqs))
+    return batches
+
+
+def _grid(max_model_len: int, max_num_seqs: int = defaults.MAX_NUM_SEQS
+          ) -> dict[str, list[Any]]:
+    """The schedules `pdcluster profile` measures, extended to long prompts and to
+    decode batches up to `max_num_seqs`."""
     news = [16, 64, 256, 512, 1024, 2048, 4096]
     prefill = [[[cached, n, True]] * k for n in news for cached in (0, 512, 2048)
                for k in (1, 2, 4) if cached + n < max_model_len and k * n <= 8192]
     mixed = [[[0, n, True]] + [[64, 1, False]] * b for n in (64, 256) for b in (4, 16)]
     contexts = sorted({min(c, max_model_len // 2) for c in (32, 256, 1024, 4096)}
                       | {max_model_len // 4})
-    decode = [[[c, 1, False]] * b for b in DECODE_BATCHES for c in contexts]
+    decode = [[[c, 1, False]] * b for b in decode_batches(max_num_seqs) for c in contexts]
     return {"prefill": prefill + mixed, "decode": decode,
             "lengths": sorted({min(n, max_model_len // 2) for n in (64, 256, 1024, 4096)}
                               | {max_model_len // 4, max_model_len // 8})}
@@ -230,7 +280,7 @@ def analytic_profile(model: StepModel, block_size: int = defaults.BLOCK_SIZE,
     """
     s, a = model.shape, model.accelerator
     limit = min(max_model_len or s.max_position_embeddings, s.max_position_embeddings)
-    grid = _grid(limit)
+    grid = _grid(limit, max_num_seqs)
     prefill = [{"items": items, "y": model.step_time(items)} for items in grid["prefill"]]
     decode = [{"items": items, "y": model.step_time(items)} for items in grid["decode"]]
     transfer = [{"tokens": n, "blocks": -(-n // block_size), "y": model.transfer_time(n),

@@ -63,6 +63,13 @@ def pareto_front(configs: Sequence[dict[str, Any]],
     return front
 
 
+def sweep_rates(config: dict[str, Any], planned_rate: float) -> list[float]:
+    """The sweep's rates, rising: `SWEEP_FRACTIONS` of the configuration's sustained rate
+    (of the planned rate when it has none) and the planned rate itself."""
+    top = float(config["predicted"].get("max_rate_rps") or 0.0) or planned_rate
+    return sorted({round(f * top, 9) for f in SWEEP_FRACTIONS} | {planned_rate})
+
+
 def rate_sweep(config: dict[str, Any], slo: Slo, planned_rate: float,
                at: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
     """The configuration's figures from light load to past saturation.
@@ -72,16 +79,16 @@ def rate_sweep(config: dict[str, Any], slo: Slo, planned_rate: float,
             and `predicted.max_rate_rps`.
         slo: the plan's objectives.
         planned_rate: the rate `config["predicted"]` was simulated at.
-        at: the simulated figures (`planner.plan.figures`) at a rate.
+        at: the simulated figures (`planner.plan.figures`) at a rate, asked for each of
+            `sweep_rates` but the planned one (the search computes them beforehand, on
+            its process pool).
 
     Returns:
         `{"config": label, "points": [...]}`, the points in rising rate, each with
         `rate_rps`, `attainment`, `goodput_rps`, `ttft_p90_ms`, `tpot_p90_ms`, `meets_slo`.
     """
-    top = float(config["predicted"].get("max_rate_rps") or 0.0) or planned_rate
-    rates = sorted({round(f * top, 9) for f in SWEEP_FRACTIONS} | {planned_rate})
     points = []
-    for rate in rates:
+    for rate in sweep_rates(config, planned_rate):
         figures = config["predicted"] if rate == planned_rate else at(rate)
         points.append({"rate_rps": rate, "attainment": figures["attainment"],
                        "goodput_rps": figures["goodput_rps"],

@@ -120,6 +120,8 @@ class PlanRequest:
             each simulation runs the trace again with the next seeds until at least this
             many requests are simulated, and every figure is over all the runs
             (`simulate`).
+        serve_model: the model's folder the `deploy` command serves (None: a placeholder
+            that `pdcluster serve` refuses).
     """
 
     prefill_profile: Profile
@@ -136,6 +138,7 @@ class PlanRequest:
     find_max_rate: bool = True
     sweep_rates: bool = True
     simulated_requests: int = 1600
+    serve_model: str | None = None
 
     def __post_init__(self) -> None:
         check_same_model([self.prefill_profile, self.decode_profile])
@@ -267,7 +270,7 @@ def plan(request: PlanRequest) -> dict[str, Any]:
 
     Returns:
         The `pdcluster.plan/1` document (see docs/planner.md), with `deploy`: the
-        recommended configuration's `pdcluster serve` command and KubeRay worker groups.
+        recommended configuration's serve config file, command and RayCluster.
     """
     configs = []
     for group in shapes(request):
@@ -282,7 +285,8 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     recommended = min(good, key=lambda c: (c["cost_per_hour"], -c["predicted"][GOODPUT],
                                            c["prefill"] + c["decode"]), default=None)
     deploy = None if recommended is None else deployment(
-        recommended, request.prefill_profile, request.decode_profile, request.max_num_seqs)
+        recommended, request.prefill_profile, request.decode_profile, request.max_num_seqs,
+        request.serve_model)
     sweep = None
     if recommended is not None and request.sweep_rates and sweepable(request.requests):
         shape = shape_of(recommended, request.max_num_seqs)

@@ -17,14 +17,23 @@ is out of reach at 64 accelerators (thousands of candidates, seconds each), so:
   candidates are its best: a level can be missed where neither holds;
 - the pick's highest sustainable rate is found by **bisection on the rate** between the
   planned rate and its throughput bound (`sustained_rate`); with `front`, that of every
-  simulated candidate not shown dominated first (`_front_rates`), for the Pareto front.
+  other simulated candidate too (`_front_rates`), for the Pareto front.
+
+The sustained rates and the rate sweep are independent simulations: they run on a process
+pool (`SimulationPool`, a worker per available core), each a deterministic function of its
+inputs, so the plan is the same whatever the number of workers. (The cost bisection stays
+serial: each level it visits depends on the last.)
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import resource
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +41,7 @@ import numpy as np
 
 from engine import defaults
 from planner.deploy import deployment, tensor_parallel
-from planner.frontier import pareto_front, rate_sweep
+from planner.frontier import pareto_front, rate_sweep, sweep_rates
 from planner.plan import (
     SCHEMA,
     PlanRequest,
@@ -68,9 +77,10 @@ class BudgetRequest:
         local_prefill_threshold: the disaggregated threshold.
         per_level: candidates simulated per cost level the bisection visits (the most
             balanced: the largest headroom over their throughput bounds).
-        front: find the sustained rate of every simulated candidate that may lie on
-            the Pareto front (`_front_rates`); else only the pick's, and `pareto` is
-            null.
+        front: find the sustained rate of every simulated candidate (`_front_rates`),
+            for the Pareto front; else only the pick's, and `pareto` is null.
+        serve_model: the model's folder the `deploy` command serves (None: a placeholder
+            that `pdcluster serve` refuses).
     """
 
     prefill_profiles: tuple[Profile, ...]
@@ -85,6 +95,7 @@ class BudgetRequest:
     local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD
     per_level: int = 2
     front: bool = True
+    serve_model: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill_profiles or not self.decode_profiles:
@@ -242,13 +253,15 @@ def shape(request: BudgetRequest, c: Candidate) -> ClusterShape:
                         request.max_num_seqs, request.local_prefill_threshold)
 
 
-def search(request: BudgetRequest, progress: Callable[[int, int], None] | None = None
-           ) -> dict[str, Any]:
+def search(request: BudgetRequest, progress: Callable[[int, int], None] | None = None,
+           workers: int | None = None) -> dict[str, Any]:
     """The cheapest configuration within the budget that meets the SLO (module docstring).
 
     Args:
         request: what to plan for.
         progress: called with (simulations done, most simulations) after each one.
+        workers: processes for the sustained rates and the rate sweep (`SimulationPool`;
+            None: one per available core); the plan is the same for any number.
 
     Returns:
         A `pdcluster.plan/1` document: `configs` holds the simulated candidates (with
@@ -257,7 +270,7 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
         `seconds` with the sustained rates and the rate sweep); `pareto` and `rate_sweep`
         (`planner.frontier`).
     """
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = time.perf_counter(), cpu_seconds()
     found, counts = candidates(request)
     levels: dict[float, list[Candidate]] = {}
     for c in found:
@@ -273,8 +286,7 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
         for c in sorted(levels[level], key=lambda c: -throughput_bound(request, c, load))[
                 :request.per_level]:
             if c.key not in simulated:
-                predicted = predict(plan_request(request, c), shape(request, c))
-                simulated[c.key] = _entry(request, c, predicted)
+                simulated[c.key] = _entry(request, c, _predict(request, c))
                 if progress is not None:
                     progress(len(simulated), most)
             if simulated[c.key]["meets_slo"]:
@@ -288,22 +300,16 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
             pick, high = c, mid - 1
         else:
             low = mid + 1
+    searched = time.perf_counter() - start
+    with SimulationPool(request, workers) as pool:
+        sweep = _sustained_rates_and_sweep(request, pool, pick, [
+            c for c in found if c.key in simulated and c.key != getattr(pick, "key", None)]
+            if request.front else [], simulated)
     configs = sorted(simulated.values(), key=lambda e: (e["cost_per_hour"], e["accelerators"]))
     recommended = simulated[pick.key] if pick is not None else None
-    searched = time.perf_counter() - start
-    if pick is not None and recommended is not None:
-        recommended["predicted"]["max_rate_rps"] = float(sustained_rate(request, pick))
-    if request.front:
-        _front_rates(request, [c for c in found if c.key in simulated], simulated,
-                     getattr(pick, "key", None), load)
     deploy = None if pick is None or recommended is None else deployment(
-        recommended, pick.prefill_profile, pick.decode_profile, request.max_num_seqs)
-    sweep = None
-    if pick is not None and recommended is not None and sweepable(request.requests):
-        planned, pick_shape = plan_request(request, pick), shape(request, pick)
-        sweep = rate_sweep(recommended, request.slo, trace_rate(request.requests),
-                           lambda rate: figures(simulate(planned, pick_shape, at_rate(
-                               request.requests, rate)), request.slo))
+        recommended, pick.prefill_profile, pick.decode_profile, request.max_num_seqs,
+        request.serve_model)
     return {"schema": SCHEMA, "model": request.decode_profiles[0].model,
             "slo": request.slo.as_dict(), "rate_rps": trace_rate(request.requests),
             "num_requests": len(request.requests), "recommended": recommended,
@@ -315,7 +321,7 @@ def search(request: BudgetRequest, progress: Callable[[int, int], None] | None =
                        "max_accelerators": request.max_accelerators,
                        "search_seconds": searched,
                        "seconds": time.perf_counter() - start,
-                       "cpu_seconds": time.process_time() - cpu}}
+                       "cpu_seconds": cpu_seconds() - cpu}}
 
 
 def throughput_bound(request: BudgetRequest, c: Candidate, load: Load | None = None
@@ -356,25 +362,105 @@ def sustained_rate(request: BudgetRequest, c: Candidate, iterations: int = 5,
     return low
 
 
-def _front_rates(request: BudgetRequest, found: list[Candidate],
-                 simulated: dict[tuple[Any, ...], dict[str, Any]], pick: Any, load: Load
-                 ) -> None:
-    """Set `max_rate_rps` on each simulated entry that may lie on the Pareto front, the
-    cheapest first: one whose throughput bound, or whose SLO at the best rate a cheaper
-    (or as cheap) one sustains, shows it sustains no more is dominated and left without
-    (`docs/planner.md`), saving its bisection."""
-    best = 0.0
-    for c in sorted(found, key=lambda c: (c.cost_per_hour, -throughput_bound(request, c,
-                                                                              load))):
-        predicted = simulated[c.key]["predicted"]
-        if c.key != pick:
-            if throughput_bound(request, c, load) <= best:
-                continue
-            rate = sustained_rate(request, c, 4, simulated[c.key]["meets_slo"], best)
-            if rate is None:
-                continue
-            predicted["max_rate_rps"] = float(rate)
-        best = max(best, predicted["max_rate_rps"])
+def _sustained_rates_and_sweep(request: BudgetRequest, pool: SimulationPool,
+                               pick: Candidate | None, others: list[Candidate],
+                               simulated: dict[tuple[Any, ...], dict[str, Any]]
+                               ) -> dict[str, Any] | None:
+    """Set `max_rate_rps` on the pick's entry and on each of `others` (`_front_rates`),
+    and return the pick's rate sweep (None without a pick or a rescalable trace). The
+    sweep's simulations start once the pick's rate is known, beside the others'."""
+    pick_rate = None if pick is None else pool.submit(sustained_rate, pick)
+    front = _front_rates(pool, others, simulated)
+    sweep = None
+    if pick is not None and pick_rate is not None:
+        picked = simulated[pick.key]
+        picked["predicted"]["max_rate_rps"] = float(pick_rate.result())
+        planned = trace_rate(request.requests)
+        if sweepable(request.requests):
+            points = {rate: pool.submit(_sweep_figures, pick, rate)
+                      for rate in sweep_rates(picked, planned) if rate != planned}
+            sweep = rate_sweep(picked, request.slo, planned,
+                               lambda rate: points[rate].result())
+    for c, rate in front:
+        simulated[c.key]["predicted"]["max_rate_rps"] = float(rate.result())
+    return sweep
+
+
+def _front_rates(pool: SimulationPool, others: list[Candidate],
+                 simulated: dict[tuple[Any, ...], dict[str, Any]]
+                 ) -> list[tuple[Candidate, Future[float]]]:
+    """The sustained rate of each simulated candidate besides the pick, for the Pareto
+    front: each bisected on its own (4 halvings), between the planned rate and its
+    throughput bound when it meets the SLO there, else below the planned rate."""
+    return [(c, pool.submit(sustained_rate, c, 4, simulated[c.key]["meets_slo"]))
+            for c in others]
+
+
+def _predict(request: BudgetRequest, c: Candidate) -> dict[str, Any]:
+    """`c`'s simulated figures at the planned rate."""
+    return predict(plan_request(request, c), shape(request, c))
+
+
+def _sweep_figures(request: BudgetRequest, c: Candidate, rate: float) -> dict[str, Any]:
+    """`c`'s simulated figures with the trace's arrivals scaled to `rate`."""
+    return figures(simulate(plan_request(request, c), shape(request, c),
+                            at_rate(request.requests, rate)), request.slo)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its ended children (the pool's workers)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+
+
+# The request a pool worker simulates, set once when the worker starts (`_start_worker`):
+# it holds the whole trace, too large to send with every task.
+_WORKER_REQUEST: list[BudgetRequest] = []
+
+
+def _start_worker(request: BudgetRequest) -> None:
+    _WORKER_REQUEST[:] = [request]
+
+
+def _in_worker(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(_WORKER_REQUEST[0], *args)
+
+
+class SimulationPool:
+    """Where a search's independent simulations run: `fn(request, *args)` on a process
+    pool of `workers` (default: a worker per available core), or in this process with
+    one. Forked workers inherit the loaded modules and receive the request once."""
+
+    def __init__(self, request: BudgetRequest, workers: int | None = None) -> None:
+        self.request = request
+        self.workers = workers or available_cores()
+        self._executor: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> SimulationPool:
+        if self.workers > 1:
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else None)
+            self._executor = ProcessPoolExecutor(self.workers, context, _start_worker,
+                                                 (self.request,))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(cancel_futures=True)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """`fn(request, *args)`, at once in this process or queued on the pool."""
+        if self._executor is not None:
+            return self._executor.submit(_in_worker, fn, *args)
+        done: Future[Any] = Future()
+        done.set_result(fn(self.request, *args))
+        return done
 
 
 def _entry(request: BudgetRequest, c: Candidate, predicted: dict[str, Any]) -> dict[str, Any]:

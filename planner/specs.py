@@ -30,10 +30,15 @@ class Accelerator:
         name: the table's name, or the spec file's.
         bf16_tflops: dense bf16 (and fp16) throughput, 10^12 FLOP/s.
         fp8_tflops: dense fp8 throughput (None: no fp8 units).
-        memory_gb: device memory, 10^9 bytes.
+        memory_gb: device memory as the datasheet states it: "80 GB" of HBM is 80 GiB
+            (2^30 bytes), as vLLM's `total_gpu_memory` reports it (79.2 GiB visible).
         memory_bandwidth_gbs: device memory bandwidth, 10^9 bytes/s.
         link: the scale-up link's name.
-        link_bandwidth_gbs: its bidirectional bandwidth per device, 10^9 bytes/s.
+        link_bandwidth_gbs: its bidirectional bandwidth per device, 10^9 bytes/s (on a
+            mesh the sum over the device's `devices_per_node - 1` peers).
+        link_topology: `switch` (NVLink through NVSwitch, PCIe through a PCIe switch:
+            a device's whole bandwidth reaches any peer) or `mesh` (AMD's xGMI: one link
+            per peer, a pair gets `link_bandwidth_gbs / (devices_per_node - 1)`).
         network_gbps: scale-out network per device, 10^9 bits/s (the KV transfer).
         devices_per_node: devices in one server.
         source: where the figures come from.
@@ -57,7 +62,13 @@ class Accelerator:
             the interpreter between ops).
         link_latency_us: latency of one all-reduce.
         transfer_latency_ms: fixed cost of one KV transfer.
-        memory_utilization: the fraction of device memory the engine may use.
+        memory_utilization: the fraction of device memory the engine may use (vLLM's
+            `gpu_memory_utilization`, default 0.9).
+        collective_efficiency: the fraction of the link's bandwidth an all-reduce's bus
+            bandwidth reaches.
+        runtime_reserve_gb: GiB per device outside the weights, KV and activations: the
+            CUDA context, cuBLAS and attention workspaces, CUDA graphs; as much again with
+            tensor parallelism (NCCL's buffers).
     """
 
     name: str
@@ -68,6 +79,7 @@ class Accelerator:
     fp32_tflops: float | None = None
     link: str = "none"
     link_bandwidth_gbs: float = 0.0
+    link_topology: str = "switch"
     network_gbps: float = 100.0
     devices_per_node: int = 8
     source: str = ""
@@ -82,11 +94,17 @@ class Accelerator:
     link_latency_us: float = 10.0
     transfer_latency_ms: float = 1.0
     memory_utilization: float = 0.9
+    # NCCL all-reduce on DGX H100 reaches ~360 GB/s bus bandwidth of NVLink 4's 450 GB/s
+    # per direction (nccl-tests, without NVLS): 0.8.
+    collective_efficiency: float = 0.8
+    # vLLM's memory profile of Llama-3-8B on an H100 (vllm-project/vllm PR #10511):
+    # non_torch_memory 1.79 GiB at TP 1, 3.58 GiB at TP 2.
+    runtime_reserve_gb: float = 1.8
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "link", "source") or value is None:
+            if f.name in ("name", "link", "link_topology", "source") or value is None:
                 continue
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"hardware {self.name}: {f.name} must be a number >= 0, "
@@ -96,6 +114,26 @@ class Accelerator:
                 raise ValueError(f"hardware {self.name}: {key} must be > 0")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"hardware {self.name}: memory_utilization must be in (0, 1]")
+        if not 0 < self.collective_efficiency <= 1:
+            raise ValueError(f"hardware {self.name}: collective_efficiency must be in (0, 1]")
+        if self.link_topology not in ("switch", "mesh"):
+            raise ValueError(f"hardware {self.name}: link_topology must be switch or mesh, "
+                             f"got {self.link_topology!r}")
+
+    def collective_bandwidth(self, tp: int) -> float:
+        """GB/s one rank of a `tp`-way all-reduce sends (and receives) at, before the
+        collective's efficiency. Through a switch: half the device's bidirectional link,
+        whatever the peers. On a mesh: half of one pair's link for each of the `tp - 1`
+        peers it reaches directly (MI300X: 896 / 7 = 128 GB/s a pair; TP 2 gets 64 GB/s a
+        direction, TP 8 all 448)."""
+        if self.link_topology == "mesh":
+            pair = self.link_bandwidth_gbs / max(self.devices_per_node - 1, 1)
+            return (tp - 1) * pair / 2
+        return self.link_bandwidth_gbs / 2
+
+    def reserve_bytes(self, tp: int) -> float:
+        """Bytes per device the runtime holds (`runtime_reserve_gb`, twice with TP)."""
+        return self.runtime_reserve_gb * 2**30 * (2 if tp > 1 else 1)
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s in `dtype`.
@@ -197,12 +235,15 @@ def cpu_accelerator(torch_threads: int = 1) -> Accelerator:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = cpu_features()
     packed_rows = BlasLinear.SMALL_ROWS if cpu_paths().fp32_small_rows else 1
+    # A "device" is one worker's share of the host: its cores and its part of the memory
+    # (the workers of one host must fit it together, each KV pool sized from its share).
+    devices = max(cpu.cores // torch_threads, 1)
     return Accelerator(
         name="cpu", bf16_tflops=peaks["flops"] / 1e12, fp32_tflops=peaks["flops"] / 1e12,
-        memory_gb=memory / 1e9, memory_bandwidth_gbs=peaks["bandwidth"] / 1e9,
+        memory_gb=memory / 2**30 / devices, memory_bandwidth_gbs=peaks["bandwidth"] / 1e9,
         link="shared memory", link_bandwidth_gbs=peaks["bandwidth"] / 1e9,
         network_gbps=8 * peaks["bandwidth"] / 1e9 / 2,  # a copy: read and write
-        devices_per_node=max(cpu.cores // torch_threads, 1),
+        devices_per_node=devices,
         source=f"measured on {cpu.model} with {torch_threads} thread(s)",
         gemm_packed_rows=packed_rows, **CPU_CONSTANTS)
 
@@ -219,7 +260,7 @@ CPU_CONSTANTS: dict[str, float] = {
     "gemm_efficiency": 0.7, "gemm_half_tokens": 32.0, "gemm_weight_passes": 3.0,
     "attention_efficiency": 0.5, "bandwidth_efficiency": 0.8, "step_overhead_ms": 5.0,
     "layer_overhead_us": 100.0, "link_latency_us": 0.0, "transfer_latency_ms": 1.0,
-    "memory_utilization": 0.5}
+    "memory_utilization": 0.5, "collective_efficiency": 1.0, "runtime_reserve_gb": 0.0}
 
 
 @dataclass(frozen=True)
@@ -351,6 +392,23 @@ def model_shape(config: dict[str, Any], name: str) -> ModelShape:
         max_position_embeddings=need("max_position_embeddings")
         if "max_position_embeddings" in config else 8192,
         dtype=dtype if dtype in DTYPE_BYTES else "bfloat16")
+
+
+def tp_problem(shape: ModelShape, tp: int) -> str | None:
+    """Why `shape` cannot be split `tp` ways (None: it can). Every split dimension must
+    divide: the query heads, the KV heads (or `tp` a multiple of them: each rank keeps a
+    copy of its group's), the MLP's (each expert's) width, and the vocabulary as vLLM pads
+    it (to a multiple of 64, then `divide(padded, tp)` in `VocabParallelEmbedding`)."""
+    if shape.num_heads % tp:
+        return f"does not divide the {shape.num_heads} attention heads"
+    if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        return f"neither divides nor is a multiple of the {shape.num_kv_heads} KV heads"
+    padded_vocab = -(-shape.vocab_size // 64) * 64
+    for what, size in (("MLP width", shape.intermediate_size),
+                       ("padded vocabulary", padded_vocab)):
+        if size % tp:
+            return f"does not divide the {size} {what}"
+    return None
 
 
 def experts_touched(shape: ModelShape, tokens: int) -> float:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
+import yaml
+
 from commands.cli import main
-from planner.search import BudgetRequest, candidates, search
+from planner.search import BudgetRequest, SimulationPool, candidates, search
 from protocol.serving import Slo
 from tests.planner.synthetic import poisson_arrivals, random_prompts, synthetic_profile, trace
 from tests.planner.test_plan import LONG_PROMPTS
@@ -55,8 +58,9 @@ def test_the_cheapest_level_that_meets_the_slo_is_recommended() -> None:
     assert doc["search"]["simulated"] == 1 and doc["search"]["cost_levels"] == 2
     # Its sustained rate lies between the planned rate and the throughput bound (2 req/s).
     assert 1.5 <= best["predicted"]["max_rate_rps"] <= 2.0
-    assert doc["deploy"]["serve_argv"][:8] == ["pdcluster", "serve", "--model", "synthetic",
-                                              "--mode", "disaggregated", "--prefill", "2"]
+    config = yaml.safe_load(doc["deploy"]["serve_config"])
+    assert (config["mode"], config["prefill"]["replicas"], config["decode"]["replicas"]) == (
+        "disaggregated", 2, 1)
 
 
 @functools.cache
@@ -108,3 +112,26 @@ def test_colocated_candidates_use_the_decode_profiles_alone() -> None:
     found, counts = candidates(request)
     assert counts["within_budget"] == 4  # 1 to 4 colocated TP-1 workers
     assert {(c.mode, c.prefill, c.decode_tp) for c in found} == {("colocated", 0, 1)}
+
+
+def _worker_pid(request: BudgetRequest) -> tuple[int, int]:
+    return os.getpid(), len(request.requests)
+
+
+def test_the_front_and_the_sweep_are_the_same_on_a_process_pool() -> None:
+    """The sustained rates and the sweep run on a pool of processes (each receives the
+    request once); the plan is the serial one, figure for figure."""
+    request = replace(budget("ttft_p90_ms=2000"), max_accelerators=6,
+                      modes=("disaggregated", "colocated"))
+    with SimulationPool(request, workers=2) as pool:
+        pid, seen = pool.submit(_worker_pid).result()
+    assert pid != os.getpid() and seen == len(REQUESTS)
+    timings = ("search_seconds", "seconds", "cpu_seconds")
+
+    def untimed(doc: dict) -> dict:
+        return {**doc, "search": {k: v for k, v in doc["search"].items() if k not in timings}}
+
+    serial, pooled = search(request, workers=1), search(request, workers=2)
+    assert [("max_rate_rps" in c["predicted"]) for c in serial["configs"]] == [True] * 3
+    assert serial["rate_sweep"] is not None and len(serial["pareto"]) == 3
+    assert untimed(pooled) == untimed(serial)

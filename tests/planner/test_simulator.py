@@ -250,3 +250,19 @@ def test_a_reservation_that_never_finds_room_fails_after_the_router_timeout() ->
     assert result.num_failed == 1
     assert np.isfinite(result.ttft[0]) and np.isnan(result.ttft[1])
     assert result.duration == pytest.approx(result.finish[0])
+
+
+def test_kv_transfers_from_one_prefill_worker_share_its_nic() -> None:
+    """Two 320-token prompts (20 blocks each) prefilled in one step by P (0.02 + 640 x 1e-4
+    = 0.084 s), then shipped to D: 0.003 s fixed + 20 blocks x 1 ms on the wire each. The
+    first arrives at 0.084 + 0.023 = 0.107 s; the second's wire time starts when the first's
+    ends (the same NIC at both ends): 0.107 + 0.020 = 0.127 s, not 0.107 as two independent
+    timers would have it. One-token answers: the first token is the last."""
+    profile = synthetic_profile(prefill=(0.02, 1e-4, 0.0, 0.0), decode=(0.01, 0.0, 0.0),
+                                transfer=(0.003, 1e-3))
+    shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=100)
+    requests = [TraceRequest(0.0, 1, p) for p in random_prompts(2, 320, seed=5)]
+
+    result = Simulation(shape, profile, profile).run(requests)
+
+    assert sorted(result.first_token) == pytest.approx([0.107, 0.127])
