@@ -57,10 +57,11 @@ POINTS = [(128, 128, 30000, 28312), (128, 2048, 3000, 22714), (128, 4096, 1500, 
 BUDGET, MAX_SEQS, CONTEXT = 8192, 2048, 131072
 
 
-def predict(isl: int, osl: int, requests: int, seed: int = 0) -> dict[str, float]:
-    """The simulated offline output throughput of one analytic H100 worker."""
-    shape = replace(load_model_shape("llama-3-8b"), max_position_embeddings=CONTEXT)
-    model = StepModel(shape, load_accelerator("H100-SXM"), 1, "fp8", "fp8")
+def predict(isl: int, osl: int, requests: int, seed: int = 0, model_name: str = "llama-3-8b",
+            tp: int = 1) -> dict[str, float]:
+    """The simulated offline output throughput of one analytic H100 worker of `tp` GPUs."""
+    shape = replace(load_model_shape(model_name), max_position_embeddings=CONTEXT)
+    model = StepModel(shape, load_accelerator("H100-SXM"), tp, "fp8", "fp8")
     profile = analytic_profile(model, max_model_len=CONTEXT, max_num_batched_tokens=BUDGET,
                                max_num_seqs=MAX_SEQS)
     fits = profile.num_blocks * profile.block_size // (isl + osl)

@@ -18,17 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
-from planner.analytic import StepModel, analytic_profile
-from planner.measure import VOCAB
-from planner.simulator import ClusterShape, Simulation
-from planner.specs import load_accelerator, load_model_shape
-from protocol.serving import TraceRequest
+from experiments.planner_published import predict
 
 SOURCE = {
     "url": "https://github.com/NVIDIA/TensorRT-LLM/blob/"
@@ -51,26 +43,6 @@ POINTS = [(4, 128, 128, 30000, 11127.53), (4, 128, 2048, 3000, 11511.93),
           (8, 1000, 1000, 3000, 11451.16), (8, 2048, 128, 3000, 1923.41),
           (8, 2048, 2048, 1500, 8801.95), (8, 5000, 500, 1500, 2457.42),
           (8, 20000, 2000, 1000, 1512.6)]
-BUDGET, MAX_SEQS, CONTEXT = 8192, 2048, 131072
-
-
-def predict(tp: int, isl: int, osl: int, requests: int, seed: int = 0) -> dict[str, float]:
-    """The simulated offline output throughput of one analytic H100 worker at `tp`."""
-    shape = replace(load_model_shape("llama-3-70b"), max_position_embeddings=CONTEXT)
-    model = StepModel(shape, load_accelerator("H100-SXM"), tp, "fp8", "fp8")
-    profile = analytic_profile(model, max_model_len=CONTEXT, max_num_batched_tokens=BUDGET,
-                               max_num_seqs=MAX_SEQS)
-    fits = profile.num_blocks * profile.block_size // (isl + osl)
-    num = max(requests, 3 * min(MAX_SEQS, fits))
-    rng = np.random.default_rng(seed)
-    trace = [TraceRequest(0.0, osl, rng.integers(*VOCAB, isl).tolist()) for _ in range(num)]
-    start = time.process_time()
-    result = Simulation(ClusterShape("colocated", 0, 1, BUDGET, MAX_SEQS), profile, profile,
-                        seed).run(trace)
-    return {"simulated_requests": num, "kv_tokens": profile.num_blocks * profile.block_size,
-            "batch_bound": int(min(MAX_SEQS, fits)),
-            "output_tokens_per_s": num * osl / float(np.nanmax(result.finish)),
-            "simulation_cpu_s": time.process_time() - start}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for tp, isl, osl, published_requests, published in POINTS:
-        p = predict(tp, isl, osl, int(published_requests * args.requests_scale))
+        p = predict(isl, osl, int(published_requests * args.requests_scale),
+                    model_name="llama-3-70b", tp=tp)
         error = (p["output_tokens_per_s"] - published) / published
         rows.append({"tp": tp, "input_len": isl, "output_len": osl,
                      "published_output_tokens_per_s": published, **p, "error": error})
