@@ -91,7 +91,8 @@ class TextFormatter(logging.Formatter):
 def configure_logging(level: str = "INFO", fmt: LogFormat = "text",
                       stream: TextIO | None = None,
                       filters: Iterable[logging.Filter] = ()) -> None:
-    """Set the root logger's level and its one handler's format (replacing any handler).
+    """Set the root logger's level and its one handler's format (replacing any handler);
+    Python's warnings become records of the `py.warnings` logger in that format too.
 
     Args:
         level: `DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL` (any case).
@@ -113,6 +114,7 @@ def configure_logging(level: str = "INFO", fmt: LogFormat = "text",
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(config.level)
+    logging.captureWarnings(True)
 
 
 def request_log(request_id: str, traceparent: str | None = None,

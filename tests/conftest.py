@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -197,3 +198,15 @@ def smollm2() -> LLM:
     llm = LLM("smollm2", cache=CacheConfig(num_blocks=256))
     yield llm
     assert_pool_free(llm.engine)
+
+
+@pytest.fixture
+def root_logging():
+    """The process's logging as it was after the test (`configure_logging` replaces the
+    root logger's handler and routes Python's warnings into it)."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    logging.captureWarnings(False)

@@ -70,15 +70,6 @@ def test_the_line_carries_the_clients_trace_id(servers, caplog):
         TextFormatter().format(record)
 
 
-@pytest.fixture
-def root_logging():
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
-
-
 def test_configure_json_and_text(root_logging):
     out = io.StringIO()
     configure_logging("debug", "json", out)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-
-import pytest
+import warnings
 
 from protocol.logs import RequestTraces, configure_logging, request_log
 from protocol.messages import attempt_id, split_attempt_id
@@ -17,15 +16,6 @@ from protocol.tracing import trace_id
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
-
-
-@pytest.fixture
-def root_logging():
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
 
 
 def test_trace_ids_of_w3c_traceparents():
@@ -96,3 +86,17 @@ def test_a_traceback_stays_inside_one_json_line(root_logging):
     record = json.loads(line)
     assert (record["request_id"], record["trace_id"]) == ("r", TRACE)
     assert record["exception"].endswith("ValueError: line one\nline two")
+
+
+def test_a_python_warning_is_a_json_line_too(root_logging):
+    """What a library warns (a worker's stderr is its log file) keeps the file one JSON
+    object per line."""
+    out = io.StringIO()
+    configure_logging("INFO", "json", out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a deprecated thing", DeprecationWarning, stacklevel=1)
+    (line,) = out.getvalue().splitlines()
+    record = json.loads(line)
+    assert (record["level"], record["logger"]) == ("WARNING", "py.warnings")
+    assert "DeprecationWarning: a deprecated thing" in record["message"]
