@@ -47,7 +47,18 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) ->
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture facts the runtime needs, read from a Hugging Face `config.json`."""
+    """The architecture facts the runtime needs, read from a Hugging Face `config.json`.
+
+    The options past `bos_token_id` default to a dense Llama layer. `attention_bias` puts a
+    bias on q/k/v, `o_proj_bias` on the output projection (Llama and Qwen3 tie both to
+    config.json's `attention_bias`; Qwen2 has the first only). `qk_norm`: an RMSNorm over
+    each query and key head before RoPE (Qwen3). `moe_layers`: the layers whose MLP is a
+    sparse mixture of `num_experts` SwiGLU experts of `moe_intermediate_size`, each token
+    routed to its top `num_experts_per_tok` (the others keep a dense MLP of
+    `intermediate_size`); `norm_topk_prob` renormalises the chosen experts' softmax weights
+    to sum 1; `moe_weights_fp32` keeps them in float32 where the model's dtype is lower
+    (Mixtral; Qwen3-MoE rounds them to the model's dtype first).
+    """
 
     architecture: str
     vocab_size: int
@@ -63,12 +74,31 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_weights_fp32: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
+        if not self.moe_layers:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be "
+                             f"between 1 and the number of experts ({self.num_experts})")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got "
+                             f"{self.moe_intermediate_size}")
+        if not all(0 <= i < self.num_layers for i in self.moe_layers):
+            raise ValueError(f"moe_layers {self.moe_layers} must be layer indices below "
+                             f"num_hidden_layers ({self.num_layers})")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,12 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # carry it, so the converted folder's generation_config.json gets it (`do_sample` too, which
 # transformers needs to accept the file; vLLM ignores it).
 SMOLLM2_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# The families whose q/k/v and output projections take config.json's `attention_bias`
+# (Qwen2's q/k/v always have one, its output projection none; Mistral's and Mixtral's none).
+_BIAS_FROM_CONFIG = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _TINY_VERSION = "v1"
 _console = Console(stderr=True)
 
@@ -79,6 +84,21 @@ def resolve_model_dir(model: str) -> Path:
 _PLAIN_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "rms_norm_eps", "max_position_embeddings", "bos_token_id",
                "eos_token_id")
+# And the keys of a family whose config class's default, where the file lacks one, is not
+# what `read_model_config` would assume (each key a tuple of the names it goes by:
+# transformers reads an MoE's expert count under either).
+_KV_HEADS = ("num_key_value_heads",)
+_FAMILY_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "MistralForCausalLM": (_KV_HEADS, ("sliding_window",)),
+    "Qwen2ForCausalLM": (_KV_HEADS,),
+    "Qwen3ForCausalLM": (_KV_HEADS, ("head_dim",)),
+    "MixtralForCausalLM": (_KV_HEADS, ("num_local_experts", "num_experts"),
+                           ("num_experts_per_tok",)),
+    "Qwen3MoeForCausalLM": (_KV_HEADS, ("num_experts", "num_local_experts"),
+                            ("num_experts_per_tok",), ("moe_intermediate_size",),
+                            ("norm_topk_prob",), ("decoder_sparse_step",),
+                            ("mlp_only_layers",)),
+}
 
 
 def _hf_config(model_dir: Path) -> PretrainedConfig | SimpleNamespace:
@@ -90,7 +110,11 @@ def _hf_config(model_dir: Path) -> PretrainedConfig | SimpleNamespace:
     if not isinstance(fields, dict):
         raise ModelLoadError(f"model: {model_dir}/config.json is not a JSON object")
     rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    archs = fields.get("architectures")
+    family_keys = [names for arch in (archs if isinstance(archs, list) else [])
+                   for names in _FAMILY_KEYS.get(arch, ())]
     plain = all(key in fields for key in _PLAIN_KEYS) and isinstance(rope, dict) \
+        and all(any(name in fields for name in names) for names in family_keys) \
         and rope.get("rope_type", rope.get("type", "default")) == "default" \
         and ("rope_theta" in fields or "rope_theta" in rope)
     return SimpleNamespace(**fields) if plain else AutoConfig.from_pretrained(model_dir)
@@ -98,30 +122,82 @@ def _hf_config(model_dir: Path) -> PretrainedConfig | SimpleNamespace:
 
 def read_model_config(model_dir: Path, max_model_len: int | None = None
                       ) -> tuple[ModelConfig, PretrainedConfig | SimpleNamespace]:
-    """Our architecture record and the Hugging Face config fields it came from."""
+    """Our architecture record and the Hugging Face config fields it came from.
+
+    Raises:
+        ModelLoadError: the architecture is not one the engine runs, or its config asks for
+            what the engine lacks (an activation other than SiLU, an inconsistent MoE).
+        ValueError: `max_model_len` exceeds what the model attends over.
+    """
     hf = _hf_config(model_dir)
     archs = tuple(getattr(hf, "architectures", None) or ("LlamaForCausalLM",))
-    if not set(archs) & set(SUPPORTED_ARCHITECTURES):
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
         raise ModelLoadError(f"architecture {archs} is not supported; "
                              f"use one of {SUPPORTED_ARCHITECTURES}")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{arch} with hidden_act {hf.hidden_act!r} is not supported: "
+                             f"the engine's MLPs are SwiGLU (silu)")
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    limit = hf.max_position_embeddings
+    limit, bound = hf.max_position_embeddings, "max_position_embeddings"
+    window = _attention_window(hf, arch)
+    if window is not None and window < limit:
+        # Attention over the whole context (the engine's only kind) equals the model's
+        # sliding-window attention as long as the context fits the window.
+        limit, bound = window, "sliding_window (the engine has no sliding-window attention)"
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                         f"max_position_embeddings ({limit})")
-    cfg = ModelConfig(
-        architecture=archs[0], vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, max_model_len=max_model_len or limit,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(hf, "attention_bias", False))
-        or archs[0] == "Qwen2ForCausalLM",
-        eos_token_ids=eos_ids, bos_token_id=hf.bos_token_id)
+                         f"{bound} ({limit})")
+    bias = bool(getattr(hf, "attention_bias", False)) and arch in _BIAS_FROM_CONFIG
+    try:
+        cfg = ModelConfig(
+            architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps,
+            max_model_len=max_model_len or limit,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bias or arch == "Qwen2ForCausalLM", o_proj_bias=bias,
+            eos_token_ids=eos_ids, bos_token_id=hf.bos_token_id,
+            qk_norm=arch in _QK_NORM, **_moe_options(hf, arch))
+    except ValueError as e:
+        raise ModelLoadError(f"model: {model_dir}/config.json: {e}") from e
     return cfg, hf
+
+
+def _attention_window(hf: PretrainedConfig | SimpleNamespace, arch: str) -> int | None:
+    """The sliding window transformers' `arch` attends within, or None: Mistral's and
+    Mixtral's `sliding_window`; the Qwen families' only where `use_sliding_window`."""
+    if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
+        return None
+    return getattr(hf, "sliding_window", None)
+
+
+def _moe_options(hf: PretrainedConfig | SimpleNamespace, arch: str) -> dict[str, object]:
+    """`ModelConfig`'s MoE fields as transformers builds `arch`: Mixtral's every layer
+    sparse, its top-k weights renormalised and kept in float32; Qwen3-MoE's sparse
+    layers every `decoder_sparse_step` but `mlp_only_layers`, renormalised where
+    `norm_topk_prob`. Empty for dense families."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", 0)
+    options = {"num_experts": num_experts, "num_experts_per_tok": hf.num_experts_per_tok}
+    if arch == "MixtralForCausalLM":
+        return {**options, "moe_intermediate_size": hf.intermediate_size,
+                "norm_topk_prob": True, "moe_weights_fp32": True,
+                "moe_layers": tuple(range(hf.num_hidden_layers))}
+    step = hf.decoder_sparse_step
+    if not isinstance(step, int) or step < 1:
+        raise ModelLoadError(f"{arch}: decoder_sparse_step must be an integer >= 1, "
+                             f"got {step!r}")
+    dense = set(hf.mlp_only_layers or ())
+    layers = tuple(i for i in range(hf.num_hidden_layers)
+                   if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    return {**options, "moe_intermediate_size": hf.moe_intermediate_size,
+            "norm_topk_prob": bool(hf.norm_topk_prob), "moe_layers": layers}
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig | SimpleNamespace,
@@ -161,7 +237,9 @@ def _fuse(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     """Hugging Face names -> ours, concatenating q/k/v and gate/up into single matmuls."""
     state = {}
     for name, tensor in hf_state.items():
-        name = name.removeprefix("model.")
+        # Mixtral's checkpoints call the MoE block `block_sparse_moe`; Qwen3-MoE's and ours
+        # call it `mlp`.
+        name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         if name.startswith("lm_head.") and cfg.tie_word_embeddings:
             continue
         state[name] = tensor
@@ -171,8 +249,15 @@ def _fuse(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             parts = [state.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
             if all(t is not None for t in parts):
                 state[f"{p}qkv_proj.{kind}"] = torch.cat(parts)
-        if f"{p}self_attn.o_proj.weight" in state:
-            state[f"{p}o_proj.weight"] = state.pop(f"{p}self_attn.o_proj.weight")
+        for kind in ("weight", "bias"):
+            if f"{p}self_attn.o_proj.{kind}" in state:
+                state[f"{p}o_proj.{kind}"] = state.pop(f"{p}self_attn.o_proj.{kind}")
+        for norm in ("q_norm", "k_norm"):
+            if f"{p}self_attn.{norm}.weight" in state:
+                state[f"{p}{norm}.weight"] = state.pop(f"{p}self_attn.{norm}.weight")
+        if i in cfg.moe_layers:
+            _fuse_experts(state, f"{p}mlp.", cfg.num_experts)
+            continue
         gate, up = state.pop(f"{p}mlp.gate_proj.weight", None), state.pop(
             f"{p}mlp.up_proj.weight", None)
         if gate is not None and up is not None:
@@ -180,6 +265,30 @@ def _fuse(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         if f"{p}mlp.down_proj.weight" in state:
             state[f"{p}down_proj.weight"] = state.pop(f"{p}mlp.down_proj.weight")
     return state
+
+
+# An expert's gate, up and down projections: Mixtral's names, then Qwen3-MoE's.
+_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _fuse_experts(state: dict[str, torch.Tensor], p: str, num_experts: int) -> None:
+    """One MoE block's experts (prefix `p`, its router `{p}gate` already ours) as ours:
+    `{p}experts.{e}.gate_up_proj` and `.down_proj`, from a module per expert (what
+    checkpoints hold, and transformers' `save_pretrained` writes) or transformers' stacked
+    in-memory layout, `{p}experts.gate_up_proj` `[E, 2I, H]` and `.down_proj` `[E, H, I]`."""
+    stacked = [state.pop(f"{p}experts.{proj}", None) for proj in ("gate_up_proj", "down_proj")]
+    for e in range(num_experts):
+        q = f"{p}experts.{e}."
+        for proj, weights in zip(("gate_up_proj", "down_proj"), stacked, strict=True):
+            if weights is not None:
+                state[f"{q}{proj}.weight"] = weights[e]
+        for gate_name, up_name, down_name in _EXPERT_NAMES:
+            gate, up = state.pop(f"{q}{gate_name}.weight", None), state.pop(
+                f"{q}{up_name}.weight", None)
+            if gate is not None and up is not None:
+                state[f"{q}gate_up_proj.weight"] = torch.cat([gate, up])
+            if f"{q}{down_name}.weight" in state:
+                state[f"{q}down_proj.weight"] = state.pop(f"{q}{down_name}.weight")
 
 
 def _smollm2_gguf() -> Path:

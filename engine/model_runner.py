@@ -42,10 +42,9 @@ class StepCosts:
     @staticmethod
     def for_model(model: LlamaForCausalLM, kv_cache: KVCache) -> StepCosts:
         cfg = model.cfg
-        per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters()
-                        if "layernorm" not in n)
+        per_token = sum(layer.params_per_token() for layer in model.layers)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        return StepCosts(per_layer * cfg.num_layers, cfg.vocab_size * cfg.hidden_size, weights,
+        return StepCosts(per_token, cfg.vocab_size * cfg.hidden_size, weights,
                          4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
                          kv_cache.block_bytes * cfg.num_layers // kv_cache.block_size)
 

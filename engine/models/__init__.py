@@ -1,4 +1,5 @@
-"""Model implementations (one: the Llama family)."""
+"""Model implementations: one Llama-style decoder for every supported family (Llama,
+Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE)."""
 
 from engine.models.llama import LlamaForCausalLM
 

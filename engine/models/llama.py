@@ -1,4 +1,7 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache."""
+"""Llama-style decoders over a paged KV cache: the Llama family (Llama, Mistral, Qwen2,
+SmolLM), Qwen3 (an RMSNorm over each query and key head before RoPE), and the sparse
+mixture-of-experts Mixtral and Qwen3-MoE (`engine.models.moe` in place of the dense MLP).
+One layer class takes each family's options from `ModelConfig`."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from engine.config import ModelConfig
 from engine.hardware import cpu_paths
 from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
+from engine.models.moe import SparseMoeBlock, silu_mul
 from engine.models.rope import RotaryEmbedding, apply_rope
 
 LayerHook = Callable[[int], None]
@@ -119,7 +123,16 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Attention (fused q/k/v; per-head q/k norms where `cfg.qk_norm`) and an MLP: dense
+    SwiGLU (`gate_up_proj`, `down_proj`), or `mlp`, a sparse MoE block, where `layer_id` is
+    one of `cfg.moe_layers` (the dense projections are then None).
+
+    Args:
+        cfg: architecture.
+        layer_id: the layer's index.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -127,11 +140,34 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.mlp = SparseMoeBlock(cfg) if layer_id in cfg.moe_layers else None
+        dense = self.mlp is None
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
+                                      bias=False) if dense else None
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size,
+                                   bias=False) if dense else None
         self.kernels: ModuleType | None = None  # set by `prepare_matmuls` on CPU fp32/bf16
+
+    def linears(self) -> list[nn.Linear]:
+        """The layer's matmuls: attention's, then the dense MLP's or the MoE block's."""
+        mlp = self.mlp.linears() if self.mlp is not None else [self.gate_up_proj,
+                                                               self.down_proj]
+        return [self.qkv_proj, self.o_proj, *mlp]
+
+    def params_per_token(self) -> int:
+        """Matmul parameters one token goes through: every one of a dense layer; of an MoE
+        layer, the router's and `top_k` experts'."""
+        def count(linears: list[nn.Linear]) -> int:
+            return sum(p.numel() for linear in linears for p in linear.parameters())
+        if self.mlp is None:
+            return count(self.linears())
+        expert = self.mlp.experts[0]
+        return count([self.qkv_proj, self.o_proj, self.mlp.gate]) + self.mlp.top_k * count(
+            [expert.gate_up_proj, expert.down_proj])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -143,11 +179,12 @@ class DecoderLayer(nn.Module):
         q = q.view(num_tokens, -1, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, -1, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
         attn_out = attn.forward(q, k, v, kv_layer)
         x = x + self.o_proj(attn_out.reshape(num_tokens, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self._mlp(self.post_attention_layernorm(x))
 
     def _fused_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -158,6 +195,8 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(k.rms_norm(x, self.input_layernorm.weight,
                                        self.input_layernorm.eps))
+        if self.q_norm is not None:
+            self._norm_qk_heads_(qkv)
         cos, sin = rope
         k.rope_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1),
                 (self.q_size + self.kv_size) // self.head_dim, self.head_dim)
@@ -167,11 +206,25 @@ class DecoderLayer(nn.Module):
         h = k.add_rms_norm(x, self.o_proj(attn_out.reshape(num_tokens, self.q_size)),
                            self.post_attention_layernorm.weight,
                            self.post_attention_layernorm.eps)
-        return x.add_(self.down_proj(k.silu_mul(self.gate_up_proj(h))))
+        return x.add_(self._mlp(h))
+
+    def _norm_qk_heads_(self, qkv: torch.Tensor) -> None:
+        """q_norm and k_norm over each query and key head of `qkv` `[T, (Hq + 2 Hkv) * D]`,
+        in place (before RoPE, as Qwen3 does)."""
+        num_q = self.q_size // self.head_dim
+        heads = qkv[:, :self.q_size + self.kv_size].unflatten(1, (-1, self.head_dim))
+        heads[:, :num_q] = self.q_norm(heads[:, :num_q])  # [T, Hq, D]
+        heads[:, num_q:] = self.k_norm(heads[:, num_q:])  # [T, Hkv, D]
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.mlp is not None:
+            return self.mlp(h, self.kernels)
+        return self.down_proj(silu_mul(self.gate_up_proj(h), self.kernels))
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only transformer; `forward` takes a flattened batch of new tokens.
+    """Decoder-only transformer of any family in this module; `forward` takes a flattened
+    batch of new tokens.
 
     Args:
         cfg: architecture.
@@ -186,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         # init on the meta device would import torch's compiler, a second of every start.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -197,8 +250,7 @@ class LlamaForCausalLM(nn.Module):
         ones through `OneDnnLinear` where oneDNN has a bf16 path on this CPU (else torch's
         own kernels), and the layers' glue through the fused CPU kernels (where they
         could be built). `engine.hardware.cpu_paths` decides."""
-        linears = [proj for layer in self.layers for proj in (
-            layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        linears = [proj for layer in self.layers for proj in layer.linears()]
         paths = cpu_paths()
         small_rows = paths.fp32_small_rows
         onednn_bf16 = paths.bf16_onednn
