@@ -30,12 +30,14 @@ _RETRY_POLICY = {"methodConfig": [{
 KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000))
 _CHANNEL_OPTIONS = (("grpc.enable_retries", 1),
                     ("grpc.service_config", json.dumps(_RETRY_POLICY)), *KEEPALIVE_OPTIONS)
+_NO_RETRY_OPTIONS = (("grpc.enable_retries", 0), *KEEPALIVE_OPTIONS)
 
 
 class PdClusterClient:
     """Blocking client over one channel; errors surface as `grpc.RpcError` with the server's
     status code (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, ...). `status`, `abort`,
-    `scale` and `health` are retried while the server is UNAVAILABLE (`_RETRY_POLICY`).
+    `scale` and `health` are retried while the server is UNAVAILABLE (`_RETRY_POLICY`),
+    unless `retries` is off.
 
     Args:
         address: `host:port` of the gRPC server.
@@ -46,22 +48,25 @@ class PdClusterClient:
         tls_ca: CA bundle (PEM) to verify the server with; None uses the system's roots.
         tls_cert: client certificate (PEM) for mutual TLS.
         tls_key: its private key (PEM).
+        retries: retry the calls above while the server is UNAVAILABLE; False: every call
+            is tried once (a probe that must answer now, not within seconds).
     """
 
     def __init__(self, address: str, timeout: float | None = None, *,
                  api_key: str | None = None, admin_key: str | None = None, tls: bool = False,
                  tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, retries: bool = True) -> None:
         self.address = address
         self.timeout = timeout
         self._auth = _bearer(api_key)
         self._admin_auth = _bearer(admin_key) or self._auth
+        options = _CHANNEL_OPTIONS if retries else _NO_RETRY_OPTIONS
         if tls or tls_ca or tls_cert or tls_key:
             credentials = grpc.ssl_channel_credentials(
                 _read(tls_ca), _read(tls_key), _read(tls_cert))
-            self._channel = grpc.secure_channel(address, credentials, _CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(address, credentials, options)
         else:
-            self._channel = grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(address, options)
         self._stub = pb_grpc.PdClusterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -55,8 +55,8 @@ def _greedy_tokens(grpc_address: str, max_tokens: int) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
-def _workers(grpc_address: str) -> dict[str, dict]:
-    with PdClusterClient(grpc_address, timeout=30) as client:
+def _workers(grpc_address: str, retries: bool = True) -> dict[str, dict]:
+    with PdClusterClient(grpc_address, timeout=30, retries=retries) as client:
         return {w["worker_id"]: w for ws in client.status()["pools"].values() for w in ws}
 
 
@@ -244,7 +244,7 @@ def test_detached_cluster_outlives_its_launcher_and_its_front_door(ray_head):
         assert done.returncode == 0, done.stderr
         assert not [n for n in ray.util.list_named_actors() if n.startswith(name)]
         with pytest.raises(grpc.RpcError) as refused:
-            _workers(grpc_address)
+            _workers(grpc_address, retries=False)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         commands = [_Command(c, "--address", ray_head, "--name", name)
                     for c in ("stop", "drain")]

@@ -1,7 +1,8 @@
 """Two models on one cluster from one YAML file: `smollm2` disaggregated (1 prefill + 1
-decode) and `tiny` colocated. Each answers as its own reference does, over gRPC and the
-`openai` client (usage in the stream, logprobs, seed); an unknown model is a 404 / NOT_FOUND
-naming it; `/v1/models`, `status` and the metrics show both; `scale --model` resizes one
+decode, each pool with its own batch, sequence and KV settings) and `tiny` colocated. Each
+answers as its own reference does, over gRPC and the `openai` client (usage in the stream,
+logprobs, seed); an unknown model is a 404 / NOT_FOUND naming it; `/v1/models`, `status`
+and the metrics show both, and each pool's settings as built; `scale --model` resizes one
 model's pools and leaves the other's workers as they were."""
 
 from __future__ import annotations
@@ -22,15 +23,24 @@ from tests.e2e.serving import serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
+GB = 2**30
 CONFIG = """
 local-prefill-threshold: 0
+transport: zmq
+dtype: float32  # the references' (auto is bf16 on CPUs with native bf16)
 models:
   - model: smollm2
     mode: disaggregated
     prefill:
       replicas: 1
-    decode:
+      max-num-batched-tokens: 256
+      max-num-seqs: 4
+      kv-cache-gb: 0.0625
+    decode:  # vLLM's files write underscores: the same keys
       replicas: 1
+      max_num_batched_tokens: 128
+      max_num_seqs: 8
+      kv_cache_gb: 0.125
   - model: tiny
     mode: colocated
     decode:
@@ -215,4 +225,47 @@ def test_scale_one_model_leaves_the_other_untouched(two_models, capsys):
             outs = list(client.generate(prompt="Hello", model=name, max_tokens=4,
                                         temperature=0.0, ignore_eos=True))
             assert sum(len(o.token_ids) for o in outs) == 4
+    _pools_free(two_models.grpc)
+
+
+def test_each_pool_is_built_with_its_own_settings(two_models, smollm2, capsys):
+    """`status` (`--json` and the table, piped) shows each of smollm2's pools with the
+    file's settings, and what each worker's engine built: its pool's KV budget in blocks.
+    Then smollm2 scaled live, prefill 1 -> 0 and decode 1 -> 2: the pools differ, so no
+    prefill worker turns decode in place (it would keep its smaller KV pool); a new decode
+    worker of the decode pool's spec starts. (Last: it changes smollm2's pools.)"""
+    engine = smollm2.engine
+    block_bytes = engine.kv_cache.block_bytes * engine.model_config.num_layers  # fp32 KV
+    assert main(["status", "--json", "--model", "smollm2", "--address", two_models.grpc]) == 0
+    status = json.loads(capsys.readouterr().out)
+    settings = status["pool_settings"]
+    assert (settings["prefill"]["max_num_batched_tokens"], settings["prefill"]["max_num_seqs"],
+            settings["prefill"]["kv_cache_memory_gb"]) == (256, 4, 0.0625)
+    assert (settings["decode"]["max_num_batched_tokens"], settings["decode"]["max_num_seqs"],
+            settings["decode"]["kv_cache_memory_gb"]) == (128, 8, 0.125)
+    (prefill,), (decode,) = status["pools"]["prefill"], status["pools"]["decode"]
+    assert prefill["num_blocks"] == int(0.0625 * GB) // block_bytes
+    assert decode["num_blocks"] == int(0.125 * GB) // block_bytes
+
+    assert main(["status", "--model", "smollm2", "--address", two_models.grpc]) == 0
+    table = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in table.splitlines()
+            if line.count("│") >= 3}
+    # The cells themselves, prefill then decode ("4" alone would also match "64").
+    assert [cell.strip() for cell in rows["max_num_seqs"].split("│")[2:4]] == ["4", "8"]
+    assert "…" not in table  # piped: no column cut to fit 80 characters
+
+    tiny_before = _workers(_statuses(two_models.grpc)["tiny"])
+    assert main(["scale", "--model", "smollm2", "--prefill", "0", "--decode", "2",
+                 "--address", two_models.grpc]) == 0
+    assert "pools now" in capsys.readouterr().out
+    assert main(["status", "--json", "--model", "smollm2", "--address", two_models.grpc]) == 0
+    pools = json.loads(capsys.readouterr().out)["pools"]
+    assert not pools.get("prefill")
+    decodes = pools["decode"]
+    assert len(decodes) == 2
+    assert decode["worker_id"] in {w["worker_id"] for w in decodes}
+    assert [w["num_blocks"] for w in decodes] == [decode["num_blocks"]] * 2
+    assert prefill["worker_id"] not in {w["worker_id"] for w in decodes}
+    assert _workers(_statuses(two_models.grpc)["tiny"]) == tiny_before
     _pools_free(two_models.grpc)

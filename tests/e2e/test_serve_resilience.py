@@ -121,8 +121,8 @@ def test_status_json_names_every_worker(served, pki, capsys, monkeypatch) -> Non
     code, _, err = _cli(capsys, "status", "--json", "--address", served.grpc,
                         *_tls_flags(pki))
     assert code == 1 and "UNAUTHENTICATED" in err  # no key
-    with PdClusterClient(served.grpc, timeout=30, api_key=API_KEY,
-                         tls_ca=pki["ca.pem"]) as no_certificate:
+    with PdClusterClient(served.grpc, timeout=30, api_key=API_KEY, tls_ca=pki["ca.pem"],
+                         retries=False) as no_certificate:
         with pytest.raises(grpc.RpcError) as e:
             no_certificate.status()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # mutual TLS: no handshake
