@@ -190,9 +190,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="fewest workers (None: 2 disaggregated, 1 colocated)")
     auto.add_argument("--max-workers", type=int, default=None,
                       help="most workers (None: the starting size, at least 2)")
-    auto.add_argument("--min-prefill", type=int, default=1,
-                      help="fewest prefill workers (disaggregated); 0 lets the autoscaler "
-                           "leave prefill to the decode workers")
+    auto.add_argument("--min-prefill", type=int, default=0,
+                      help="fewest prefill workers (disaggregated); 0: the autoscaler may "
+                           "leave prefill to the decode workers, as the planner may")
     auto.add_argument("--autoscale-interval", type=float, default=10.0, help="seconds")
     auto.add_argument("--autoscale-window", type=float, default=60.0, help="seconds")
     auto.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds")

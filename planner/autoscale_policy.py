@@ -53,9 +53,11 @@ class AutoscalerConfig:
         mode: the cluster's mode.
         min_workers: fewest workers in total.
         max_workers: most workers in total.
-        min_prefill: fewest prefill workers (disaggregated). 0 lets the autoscaler drop
-            the prefill pool when the load is better served by decode workers that
-            prefill every prompt themselves (a decode-heavy mix).
+        min_prefill: fewest prefill workers (disaggregated). 0 (the default) lets the
+            autoscaler drop the prefill pool when the load is better served by decode
+            workers that prefill every prompt themselves (a decode-heavy mix, or prompts
+            all under the local-prefill threshold): the split space `pdcluster plan`
+            searches, where the colocated mode is that split.
         interval_s: seconds between decisions.
         window_s: seconds of history each decision looks at (whole multiples of it while
             that holds fewer than `min_requests`; `RecordingBackend.window`).
@@ -78,7 +80,7 @@ class AutoscalerConfig:
     mode: str = "disaggregated"
     min_workers: int = 2
     max_workers: int = 4
-    min_prefill: int = 1
+    min_prefill: int = 0
     interval_s: float = 10.0
     window_s: float = 60.0
     cooldown_s: float = 60.0

@@ -40,8 +40,10 @@ MEETS, MISSES = 0.25, 1.0
 
 def autoscaler(min_workers: int = 2, max_workers: int = 4, headroom: float = 0.2
                ) -> Autoscaler:
+    """A policy kept to at least one prefill worker (`min_prefill=1`): these prompts are
+    prefilled on prefill workers, and decode workers could prefill them as well."""
     config = AutoscalerConfig(SLO, "disaggregated", min_workers, max_workers, cooldown_s=60.0,
-                              headroom=headroom, trace_requests=100)
+                              headroom=headroom, trace_requests=100, min_prefill=1)
     return Autoscaler(config, PROFILE, PROFILE)
 
 
@@ -471,10 +473,15 @@ def test_serve_autoscale_flags_reach_the_policy(tmp_path: Path) -> None:
     args = build_parser().parse_args(
         ["serve", "--model", "tiny", "--autoscale", "--profile", str(path), "--slo",
          "ttft_p90_ms=100,tpot_p90_ms=20", "--autoscale-window", "20",
-         "--autoscale-min-requests", "25", "--autoscale-reuse", "0.2", "--min-prefill", "0"])
+         "--autoscale-min-requests", "25", "--autoscale-reuse", "0.2", "--min-prefill", "1"])
     config = _autoscaler(args).config
     assert (config.window_s, config.min_requests, config.reuse_tolerance, config.min_prefill) \
-        == (20.0, 25, 0.2, 0)
+        == (20.0, 25, 0.2, 1)
+    # By default the policy may drop the prefill pool, as the planner may.
+    default = _autoscaler(build_parser().parse_args(
+        ["serve", "--model", "tiny", "--autoscale", "--profile", str(path), "--slo",
+         "ttft_p90_ms=100"])).config
+    assert default.min_prefill == 0 and (0, 2) in Autoscaler(default, PROFILE, PROFILE).splits()
     assert config.slo.bounds == {"ttft_p90_ms": 100.0, "tpot_p90_ms": 20.0}
 
 
