@@ -24,7 +24,13 @@ if TYPE_CHECKING:
         parse_generation_override,
     )
     from engine.llm import LLM
-    from engine.llm_engine import EngineOutput, EngineStepError, KVCacheFullError, LLMEngine
+    from engine.llm_engine import (
+        EngineDeadError,
+        EngineOutput,
+        EngineStepError,
+        KVCacheFullError,
+        LLMEngine,
+    )
     from engine.request import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
     from engine.spec_decode import SpeculativeConfig
@@ -35,6 +41,7 @@ _WHERE = {
     "CacheConfig": "engine.config", "ModelConfig": "engine.config",
     "SchedulerConfig": "engine.config", "LLM": "engine.llm",
     "EngineOutput": "engine.llm_engine", "EngineStepError": "engine.llm_engine",
+    "EngineDeadError": "engine.llm_engine",
     "KVCacheFullError": "engine.llm_engine", "LLMEngine": "engine.llm_engine",
     "CompletionOutput": "engine.request", "RequestOutput": "engine.request",
     "SamplingParams": "engine.sampling_params", "SpeculativeConfig": "engine.spec_decode",
@@ -51,6 +58,7 @@ __all__ = [
     "LLM",
     "CacheConfig",
     "CompletionOutput",
+    "EngineDeadError",
     "EngineOutput",
     "EngineStepError",
     "GenerationDefaults",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
+from types import TracebackType
 from typing import Any
 
 from engine.config import CacheConfig
@@ -28,7 +29,9 @@ class LLM:
             (vLLM's): `auto`, the model folder's generation_config.json; `vllm`, none; or a
             folder holding that file.
         override_generation_config: generation_config.json keys over those defaults.
-        **engine_kwargs: passed to `LLMEngine` (cache, scheduler, device, ...).
+        **engine_kwargs: passed to `LLMEngine` (cache, scheduler, device,
+            tensor_parallel_size, ...). With `tensor_parallel_size` > 1, `close()` (or a
+            `with` block) stops the engine's follower processes.
 
     Raises:
         ValueError: a bad generation config or override (the message names the setting).
@@ -46,6 +49,17 @@ class LLM:
         self.generation = load_generation_defaults(generation_config, self.engine.model_dir,
                                                    override_generation_config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel followers, if any (idempotent)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no sampling params: SamplingParams with the

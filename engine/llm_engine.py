@@ -6,14 +6,22 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 from threadpoolctl import threadpool_limits
 
-from engine.attention import get_backend
+from engine.attention import AttentionBackend, get_backend
 from engine.block_pool import BlockPool
-from engine.config import CacheConfig, SchedulerConfig, kv_pool_bytes, parse_dtype
+from engine.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    kv_pool_bytes,
+    parse_dtype,
+)
 from engine.draft_model import draft_block_bytes, draft_kv_cache, load_draft_model
 from engine.hardware import keep_freed_memory
 from engine.kv_cache import BufferAllocator, KVCache
@@ -21,6 +29,16 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
 from engine.model_runner import ModelRunner, StepResult
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel import (
+    Followers,
+    ParallelGroup,
+    TensorParallelAttention,
+    TensorParallelError,
+    TensorParallelModel,
+    check_tensor_parallel,
+    shard_config,
+    weight_bytes,
+)
 from engine.request import Request, RequestStatus
 from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
@@ -60,6 +78,11 @@ class EngineStepError(RuntimeError):
     def __init__(self, message: str, outputs: list[EngineOutput]) -> None:
         super().__init__(message)
         self.outputs = outputs
+
+
+class EngineDeadError(EngineStepError):
+    """A step failed in a way no later step recovers from (a tensor-parallel rank died):
+    every later step raises it too, at once. Close the engine and start another."""
 
 
 @dataclass
@@ -105,6 +128,22 @@ class LLMEngine:
         speculative_config: speculative decoding (`SpeculativeConfig`, its JSON text or a
             mapping with vLLM's keys); used by the decode and mixed roles, ignored by prefill.
             A draft model's KV pages share the pool's budget: the pool gets fewer blocks.
+        tensor_parallel_size: ranks the model is split over (vLLM's name;
+            `engine.parallel`). 1: the whole model in this process. N > 1: this process is
+            rank 0 (scheduler, sampler, its shard) and starts N - 1 follower processes
+            (forked from a forkserver: a script building an engine at import needs an
+            `if __name__ == "__main__":` guard), one per CUDA device after `device` on a
+            GPU (untested: no GPU here), all on this CPU otherwise. The KV budget
+            (`kv_cache_memory_gb`, or `gpu_memory_utilization`) is per rank, as in vLLM:
+            each rank's pool holds its KV heads of every block, so N ranks hold N times
+            the budget. On CPU each rank runs `num_threads` threads, or the cores divided
+            by N (at least 1). A draft model for speculative decoding runs whole on rank 0.
+            Call `close()` (or use the engine as a context manager) to stop the followers.
+
+    Raises:
+        ValueError: a size the model's heads, intermediate sizes or the devices do not
+            split into (the message names the dimension).
+        TensorParallelError: a follower could not start (its error is in the message).
     """
 
     def __init__(self, model: str = "tiny", dtype: str | torch.dtype = "float32", *,
@@ -112,14 +151,21 @@ class LLMEngine:
                  device: str = "auto", max_model_len: int | None = None,
                  attention_backend: str = "auto", kv_allocator: BufferAllocator | None = None,
                  num_threads: int | None = None,
-                 speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
-                 ) -> None:
+                 speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         self.speculative_config = SpeculativeConfig.parse(speculative_config)  # fail early
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig()
+        self.tensor_parallel_size = _check_tp_size(tensor_parallel_size)
+        self._followers: Followers | None = None
+        # Bytes of each rank's weights, rank 0 first (its shard under tensor parallelism).
+        self.weight_bytes_per_rank: list[int] = []
         self.device = _pick_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.threads: ThreadGovernor | None = None
+        if tensor_parallel_size > 1 and num_threads is None and self.device.type == "cpu":
+            # A governor would count the other ranks as load that takes its cores away.
+            num_threads = _threads_per_rank(tensor_parallel_size)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
             threadpool_limits(num_threads, user_api="blas")  # numpy's OpenBLAS: fp32 linears
@@ -132,20 +178,23 @@ class LLMEngine:
         self.model_config, hf_config = read_model_config(self.model_dir, max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.model_config
-        self.model = load_model(self.model_dir, cfg, hf_config, self.dtype, self.device)
-        # A draft model is loaded before the pool is sized: its pages take part of the budget.
-        draft = self._load_draft(self.speculative_config)
-        num_blocks = self.cache_config.num_blocks or self._blocks_for_memory(draft)
         bs = self.cache_config.block_size
-        kv_dtype = self.cache_config.kv_cache_dtype
-        attn = get_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           attention_backend)
-        if kv_dtype == "int8" and attn.name != "torch":
-            raise ValueError(f"--kv-cache-dtype int8 needs the torch attention backend (its "
-                             f"CPU kernels read int8 pages); {attn.name} does not: use "
-                             f"--kv-cache-dtype auto, or attention_backend='torch'")
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
-                                self.dtype, self.device, kv_allocator, kv_dtype)
+        if tensor_parallel_size == 1:
+            self.model = load_model(self.model_dir, cfg, hf_config, self.dtype, self.device)
+            # A draft model is loaded before the pool is sized: its pages take part of the
+            # budget.
+            draft = self._load_draft(self.speculative_config)
+            num_blocks = self.cache_config.num_blocks or self._blocks_for_memory(draft)
+            kv_dtype = self.cache_config.kv_cache_dtype
+            attn = _attention_backend(self.device, cfg, attention_backend, kv_dtype)
+            self.kv_cache = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads,
+                                    cfg.head_dim, self.dtype, self.device, kv_allocator,
+                                    kv_dtype)
+            self.weight_bytes_per_rank = [weight_bytes(self.model)]
+        else:
+            draft, attn = self._start_tensor_parallel(hf_config, attention_backend,
+                                                      num_threads, kv_allocator)
+            num_blocks = self.kv_cache.num_blocks
         self.block_pool = BlockPool(num_blocks, self.cache_config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, bs)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device)
@@ -168,6 +217,61 @@ class LLMEngine:
         self.last_step: list[tuple[int, int, bool]] = []
         self.step_token_counts = StepTokenCounts()
         self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+
+    def _start_tensor_parallel(self, hf_config: Any, attention_backend: str,
+                               num_threads: int | None, kv_allocator: BufferAllocator | None
+                               ) -> tuple[LlamaForCausalLM | None, AttentionBackend]:
+        """Start the followers, load rank 0's shard (and a draft model, whole), size the
+        pool to the smallest rank's budget and build rank 0's pages. Sets `model`,
+        `kv_cache` and `weight_bytes_per_rank`.
+
+        Returns:
+            The draft model (or None) and rank 0's attention backend.
+        """
+        size, cfg, cache = self.tensor_parallel_size, self.model_config, self.cache_config
+        check_tensor_parallel(cfg, size)
+        if self.device.type == "cuda" and \
+                (self.device.index or 0) + size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices from "
+                             f"{self.device} on; {torch.cuda.device_count()} are visible")
+        builder = _ShardBuilder(self.model_dir, cfg, hf_config, self.dtype, cache,
+                                attention_backend, size)
+        attn = builder.attention(self.device)  # refuses int8 pages on FlashInfer first
+        self._followers = followers = Followers.start(size, builder, self.device, num_threads)
+        try:
+            shard = builder.load(followers.group)
+            draft = self._load_draft(self.speculative_config)
+            extra = 0 if draft is None else draft_block_bytes(
+                draft, cache.block_size, self.dtype, cache.kv_cache_dtype)
+            ready = followers.wait_ready()
+            num_blocks = min([builder.num_blocks(self.device, extra),
+                              *(blocks for blocks, _ in ready)])
+            followers.begin(num_blocks)
+            self.kv_cache = builder.kv_cache(num_blocks, self.device, kv_allocator)
+        except BaseException:
+            followers.stop()
+            raise
+        self.model = TensorParallelModel(shard, followers)
+        self.weight_bytes_per_rank = [weight_bytes(shard), *(nbytes for _, nbytes in ready)]
+        return draft, TensorParallelAttention(attn)
+
+    @property
+    def follower_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel followers, ranks 1 to N - 1 (none at size 1)."""
+        return [] if self._followers is None else self._followers.pids
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers and wait for them; idempotent. At size 1
+        there is nothing to stop; above it, every later step raises EngineDeadError."""
+        if self._followers is not None:
+            self._followers.stop()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     def set_speculative_config(
             self, config: str | dict[str, Any] | SpeculativeConfig | None) -> None:
@@ -229,18 +333,10 @@ class LLMEngine:
 
     def _blocks_for_memory(self, draft: LlamaForCausalLM | None) -> int:
         """Blocks the budget holds, each with the target's pages and the draft model's."""
-        cfg, cache = self.model_config, self.cache_config
-        per_block = KVCache.bytes_per_block(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
-                                            cfg.head_dim, self.dtype, cache.kv_cache_dtype)
-        if draft is not None:
-            per_block += draft_block_bytes(draft, cache.block_size, self.dtype,
-                                           cache.kv_cache_dtype)
-        total = held = 0
-        if self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1]
-            held = torch.cuda.memory_reserved(self.device)
-        budget = kv_pool_bytes(self.cache_config, self.device.type, total, held)
-        return max(budget // per_block, 1)
+        cache = self.cache_config
+        extra = 0 if draft is None else draft_block_bytes(draft, cache.block_size, self.dtype,
+                                                          cache.kv_cache_dtype)
+        return _blocks_for_budget(cache, self.model_config, self.dtype, self.device, extra)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -327,8 +423,9 @@ class LLMEngine:
         except Exception as e:
             ended = [self.abort_request(item.request.request_id, "error")
                      for item in schedule.scheduled]
-            raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}",
-                                  [out for out in ended if out is not None]) from e
+            error = EngineDeadError if isinstance(e, TensorParallelError) else EngineStepError
+            raise error(f"engine step failed: {type(e).__name__}: {e}",
+                        [out for out in ended if out is not None]) from e
 
     def _step_output(self, request: Request, new_tokens: list[int],
                      result: StepResult) -> EngineOutput:
@@ -442,6 +539,86 @@ class LLMEngine:
         """Parked requests whose remote KV has not landed yet."""
         return sum(1 for r in self.scheduler.parked.values()
                    if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
+
+
+@dataclass(frozen=True)
+class _ShardBuilder:
+    """How every rank of a tensor-parallel engine builds its shard, its KV pages and its
+    attention backend (`engine.parallel.ShardBuilder`); pickled to each follower."""
+
+    model_dir: Path
+    cfg: ModelConfig
+    hf_config: Any
+    dtype: torch.dtype
+    cache: CacheConfig
+    attention_backend: str
+    size: int
+
+    def load(self, group: ParallelGroup) -> LlamaForCausalLM:
+        return load_model(self.model_dir, self.cfg, self.hf_config, self.dtype, group.device,
+                          group)
+
+    def num_blocks(self, device: torch.device, extra_block_bytes: int = 0) -> int:
+        """The pool's size, or the blocks this rank's budget holds of its KV heads (and
+        `extra_block_bytes` more per block: rank 0's draft model)."""
+        if self.cache.num_blocks:
+            return self.cache.num_blocks
+        return _blocks_for_budget(self.cache, shard_config(self.cfg, self.size), self.dtype,
+                                  device, extra_block_bytes)
+
+    def attention(self, device: torch.device) -> AttentionBackend:
+        return _attention_backend(device, shard_config(self.cfg, self.size),
+                                  self.attention_backend, self.cache.kv_cache_dtype)
+
+    def kv_cache(self, num_blocks: int, device: torch.device,
+                 allocator: BufferAllocator | None = None) -> KVCache:
+        local = shard_config(self.cfg, self.size)
+        return KVCache(local.num_layers, num_blocks, self.cache.block_size, local.num_kv_heads,
+                       local.head_dim, self.dtype, device, allocator, self.cache.kv_cache_dtype)
+
+    def pages(self, num_blocks: int, device: torch.device) -> tuple[KVCache, AttentionBackend]:
+        return self.kv_cache(num_blocks, device), self.attention(device)
+
+
+def _attention_backend(device: torch.device, cfg: ModelConfig, name: str,
+                       kv_cache_dtype: str) -> AttentionBackend:
+    """The attention backend for `cfg`'s heads (one rank's, under tensor parallelism).
+
+    Raises:
+        ValueError: int8 pages on a backend that cannot read them, or an unknown name.
+    """
+    attn = get_backend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, name)
+    if kv_cache_dtype == "int8" and attn.name != "torch":
+        raise ValueError(f"--kv-cache-dtype int8 needs the torch attention backend (its "
+                         f"CPU kernels read int8 pages); {attn.name} does not: use "
+                         f"--kv-cache-dtype auto, or attention_backend='torch'")
+    return attn
+
+
+def _blocks_for_budget(cache: CacheConfig, cfg: ModelConfig, dtype: torch.dtype,
+                       device: torch.device, extra_block_bytes: int) -> int:
+    """Blocks the KV budget holds on `device`, each with `cfg`'s pages (one rank's KV heads
+    under tensor parallelism) and `extra_block_bytes` more."""
+    per_block = KVCache.bytes_per_block(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
+                                        cfg.head_dim, dtype, cache.kv_cache_dtype)
+    per_block += extra_block_bytes
+    total = held = 0
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        held = torch.cuda.memory_reserved(device)
+    return max(kv_pool_bytes(cache, device.type, total, held) // per_block, 1)
+
+
+def _check_tp_size(size: int) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    return size
+
+
+def _threads_per_rank(size: int) -> int:
+    """Compute threads for each of `size` ranks sharing this process's cores."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, cgroup_cpu_limit() or cores) // size)
 
 
 def _pick_device(device: str) -> torch.device:

@@ -25,6 +25,7 @@ from engine.config import ModelConfig
 from engine.generation_config import FILE_NAME as GENERATION_CONFIG
 from engine.models import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
+from engine.parallel import ParallelGroup, shard_state
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The sampling SmolLM2-135M-Instruct's model card generates with; the GGUF file does not
@@ -201,17 +202,27 @@ def _moe_options(hf: PretrainedConfig | SimpleNamespace, arch: str) -> dict[str,
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig | SimpleNamespace,
-               dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model and fill it from the directory's safetensors files."""
+               dtype: torch.dtype, device: torch.device,
+               group: ParallelGroup | None = None) -> LlamaForCausalLM:
+    """Build the model and fill it from the directory's safetensors files.
+
+    Args:
+        group: the tensor-parallel group: the model is then this rank's shard
+            (`engine.parallel.shard_state` slices each tensor; the whole file is read
+            first, so a rank holds the full weights for a moment while it loads).
+    """
     rope = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, rope)
+        model = LlamaForCausalLM(cfg, rope, group)
     state = _fuse(_read_safetensors(model_dir), cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"weights in {model_dir} lack {len(missing)} tensors, "
                              f"e.g. {missing[:3]}")
+    if group is not None:
+        state = shard_state({name: state[name] for name in expected}, cfg, group.rank,
+                            group.size)
     for name, param in expected.items():
         if state[name].shape != param.shape:
             raise ModelLoadError(f"weight {name}: shape {tuple(state[name].shape)} in "

@@ -20,6 +20,13 @@ from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.models.moe import SparseMoeBlock, silu_mul
 from engine.models.rope import RotaryEmbedding, apply_rope
+from engine.parallel import (
+    ParallelGroup,
+    gather_logits,
+    shard_config,
+    vocab_parallel_embedding,
+    vocab_shard_rows,
+)
 
 LayerHook = Callable[[int], None]
 
@@ -127,13 +134,20 @@ class DecoderLayer(nn.Module):
     SwiGLU (`gate_up_proj`, `down_proj`), or `mlp`, a sparse MoE block, where `layer_id` is
     one of `cfg.moe_layers` (the dense projections are then None).
 
+    Under tensor parallelism `cfg` has one rank's heads and intermediate sizes
+    (`engine.parallel.shard_config`), and the outputs of `o_proj` and of the MLP (each a
+    partial sum over this rank's columns) are all-reduced over `group`.
+
     Args:
-        cfg: architecture.
+        cfg: architecture (one rank's shapes under tensor parallelism).
         layer_id: the layer's index.
+        group: the tensor-parallel group; None: the whole layer is here.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int,
+                 group: ParallelGroup | None = None) -> None:
         super().__init__()
+        self.group = group
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
@@ -183,8 +197,8 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
         attn_out = attn.forward(q, k, v, kv_layer)
-        x = x + self.o_proj(attn_out.reshape(num_tokens, self.q_size))
-        return x + self._mlp(self.post_attention_layernorm(x))
+        x = x + self._reduce(self.o_proj(attn_out.reshape(num_tokens, self.q_size)))
+        return x + self._reduce(self._mlp(self.post_attention_layernorm(x)))
 
     def _fused_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        attn: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -203,10 +217,10 @@ class DecoderLayer(nn.Module):
         q, key, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv.split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1))
         attn_out = attn.forward(q, key, v, kv_layer)
-        h = k.add_rms_norm(x, self.o_proj(attn_out.reshape(num_tokens, self.q_size)),
-                           self.post_attention_layernorm.weight,
+        attn_out = self._reduce(self.o_proj(attn_out.reshape(num_tokens, self.q_size)))
+        h = k.add_rms_norm(x, attn_out, self.post_attention_layernorm.weight,
                            self.post_attention_layernorm.eps)
-        return x.add_(self._mlp(h))
+        return x.add_(self._reduce(self._mlp(h)))
 
     def _norm_qk_heads_(self, qkv: torch.Tensor) -> None:
         """q_norm and k_norm over each query and key head of `qkv` `[T, (Hq + 2 Hkv) * D]`,
@@ -215,6 +229,11 @@ class DecoderLayer(nn.Module):
         heads = qkv[:, :self.q_size + self.kv_size].unflatten(1, (-1, self.head_dim))
         heads[:, :num_q] = self.q_norm(heads[:, :num_q])  # [T, Hq, D]
         heads[:, num_q:] = self.k_norm(heads[:, num_q:])  # [T, Hkv, D]
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel matmul's output: this rank's partial sum, summed over the ranks
+        (an MoE block's once for all its experts)."""
+        return partial if self.group is None else self.group.all_reduce(partial)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.mlp is not None:
@@ -226,23 +245,33 @@ class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer of any family in this module; `forward` takes a flattened
     batch of new tokens.
 
+    With a tensor-parallel `group` it is one rank's shard (`engine.parallel`): its share
+    of every layer, and its rows of the vocabulary in the embedding and LM head.
+
     Args:
-        cfg: architecture.
+        cfg: architecture (the whole model's).
         rope: rotary tables.
+        group: the tensor-parallel group; None: the whole model is here.
     """
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
+                 group: ParallelGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.rope = rope
+        self.group = group
+        size = 1 if group is None else group.size
+        vocab = vocab_shard_rows(cfg.vocab_size, size)
         # An uninitialised table (the weights are loaded over it): Embedding's own random
         # init on the meta device would import torch's compiler, a second of every start.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size,
+                                         _weight=torch.empty(vocab, cfg.hidden_size))
+        layer_cfg = shard_config(cfg, size)
+        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i, group)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, vocab, bias=False)
         self._tied_head: BlasLinear | OneDnnLinear | None = None
 
     def prepare_matmuls(self) -> None:
@@ -283,7 +312,8 @@ class LlamaForCausalLM(nn.Module):
         can overlap the compute of the next ones. `num_layers` stops after the first layers
         (an early-exit draft).
         """
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.group is None else \
+            vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.group)
         rope = self.rope.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, rope, attn, kv_cache.layers[i])
@@ -292,10 +322,15 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits `[N, vocab]` for the chosen hidden states `[N, hidden]`."""
+        """Logits `[N, vocab]` for the chosen hidden states `[N, hidden]` (on a tensor-
+        parallel follower: its shard's columns, which only rank 0 gathers)."""
         hidden = self.norm(hidden)
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        if self._tied_head is not None:
-            return self._tied_head(hidden)
-        return F.linear(hidden, self.embed_tokens.weight)
+            logits = self.lm_head(hidden)
+        elif self._tied_head is not None:
+            logits = self._tied_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        if self.group is None:
+            return logits
+        return gather_logits(logits, self.group, self.cfg.vocab_size)
