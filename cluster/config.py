@@ -56,6 +56,9 @@ class PoolSpec:
             raise ValueError(f"num-cpus-per-worker must be >= 0, got {self.num_cpus}")
         if self.num_gpus < 0:
             raise ValueError(f"num-gpus-per-worker must be >= 0, got {self.num_gpus}")
+        if self.engine.get("tensor_parallel_size", 1) < 1:
+            raise ValueError(f"tensor-parallel-size must be >= 1, got "
+                             f"{self.engine['tensor_parallel_size']}")
         if self.engine.get("gpu_memory_utilization") is not None and not self.num_gpus:
             raise ValueError("gpu-memory-utilization sizes the KV pool from accelerator "
                              "memory, but these workers get no GPU (num-gpus-per-worker 0): "
@@ -149,6 +152,13 @@ class ClusterConfig:
             raise ValueError(f"internal_auth must be one of {INTERNAL_AUTH}, "
                              f"got {self.internal_auth!r}")
         if self.mode == "disaggregated":
+            for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+                if pool.engine.get("tensor_parallel_size", 1) > 1:
+                    raise ValueError(
+                        f"tensor-parallel-size {pool.engine['tensor_parallel_size']} on the "
+                        f"{name} pool: KV transfer between tensor-parallel workers is not "
+                        "built yet (each rank holds its share of the KV heads); serve "
+                        "tensor-parallel workers colocated (--mode colocated)")
             for key in KV_LAYOUT_KEYS:  # KV blocks move between the pools as they are
                 ours, theirs = self.prefill.engine.get(key), self.decode.engine.get(key)
                 if ours != theirs:

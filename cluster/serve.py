@@ -99,6 +99,30 @@ class ServeOptions:
         return [ServedModel(self.cluster, self.router), *self.more_models]
 
 
+def check_tensor_parallel_sizes(cluster: ClusterConfig) -> None:
+    """Refuse, before anything starts, a pool's tensor-parallel size the model's dimensions
+    do not split into (`engine.parallel.check_tensor_parallel` names the one); the model's
+    config is read only when a pool is split.
+
+    Raises:
+        ValueError: naming the pool, the size and the dimension.
+    """
+    pools = (("colocated", cluster.decode),) if cluster.mode == "colocated" else (
+        ("prefill", cluster.prefill), ("decode", cluster.decode))
+    sizes = {name: pool.engine.get("tensor_parallel_size", 1) for name, pool in pools}
+    if max(sizes.values()) <= 1:
+        return
+    from engine.model_loader import read_model_config
+    from engine.parallel import check_tensor_parallel
+
+    config, _ = read_model_config(resolve_model_dir(cluster.model))
+    for name, size in sizes.items():
+        try:
+            check_tensor_parallel(config, size)
+        except ValueError as e:
+            raise ValueError(f"{name} workers: {e}") from None
+
+
 def endpoint_file() -> Path:
     """Where a running `serve` writes its endpoints, so `generate`/`status` find it."""
     return cache_dir() / "endpoint.json"

@@ -86,6 +86,9 @@ class WorkerSpec:
         log: the level and format of the worker process's log (`serve --log-level`,
             `--log-format`); None leaves the process's logging as it is (a worker that
             shares its process).
+        tensor_parallel_size: ranks the worker's model is split over (`engine.parallel`):
+            this process is rank 0, the others its child processes; a rank that dies ends
+            the whole worker, whose requests then move as for any dead worker.
     """
 
     worker_id: str
@@ -112,6 +115,7 @@ class WorkerSpec:
     tracing: TracingConfig | None = None
     speculative_config: str | None = None
     log: LogConfig | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
@@ -148,7 +152,8 @@ class Worker:
         self._last_sample: tuple[float, ...] | None = None
         self.tracer = Tracer(spec.tracing, str(spec.role), spec.worker_id)
         self.role = self._build_role()
-        self.loop = EngineLoop(self.engine, self._on_outputs, self.role.layer_hook)
+        self.loop = EngineLoop(self.engine, self._on_outputs, self.role.layer_hook,
+                               on_dead=self._die)
         self._stop = threading.Event()
         self.loop.start()
         self._threads = [threading.Thread(target=target, daemon=True, name=target.__name__)
@@ -173,7 +178,18 @@ class Worker:
                                       max_num_seqs=spec.max_num_seqs, role=str(spec.role),
                                       policy=spec.policy),
             num_threads=spec.torch_threads, kv_allocator=self.shm_pool,
-            max_model_len=spec.max_model_len, speculative_config=spec.speculative_config)
+            max_model_len=spec.max_model_len, speculative_config=spec.speculative_config,
+            tensor_parallel_size=spec.tensor_parallel_size)
+
+    def _die(self, error: BaseException) -> None:
+        """The engine can compute no more (a tensor-parallel rank died): end this process,
+        as a lost worker ends, so the router moves its requests (their failed step's
+        outputs are not sent: they would end the requests instead)."""
+        log.critical("worker %s: engine dead (%s); exiting so its requests move",
+                     self.spec.worker_id, error)
+        self.engine.close()
+        logging.shutdown()
+        os._exit(1)
 
     def _build_role(self) -> WorkerRole:
         spec = self.spec
@@ -357,6 +373,8 @@ class Worker:
             block_size=self.spec.block_size, num_blocks=self.engine.block_pool.num_blocks,
             block_bytes=self.engine.kv_cache.block_bytes * cfg.num_layers,
             torch_threads=torch.get_num_threads(),
+            tensor_parallel_size=self.engine.tensor_parallel_size,
+            rank_pids=self.engine.follower_pids,
             peer_info=receiver.peer_info() if receiver is not None else None)
 
     def adopt(self, router_endpoint: str) -> None:

@@ -147,7 +147,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     worker.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS,
                         help="most requests a worker runs at once")
     worker.add_argument("--torch-threads", type=int, default=1,
-                        help="intra-op threads per worker")
+                        help="intra-op threads per worker (per rank with "
+                             "--tensor-parallel-size)")
+    worker.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks each worker's model is split over (vLLM's flag; gloo on "
+                             "CPU, NCCL on GPU): rank 0 in the worker's process, the others "
+                             "its child processes; colocated workers only for now (KV "
+                             "transfer between sharded pools is not built); give each "
+                             "worker the CPUs or GPUs of all its ranks "
+                             "(--num-cpus-per-worker, --num-gpus-per-worker)")
     worker.add_argument("--prefix-caching", "--enable-prefix-caching",
                         dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse cached prompt blocks")
@@ -272,7 +280,7 @@ def _serve(args: argparse.Namespace) -> int:
                               tls_client_ca=args.tls_client_ca)
     check_bind(args.host, security, args.allow_unauthenticated)
 
-    from cluster.serve import ServeOptions, run
+    from cluster.serve import ServeOptions, check_tensor_parallel_sizes, run
     from engine.hardware import isa_cap
     from protocol.logs import configure_logging
     from protocol.tracing import TracingConfig
@@ -301,6 +309,8 @@ def _serve(args: argparse.Namespace) -> int:
                            drain_timeout_s=args.drain_timeout,
                            metrics_compat=args.metrics_compat,
                            autoscaler=_autoscaler(args), more_models=tuple(models[1:]))
+    for model in models:
+        check_tensor_parallel_sizes(model.cluster)
     configure_logging(args.log_level, args.log_format)
     logging.getLogger("cluster.autoscaler").setLevel(logging.INFO)  # each decision, its reason
     if args.detach:

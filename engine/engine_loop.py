@@ -14,7 +14,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.llm_engine import EngineOutput, EngineStepError, LLMEngine, StepLayerHook
+from engine.llm_engine import (
+    EngineDeadError,
+    EngineOutput,
+    EngineStepError,
+    LLMEngine,
+    StepLayerHook,
+)
 from engine.scheduler import step_work
 
 log = logging.getLogger(__name__)
@@ -31,12 +37,17 @@ class EngineLoop:
         on_outputs: receives every step's outputs (one call per step), on the loop thread.
         layer_hook: passed to every `engine.step` (KV streaming in the prefill role); a
             role change replaces it on the loop thread.
+        on_dead: called (on the loop thread) instead of sending the failed step's outputs
+            when the engine can compute no more (`EngineDeadError`: a tensor-parallel rank
+            died); None: its requests end with error, as for any failed step.
     """
 
     def __init__(self, engine: LLMEngine, on_outputs: OutputSink,
-                 layer_hook: StepLayerHook | None = None) -> None:
+                 layer_hook: StepLayerHook | None = None,
+                 on_dead: Callable[[EngineDeadError], None] | None = None) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
+        self._on_dead = on_dead
         self.layer_hook = layer_hook
         self._commands: queue.SimpleQueue[tuple[Command, Future | None]] = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -88,6 +99,12 @@ class EngineLoop:
             start = time.perf_counter()
             try:
                 outputs = self.engine.step(self.layer_hook)
+            except EngineDeadError as e:
+                if self._on_dead is not None:
+                    self._on_dead(e)
+                    return
+                log.exception("engine dead; its requests end with error")
+                outputs = e.outputs
             except EngineStepError as e:
                 log.exception("engine step failed; its requests end with error")
                 outputs = e.outputs

@@ -276,6 +276,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
         num_blocks: blocks in its KV pool.
         block_bytes: one block's KV over all layers, as a transfer moves it.
         torch_threads: its compute threads when it started.
+        tensor_parallel_size: the ranks its model is split over.
+        rank_pids: the process ids of ranks 1 to N-1 (none at size 1).
         peer_info: its KV receiver (decode workers only).
     """
 
@@ -292,6 +294,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     num_blocks: int
     block_bytes: int
     torch_threads: int
+    tensor_parallel_size: int = 1
+    rank_pids: list[int] = msgspec.field(default_factory=list)
     peer_info: KVPeerInfo | None = None
 
 _encoder = msgspec.msgpack.Encoder()

@@ -159,3 +159,22 @@ def test_a_bad_cpu_isa_cap_is_refused_before_anything_starts(
     assert capsys.readouterr().err == (
         "error: PDCLUSTER_CPU_ISA='avx10' is not an ISA level; use one of baseline, avx2, "
         "avx512, avx512_bf16, amx\n")
+
+
+def test_tensor_parallel_size_reaches_each_pool_and_a_size_the_model_cannot_split_is_named(
+        captured: list[Any], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["serve", "--model", "tiny", "--mode", "colocated", "-tp", "2"]) == 0
+    (options,) = captured
+    assert options.cluster.decode.engine["tensor_parallel_size"] == 2
+    path = tmp_path / "serve.yaml"  # per pool, vLLM's key
+    path.write_text("model: tiny\nmode: colocated\ndecode:\n  tensor-parallel-size: 2\n")
+    assert main(["serve", "--config", str(path)]) == 0
+    assert captured[1].cluster.decode.engine["tensor_parallel_size"] == 2
+    # tiny has 4 query heads; the model is read only to check the split, nothing starts.
+    assert main(["serve", "--model", "tiny", "--mode", "colocated", "-tp", "3"]) == 2
+    assert "colocated workers: tensor_parallel_size 3 does not divide num_attention_heads " \
+        "(4)" in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny", "--tensor-parallel-size", "2"]) == 2
+    assert "KV transfer between tensor-parallel workers is not built yet" in \
+        capsys.readouterr().err
+    assert len(captured) == 2

@@ -1,0 +1,102 @@
+"""Tensor-parallel workers on a local Ray cluster: two colocated workers of the tiny model,
+each split over two ranks (rank 0 in the Ray actor's process, rank 1 its child). Streams
+give the offline engine's exact tokens; a rank SIGKILLed mid-stream ends its whole worker,
+whose streams move to the other and finish with the same tokens; every pool ends free."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from cluster.config import ClusterConfig, PoolSpec
+from engine import SamplingParams
+from protocol import Role
+from tests.integration.conftest import (
+    collect_all,
+    expected_tokens,
+    random_prompts,
+    start_cluster,
+    wait_pools_free,
+)
+from tests.integration.test_faults import (
+    _count,
+    _handles,
+    _placing_only_on,
+    _pool_restored,
+    _start,
+    _until,
+)
+
+pytestmark = pytest.mark.cluster
+
+LONG = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, loop_thread):
+    backend = start_cluster(loop_thread, mode="colocated", num_prefill=0, num_decode=2,
+                            worker={"tensor_parallel_size": 2, "num_blocks": 256})
+    yield backend
+    loop_thread.run(backend.close())
+
+
+def test_tensor_parallel_workers_stream_the_engines_tokens(cluster, loop_thread, reference):
+    workers = _handles(cluster, Role.MIXED)
+    assert [(h.info.tensor_parallel_size, len(h.info.rank_pids)) for h in workers] == \
+        [(2, 1), (2, 1)]
+    status = loop_thread.run(cluster.status())
+    assert status["pool_settings"]["mixed"]["tensor_parallel_size"] == 2
+    prompts = random_prompts(6, seed=41)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = collect_all(loop_thread, cluster, prompts, params, prefix="tp")
+    assert [tokens for tokens, _ in results] == expected_tokens(reference, prompts, params)
+    wait_pools_free(loop_thread, cluster)
+
+
+def test_a_killed_rank_ends_its_worker_and_its_streams_move(cluster, loop_thread, reference):
+    """Four streams on one worker, stopped once each has tokens (so none ends before the
+    fault); its rank 1 SIGKILLed, then the worker let go: its next step fails, the worker
+    process ends, and each stream is placed again once on the other worker, ending with
+    the offline engine's tokens."""
+    prompts = random_prompts(4, seed=43, low=8, high=40)
+    expected = expected_tokens(reference, prompts, LONG)
+    migrated = _count(cluster, "migrations")
+
+    async def go():
+        victim = _handles(cluster, Role.MIXED)[0]
+        with _placing_only_on(cluster, victim):
+            clients, tasks = _start(cluster, prompts, LONG, k=3, prefix="tk")
+            await asyncio.gather(*(c.ready.wait() for c in clients))
+        os.kill(victim.info.pid, signal.SIGSTOP)  # nothing finishes after this count
+        held = {rid: len(cluster.dispatcher.requests[rid].generated)
+                for rid in victim.in_flight}
+        (rank1,) = victim.info.rank_pids
+        os.kill(rank1, signal.SIGKILL)
+        os.kill(victim.info.pid, signal.SIGCONT)
+        await asyncio.gather(*tasks)
+
+        async def gone():
+            return victim.worker_id not in cluster.workers
+        await _until(gone, "the worker whose rank died to be gone")
+        await _pool_restored(cluster, "mixed", 2)
+        return clients, held
+    clients, held = loop_thread.run(go())
+    assert sorted(held) == [c.rid for c in clients]
+    assert all(3 <= n < 160 for n in held.values()), held
+    assert [c.tokens for c in clients] == expected
+    assert [c.last.finish_reason for c in clients] == ["length"] * 4
+    assert _count(cluster, "migrations") - migrated == 4
+    wait_pools_free(loop_thread, cluster)
+
+
+def test_disaggregated_pools_refuse_tensor_parallel_workers() -> None:
+    sharded = PoolSpec(engine={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="tensor-parallel-size 2 on the decode pool: KV "
+                                         "transfer between tensor-parallel workers"):
+        ClusterConfig(model="tiny", decode=sharded)
+    with pytest.raises(ValueError, match="on the prefill pool"):
+        ClusterConfig(model="tiny", prefill=sharded)
+    assert ClusterConfig(model="tiny", mode="colocated", decode=sharded).decode is sharded
