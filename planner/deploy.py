@@ -3,8 +3,10 @@ per pool, the command that serves it, and a whole KubeRay RayCluster (the head, 
 door's group and a group per pool, as `deploy/kuberay/base/raycluster.yaml` builds them)
 whose pods hold exactly what each pool's workers ask.
 
-pdcluster's engine runs one device per worker: a pick with TP > 1 in either role is
-planned but not deployable by this version, and gets no command, file or manifest."""
+A colocated pick with TP > 1 serves with `tensor-parallel-size` in its pool; a
+disaggregated one with TP > 1 in either role is planned but not deployable by this version
+(KV transfer between tensor-parallel workers is not built), and gets no command, file or
+manifest."""
 
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ def transport(config: dict[str, Any], decode: Profile) -> str:
 def _pool(replicas: int, profile: Profile, config: dict[str, Any],
           max_num_seqs: int) -> dict[str, Any]:
     """One pool's section of the serve config file."""
-    return {"replicas": replicas, "torch-threads": max(profile.torch_threads, 1),
+    return {"replicas": replicas, "tensor-parallel-size": tensor_parallel(profile),
+            "torch-threads": max(profile.torch_threads, 1),
             "num-cpus-per-worker": max(profile.torch_threads, 1),
             "num-gpus-per-worker": tensor_parallel(profile) if gpu_resource(profile) else 0,
             "kv-cache-gb": math.floor(profile.kv_cache_gb * 100) / 100,
@@ -173,15 +176,17 @@ def deployment(config: dict[str, Any], prefill: Profile, decode: Profile,
     """
     tp = {"prefill": tensor_parallel(prefill) if config["prefill"] else None,
           "decode": tensor_parallel(decode)}
-    out: dict[str, Any] = {"deployable": max(t or 1 for t in tp.values()) == 1,
+    sharded = max(t or 1 for t in tp.values())
+    out: dict[str, Any] = {"deployable": sharded == 1 or config["mode"] == "colocated",
                            "tensor_parallel": tp, "serve_config_file": CONFIG_FILE,
                            "serve_config": None, "serve_argv": None, "serve_command": None,
                            "kuberay_manifest": None, "notes": []}
     if not out["deployable"]:
         out["notes"].append(
-            f"not deployable by this version: the pick shards a worker over {max(tp.values())} "
-            "devices (TP > 1) and pdcluster's engine runs one device per worker; plan with "
-            "TP-1 profiles for something to serve now")
+            f"not deployable by this version: the pick shards a worker over {sharded} "
+            "devices (TP > 1) in a disaggregated split, and KV transfer between "
+            "tensor-parallel workers is not built; plan colocated or with TP-1 profiles "
+            "for something to serve now")
         return out
     file = serve_config(config, prefill, decode, max_num_seqs)
     argv = ["pdcluster", "serve", "--model", model or MODEL_PLACEHOLDER,

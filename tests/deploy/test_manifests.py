@@ -684,6 +684,8 @@ def assert_pools_fit(groups: dict[str, dict[str, Any]], options: Any) -> None:
     """Each pool's workers fit its group's pods at the replicas the cluster starts with."""
     cluster = options.cluster
     for name in POOLS:
+        if name == "prefill" and cluster.mode == "colocated":
+            continue  # no prefill pool
         spec = getattr(cluster, name)
         count = getattr(cluster, f"num_{name}")
         group = groups[name]

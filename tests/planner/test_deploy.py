@@ -144,16 +144,31 @@ def test_an_amd_plan_asks_for_amd_gpus() -> None:
     assert pod["tolerations"][0]["key"] == "amd.com/gpu"
 
 
-def test_a_tp_pick_is_planned_but_not_deployed() -> None:
-    """pdcluster's engine runs one device per worker: a TP-4 pick gets no command, file
-    or manifest, and says why."""
+def test_a_colocated_tp_pick_serves_split_and_a_disaggregated_one_is_not_deployed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A colocated TP-4 pick: each worker asks 4 GPUs and splits its model over 4 ranks,
+    and the real CLI builds that pool (tiny's 4 heads and 2 KV heads split into 4: the
+    serve check reads the model). KV transfer between tensor-parallel workers is not
+    built: a disaggregated TP-4 pick gets no command, file or manifest, and says why."""
     profile = gpu_profile("H100-SXM", tp=4, model="llama-3-70b")
+    colocated = deployment({**DISAGG, "mode": "colocated", "prefill": 0}, profile, profile,
+                           max_num_seqs=64)
+    assert colocated["deployable"] and colocated["tensor_parallel"] == {
+        "prefill": None, "decode": 4}
+    cluster = served(tmp_path, monkeypatch, {
+        **colocated, "serve_argv": [a if a != MODEL_PLACEHOLDER else "tiny"
+                                    for a in colocated["serve_argv"]]})
+    assert (cluster.mode, cluster.decode.num_gpus,
+            cluster.decode.engine["tensor_parallel_size"]) == ("colocated", 4.0, 4)
+    groups = assert_valid_raycluster(manifest(colocated), cluster)
+    limits = groups["decode"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 4
     deploy = deployment(DISAGG, gpu_profile("H100-SXM"), profile, max_num_seqs=64)
     assert deploy["deployable"] is False
     assert deploy["tensor_parallel"] == {"prefill": 1, "decode": 4}
     assert [deploy[k] for k in ("serve_argv", "serve_command", "serve_config",
                                 "kuberay_manifest")] == [None] * 4
-    assert "not deployable by this version" in deploy["notes"][0]
+    assert "KV transfer between tensor-parallel workers is not built" in deploy["notes"][0]
 
 
 def test_serve_refuses_the_placeholder_before_starting_anything(
