@@ -19,18 +19,20 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self._hashes: dict[str, list[bytes]] = {}
         # Leading blocks of each request already registered: a step registers only new ones.
         self._num_registered: dict[str, int] = {}
 
     def block_hashes(self, request: Request) -> list[bytes]:
-        """Chained hashes of the request's full blocks, extended as tokens arrive."""
-        hashes = self._hashes.setdefault(request.request_id, [])
+        """Chained hashes of the request's full blocks, extended as tokens arrive (kept on
+        the request, so whoever already hashed its prompt can hand them over)."""
+        hashes = request.block_hashes
         # Only hash when a block filled up: called for every request every step.
-        if request.num_tokens // self.block_size > len(hashes):
+        num_full = request.num_tokens // self.block_size
+        if num_full > len(hashes):
             parent = hashes[-1] if hashes else None
-            hashes.extend(hash_blocks(request.all_token_ids, self.block_size, parent,
-                                      len(hashes)))
+            new_tokens = request.token_ids(len(hashes) * self.block_size,
+                                           num_full * self.block_size)
+            hashes.extend(hash_blocks(new_tokens, self.block_size, parent))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[int]:
@@ -73,16 +75,20 @@ class KVCacheManager:
         Returns:
             False, changing nothing, when the pool lacks blocks.
         """
-        if self.blocks_needed(request, num_new_tokens, computed_blocks) > \
-                self.pool.num_free_blocks:
-            return False
         if computed_blocks:
+            if self.blocks_needed(request, num_new_tokens, computed_blocks) > \
+                    self.pool.num_free_blocks:
+                return False
             self.pool.touch(computed_blocks)
             request.block_ids.extend(computed_blocks)
             request.num_computed_tokens += len(computed_blocks) * self.block_size
             request.num_cached_tokens = request.num_computed_tokens
+        # Without hits (a running request's next tokens, the common case) this is
+        # `blocks_needed` in short; with them the check above already covered it.
         total = request.num_computed_tokens + num_new_tokens
         missing = -(-total // self.block_size) - len(request.block_ids)
+        if missing > self.pool.num_free_blocks:
+            return False
         if missing > 0:
             request.block_ids.extend(self.pool.allocate(missing))
         return True
@@ -97,6 +103,8 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache (new ones only)."""
+        if not self.pool.enable_prefix_caching:
+            return
         done = self._num_registered.get(request.request_id, 0)
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= done:
@@ -111,7 +119,6 @@ class KVCacheManager:
         """Release the request's blocks, tail first so prefixes outlive suffixes in the LRU."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
-        self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
 
     def reset(self, request: Request) -> None:

@@ -25,6 +25,12 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# `RequestStatus.FINISHED` is a slow lookup on Python 3.11 (a class whose metaclass defines
+# `__getattr__`, as `EnumType` does, looks every attribute up on a slow path), and
+# `is_finished` is asked several times per request per step.
+_FINISHED = RequestStatus.FINISHED
+
+
 class Request:
     """A request catches up `num_computed_tokens` to `num_tokens`, one step at a time.
 
@@ -47,6 +53,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
+        # Chained hashes of the full blocks, as far as `KVCacheManager.block_hashes` got.
+        self.block_hashes: list[bytes] = []
         # Drafted tokens this step verifies (speculative decoding); never part of the output.
         self.spec_token_ids: list[int] = []
         # Plain steps left before drafting again, and the wait after the next miss
@@ -87,7 +95,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
+        return self.status is _FINISHED
 
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and decide whether the request is done."""

@@ -32,7 +32,8 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last token and so samples one."""
-        return self.start + self.num_new_tokens >= self.request.num_tokens
+        request = self.request
+        return request.num_computed_tokens + self.num_new_tokens >= request.num_tokens
 
 
 @dataclass
@@ -48,7 +49,7 @@ class SchedulerOutput:
         """Per scheduled request: (context before the step, new tokens, whether they are
         prompt tokens): what a step computes, as the planner's step-time models read it.
         Call before `postprocess`, which advances the contexts."""
-        return [(s.start, s.num_new_tokens, s.start < s.request.num_prompt_tokens)
+        return [(start := s.start, s.num_new_tokens, start < s.request.num_prompt_tokens)
                 for s in self.scheduled]
 
 
@@ -116,7 +117,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            lookahead = self._lookahead(request, num_new, budget, len(self.running) - i - 1)
+            lookahead = 0 if self.num_lookahead is None else \
+                self._lookahead(request, num_new, budget, len(self.running) - i - 1)
             if lookahead:
                 out.scheduled.append(ScheduledRequest(request, num_new, lookahead))
                 budget -= num_new + lookahead
@@ -188,6 +190,7 @@ class Scheduler:
             The requests that changed: got tokens, finished, or were parked.
         """
         changed = []
+        prefill = self.config.role == "prefill"
         for item in out.scheduled:
             request = item.request
             tokens = sampled.get(request.request_id)
@@ -196,16 +199,18 @@ class Scheduler:
                 self.kv.cache_blocks(request)
                 continue
             num_kept = self._append(request, tokens)
-            # Valid KV after a verification: the token before the step's and the kept
-            # drafts, as many as the tokens kept.
-            request.num_computed_tokens += num_kept if request.spec_token_ids \
-                else item.num_new_tokens
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                # Valid KV after a verification: the token before the step's and the kept
+                # drafts, as many as the tokens kept.
+                request.num_computed_tokens += num_kept
+                request.spec_token_ids = []
+            else:
+                request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_blocks(request)
             if item.num_lookahead:
                 self.kv.trim(request)
             changed.append(request)
-            if self.config.role == "prefill":
+            if prefill:
                 # The KV stays until shipped, even when the first token already ends it.
                 self._remove_running(request)
                 self.parked[request.request_id] = request

@@ -22,7 +22,9 @@ layer-wise streaming does not hide) is `const + blocks` in the shipped blocks.
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,7 +58,9 @@ class LinearModel:
 
     def predict(self, x: Sequence[float]) -> float:
         """The model's value for one feature vector (same order as `features`)."""
-        return float(sum(c * v for c, v in zip(self.coef, x, strict=True)))
+        if len(x) != len(self.coef):
+            raise ValueError(f"{len(x)} feature values for {len(self.coef)} coefficients")
+        return float(sum(map(operator.mul, self.coef, x)))
 
 
 def fit(features: Sequence[str], xs: Sequence[Sequence[float]], ys: Sequence[float]
@@ -152,9 +156,15 @@ def decode_features(contexts: Sequence[int], features: Sequence[str]) -> tuple[f
             linear-interpolation weights over the table's sizes, extrapolated from the two
             largest beyond them), `const`, `seqs`, `context` (thousands of tokens).
     """
+    return decode_work_features(len(contexts), sum(contexts), features)
+
+
+def decode_work_features(batch: int, context: float, features: Sequence[str]
+                         ) -> tuple[float, ...]:
+    """`decode_features` from a decode step's batch size and its contexts' sum."""
     sizes = [int(f[1:]) for f in features if f[0] == "b"]
-    weights = _batch_weights(len(contexts), sizes) if sizes else {}
-    values = {"const": 1.0, "seqs": float(len(contexts)), "context": sum(contexts) / 1e3}
+    weights = _batch_weights(batch, sizes) if sizes else {}
+    values = {"const": 1.0, "seqs": float(batch), "context": context / 1e3}
     return tuple(weights.get(int(f[1:]), 0.0) if f[0] == "b" else values[f] for f in features)
 
 
@@ -245,10 +255,30 @@ class Profile:
             items: per scheduled request (context before the step, new tokens, whether
                 the tokens are prompt tokens).
         """
-        if any(is_prompt for _, _, is_prompt in items):
-            return self.prefill.predict(prefill_features([(s, n) for s, n, _ in items]))
-        return self.decode.predict(decode_features([s + n for s, n, _ in items],
-                                                   self.decode.features))
+        context = 0
+        for start, n, is_prompt in items:
+            if is_prompt:
+                return self.prefill.predict(work_features(*step_work(items)))
+            context += start + n
+        return self.decode_time(len(items), context)
+
+    def decode_time(self, batch: int, context: int) -> float:
+        """Seconds for one decode-only step of `batch` requests attending to `context`
+        tokens in all (their contexts' sum)."""
+        features = self.decode.features
+        if "context" not in features:  # not a form `pdcluster profile` writes
+            return self.decode.predict(decode_work_features(batch, context, features))
+        parts = self._decode_parts.get(batch)
+        if parts is None:  # the same few batch sizes recur every step
+            values, at = decode_work_features(batch, 0, features), features.index("context")
+            parts = self._decode_parts[batch] = (values[:at], values[at + 1:])
+        before, after = parts
+        return self.decode.predict((*before, context / 1e3, *after))
+
+    @functools.cached_property
+    def _decode_parts(self) -> dict[int, tuple[tuple[float, ...], tuple[float, ...]]]:
+        """Batch size -> the decode model's feature values before and after `context`."""
+        return {}
 
     def transfer_time(self, num_blocks: int) -> float:
         """Exposed seconds to ship `num_blocks` blocks of KV to a decode worker."""

@@ -28,6 +28,7 @@ Output tokens are a fixed id and the trace's `output_len` is exact (the bench se
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -54,6 +55,13 @@ from protocol.serving import TraceRequest
 from router.placement import PrefixIndex, WorkerLoad, place_request
 
 _TOKEN = 1  # every simulated output token
+
+
+@functools.lru_cache(maxsize=4096)
+def _params(output_len: int) -> SamplingParams:
+    """One (frozen) parameter set per output length, shared by every simulation: building
+    and checking one costs more than simulating a short request."""
+    return SamplingParams(max_tokens=output_len, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,8 @@ class _Worker:
     busy: bool = False  # a step, or a wake-up, is pending
     in_flight: int = 0
     stats: WorkerLoad | None = None
+    neighbours: list[_Worker] = field(default_factory=list)  # the other workers on its host
+    changed: bool = True  # since the last pushed stats (only `_kick` changes the engine)
     num_steps: int = 0
     busy_s: float = 0.0
 
@@ -204,6 +214,9 @@ class _Worker:
         return self.stats
 
     def push_stats(self) -> None:
+        if not self.changed:  # the same stats again: the engine has not stepped
+            return
+        self.changed = False
         sched, pool = self.scheduler, self.scheduler.kv.pool
         queued = 0
         if self.role == "prefill":
@@ -237,7 +250,6 @@ class Simulation:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._prefix = PrefixIndex(decode_profile.block_size)
-        self._params_cache: dict[int, SamplingParams] = {}
         # Remote prefills in flight: request id -> (D, D's request, tokens D had cached).
         self._jobs: dict[str, tuple[_Worker, Request, int]] = {}
         self._num_preemptions = 0
@@ -255,10 +267,12 @@ class Simulation:
         self.decode_pool = [w for w in self.workers if w.role != "prefill"]
         self.prefill_pool = [w for w in self.workers if w.role == "prefill"]
         self._by_id = {w.worker_id: w for w in self.workers}
-        # Hosts of `workers_per_host` workers each, in order; each worker's host-mates.
+        # Hosts of `workers_per_host` workers each, in order.
         per_host = max(decode_profile.workers_per_host, 1)
         hosts = [self.workers[i:i + per_host] for i in range(0, len(self.workers), per_host)]
-        self._hosts = {w.worker_id: host for host in hosts for w in host}
+        for host in hosts:
+            for w in host:
+                w.neighbours = [n for n in host if n is not w]
         # As LLMEngine limits it: the model's context and one worker's whole KV pool.
         self._max_model_len = min(p.max_model_len for p in (prefill_profile, decode_profile))
         self._max_model_len = min(self._max_model_len, *(p.num_blocks * p.block_size for p in
@@ -333,28 +347,32 @@ class Simulation:
         for w in self.workers:
             w.push_stats()
         # With nothing else pending nothing can change any more: the run is over (or stalled).
-        if self._remaining and self._events:
-            self._at(self.now + STATS_INTERVAL_S, self._push_stats)
+        if not (self._remaining and self._events):
+            return
+        # Nothing changes before the next event, so the pushes until then would repeat this
+        # one: the next push is the first on the timer's grid at or after that event (an
+        # event at the same instant still comes first: it was queued before this push).
+        when = self.now + STATS_INTERVAL_S
+        while when < self._events[0][0]:
+            when += STATS_INTERVAL_S
+        self._at(when, self._push_stats)
 
     # ---- router ----
 
     def _arrive(self, index: int, r: TraceRequest) -> None:
-        request = Request(str(index), r.prompt_token_ids, self._params(r.output_len),
+        request = Request(str(index), r.prompt_token_ids, _params(r.output_len),
                           max_model_len=self._max_model_len, arrival_time=r.timestamp)
-        self._dispatch(index, request)
+        # The prompt's block hashes, computed once for the router and both engines (each
+        # would compute the same ones).
+        hashes = self._prefix.hashes(request.prompt_token_ids)
+        request.block_hashes = list(hashes)
+        self._dispatch(index, request, hashes)
 
-    def _params(self, output_len: int) -> SamplingParams:
-        params = self._params_cache.get(output_len)
-        if params is None:
-            params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-            self._params_cache[output_len] = params
-        return params
-
-    def _dispatch(self, index: int, request: Request) -> None:
+    def _dispatch(self, index: int, request: Request, hashes: list[bytes]) -> None:
         placement = place_request(self._prefix, request.prompt_token_ids,
                                   [w.load() for w in self.decode_pool],
                                   [w.load() for w in self.prefill_pool],
-                                  self.shape.local_prefill_threshold)
+                                  self.shape.local_prefill_threshold, hashes)
         decode = self._by_id[placement.decode_worker]
         decode.in_flight += 1
         if placement.prefill_worker is None:
@@ -362,21 +380,23 @@ class Simulation:
             self._command(decode, lambda: decode.scheduler.add_request(request))
             return
         prefill = self._by_id[placement.prefill_worker]
-        self._command(decode, lambda: self._reserve(index, request, decode, prefill))
+        self._command(decode, lambda: self._reserve(index, request, hashes, decode, prefill))
 
-    def _reserve(self, index: int, request: Request, decode: _Worker, prefill: _Worker) -> None:
+    def _reserve(self, index: int, request: Request, hashes: list[bytes], decode: _Worker,
+                 prefill: _Worker) -> None:
         if not decode.scheduler.reserve_remote(request):
             decode.in_flight -= 1
             if self.now - request.arrival_time > RESERVE_TIMEOUT_S:
                 self._remaining -= 1  # failed: no KV freed up in time (TTFT stays NaN)
                 self._num_failed += 1
                 return
-            self._at(self.now + RESERVE_RETRY_S, lambda: self._dispatch(index, request))
+            self._at(self.now + RESERVE_RETRY_S, lambda: self._dispatch(index, request, hashes))
             return
         # The prefill worker computes its own copy of the prompt, minus D's cached blocks
         # (which are not shipped); its own prefix cache may save more.
         copy = Request(request.request_id, request.prompt_token_ids, request.params,
                        max_model_len=self._max_model_len, arrival_time=request.arrival_time)
+        copy.block_hashes = list(hashes)
         self._jobs[request.request_id] = (decode, request, request.num_computed_tokens)
         prefill.in_flight += 1
         self._command(prefill, lambda: prefill.scheduler.add_request(copy))
@@ -393,6 +413,7 @@ class Simulation:
 
     def _kick(self, worker: _Worker) -> None:
         worker.busy = False
+        worker.changed = True
         commands, worker.commands = worker.commands, []
         for command in commands:
             command()
@@ -410,8 +431,9 @@ class Simulation:
         seconds = worker.profile.step_time(items)
         if worker.role == "prefill":
             seconds *= worker.profile.prefill_role_factor
-        busy_neighbours = sum(w.busy for w in self._hosts[worker.worker_id]) - 1
-        seconds *= 1 + worker.profile.neighbour_slowdown * busy_neighbours
+        if worker.neighbours and worker.profile.neighbour_slowdown:  # else a factor of 1
+            busy_neighbours = sum(w.busy for w in worker.neighbours)
+            seconds *= 1 + worker.profile.neighbour_slowdown * busy_neighbours
         cv = worker.profile.step_cv
         if cv > 0:  # log-normal of mean 1 and coefficient of variation cv
             sigma = math.sqrt(math.log1p(cv * cv))
@@ -435,11 +457,10 @@ class Simulation:
         self._kick(worker)
 
     def _token(self, worker: _Worker, request: Request) -> None:
-        index = int(request.request_id)
         if len(request.output_token_ids) == 1:
-            self._first[index] = self.now
+            self._first[int(request.request_id)] = self.now
         if request.is_finished:
-            self._finish[index] = self.now
+            self._finish[int(request.request_id)] = self.now
             worker.in_flight -= 1
             self._remaining -= 1
 

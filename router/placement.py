@@ -135,7 +135,8 @@ def place(prompt_len: int, decode: list[WorkerLoad], prefill: list[WorkerLoad],
 
 
 def place_request(index: PrefixIndex, prompt_token_ids: list[int], decode: list[WorkerLoad],
-                  prefill: list[WorkerLoad], local_prefill_threshold: int) -> Placement | None:
+                  prefill: list[WorkerLoad], local_prefill_threshold: int,
+                  hashes: list[bytes] | None = None) -> Placement | None:
     """Look the prompt up in the prefix index, `place` it, and record where it went.
 
     Args:
@@ -144,11 +145,13 @@ def place_request(index: PrefixIndex, prompt_token_ids: list[int], decode: list[
         decode: healthy, non-draining decode (or mixed) workers.
         prefill: healthy, non-draining prefill workers.
         local_prefill_threshold: uncached prompts at most this long are prefilled on D.
+        hashes: `index.hashes(prompt_token_ids)`, when the caller already has them.
 
     Returns:
         None when no decode worker can take it.
     """
-    hashes = index.hashes(prompt_token_ids)
+    if hashes is None:
+        hashes = index.hashes(prompt_token_ids)
     d_owner, d_blocks = index.match(hashes, "decode")
     p_owner, _ = index.match(hashes, "prefill")
     placement = place(len(prompt_token_ids), decode, prefill, d_blocks * index.block_size,
