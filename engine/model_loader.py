@@ -269,13 +269,21 @@ def _fuse(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         if i in cfg.moe_layers:
             _fuse_experts(state, f"{p}mlp.", cfg.num_experts)
             continue
-        gate, up = state.pop(f"{p}mlp.gate_proj.weight", None), state.pop(
-            f"{p}mlp.up_proj.weight", None)
-        if gate is not None and up is not None:
-            state[f"{p}gate_up_proj.weight"] = torch.cat([gate, up])
-        if f"{p}mlp.down_proj.weight" in state:
-            state[f"{p}down_proj.weight"] = state.pop(f"{p}mlp.down_proj.weight")
+        _fuse_mlp(state, f"{p}mlp.", p, ("gate_proj", "up_proj", "down_proj"))
     return state
+
+
+def _fuse_mlp(state: dict[str, torch.Tensor], src: str, dst: str,
+              names: tuple[str, str, str]) -> None:
+    """One SwiGLU MLP's gate and up projections (`names`: gate, up, down under `src`) as
+    our fused `{dst}gate_up_proj`, its down projection as `{dst}down_proj`."""
+    gate_name, up_name, down_name = names
+    gate, up = state.pop(f"{src}{gate_name}.weight", None), state.pop(
+        f"{src}{up_name}.weight", None)
+    if gate is not None and up is not None:
+        state[f"{dst}gate_up_proj.weight"] = torch.cat([gate, up])
+    if f"{src}{down_name}.weight" in state:
+        state[f"{dst}down_proj.weight"] = state.pop(f"{src}{down_name}.weight")
 
 
 # An expert's gate, up and down projections: Mixtral's names, then Qwen3-MoE's.
@@ -293,13 +301,8 @@ def _fuse_experts(state: dict[str, torch.Tensor], p: str, num_experts: int) -> N
         for proj, weights in zip(("gate_up_proj", "down_proj"), stacked, strict=True):
             if weights is not None:
                 state[f"{q}{proj}.weight"] = weights[e]
-        for gate_name, up_name, down_name in _EXPERT_NAMES:
-            gate, up = state.pop(f"{q}{gate_name}.weight", None), state.pop(
-                f"{q}{up_name}.weight", None)
-            if gate is not None and up is not None:
-                state[f"{q}gate_up_proj.weight"] = torch.cat([gate, up])
-            if f"{q}{down_name}.weight" in state:
-                state[f"{q}down_proj.weight"] = state.pop(f"{q}{down_name}.weight")
+        for names in _EXPERT_NAMES:
+            _fuse_mlp(state, q, q, names)
 
 
 def _smollm2_gguf() -> Path:
