@@ -1,8 +1,10 @@
 """`plan --validate`: serve configurations for real, replay the trace, compare with the plan.
 
-Each configuration is started with `pdcluster serve` on local Ray (or `--address`) as a
-child process (`commands.launch`), warmed up with a few requests, and sent the plan's trace
-(same prompts, same arrivals, same output lengths) by the `pdcluster bench` load generator.
+Each configuration is started with `pdcluster serve` as a child process
+(`commands.launch`) on `--address`, or on one local Ray instance this process starts for
+all of them (`local_ray`: a server's own would cost a Ray start per configuration), warmed
+up with a few requests, and sent the plan's trace (same prompts, same arrivals, same output
+lengths) by the `pdcluster bench` load generator.
 The bench scores the run with `protocol.slo`, the scorer the planner predicts with, so the
 measured figures are the predicted ones' keys and definitions; they are written beside the
 predicted ones with the error of each:
@@ -23,6 +25,8 @@ it on a bare engine, or as measured) is compared.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,8 +60,9 @@ PILOT_SEED = 424_242  # the pilot's own: its token ids and draws are not the tra
 
 def serve_flags(config: dict[str, Any], profile: Profile,
                 max_num_seqs: int = defaults.MAX_NUM_SEQS,
-                address: str | None = None) -> list[str]:
-    """`pdcluster serve` flags that build a plan configuration as the profile measured it."""
+                address: str | None = None, local: bool = False) -> list[str]:
+    """`pdcluster serve` flags that build a plan configuration as the profile measured it
+    (`local`: `address` is a one-node Ray instance on this machine, `local_ray`'s)."""
     flags = ["--mode", config["mode"], "--decode", str(config["decode"]),
              "--torch-threads", str(config["threads_per_worker"]),
              "--max-num-batched-tokens", str(config["max_num_batched_tokens"]),
@@ -69,6 +74,8 @@ def serve_flags(config: dict[str, Any], profile: Profile,
         flags += ["--prefill", str(config["prefill"])]
     if address:
         flags += ["--address", address]
+    if local:  # the workers on loopback, as on a server's own local Ray (no CURVE)
+        flags += ["--worker-host", "127.0.0.1"]
     return flags
 
 
@@ -105,7 +112,7 @@ def errors(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, flo
 def run_config(config: dict[str, Any], profile: Profile,
                runs: Callable[[Target], Iterable[tuple[str, list[TraceRequest], Slo]]],
                out: Path, max_num_seqs: int = defaults.MAX_NUM_SEQS,
-               address: str | None = None) -> dict[str, dict[str, Any]]:
+               address: str | None = None, local: bool = False) -> dict[str, dict[str, Any]]:
     """Serve one configuration and replay each trace on it, one after another.
 
     Args:
@@ -117,7 +124,8 @@ def run_config(config: dict[str, Any], profile: Profile,
             server and predicts each point right before it is replayed).
         out: where each run's report and the server log go.
         max_num_seqs: `serve --max-num-seqs`.
-        address: an existing Ray cluster, or None for a local one.
+        address: an existing Ray cluster, or None for the server's own local one.
+        local: `address` is `local_ray`'s instance (the workers stay on loopback).
 
     Returns:
         Per run name, the measured figures.
@@ -125,7 +133,8 @@ def run_config(config: dict[str, Any], profile: Profile,
     name = label(config).replace(" ", "-")
     settings = RunSettings(config={"model": profile.model, "config": config})
     results = {}
-    with pdcluster_serve(profile.model, serve_flags(config, profile, max_num_seqs, address),
+    with pdcluster_serve(profile.model,
+                         serve_flags(config, profile, max_num_seqs, address, local),
                          out / name / "serve.log") as endpoints:
         target = Target("grpc", endpoints.grpc, endpoints.grpc)
         warm = warmup_requests(config, profile)
@@ -210,17 +219,43 @@ def validate(doc: dict[str, Any], request: PlanRequest, count: int, address: str
     if calibration == "serving" and pilot_requests < 1:
         raise ValueError(f"the pilot needs at least one request, got {pilot_requests}")
     profiles = profiles or (request.prefill_profile, request.decode_profile)
-    for config in served_configs(doc, count):
-        config["validation_role"] = role(doc, config)
-        runs = _served_runs(config, request, profiles, pilot_requests, probe_batches) \
-            if calibration == "serving" else lambda _target: [("trace", request.requests,
-                                                              request.slo)]
-        measured = run_config(config, request.decode_profile, runs, out,
-                              request.max_num_seqs, address)["trace"]
-        measured["meets_slo"] = measured["failed"] == 0 and request.slo.meets(measured)
-        config["measured"] = measured
-        config["error"] = errors(config.get("repredicted", config["predicted"]), measured)
+    configs = served_configs(doc, count)
+    with local_ray(address, max(c.get("prefill", 0) + c["decode"] for c in configs)
+                   if configs else 0) as ray_address:
+        for config in configs:
+            config["validation_role"] = role(doc, config)
+            runs = _served_runs(config, request, profiles, pilot_requests, probe_batches) \
+                if calibration == "serving" else lambda _target: [("trace", request.requests,
+                                                                  request.slo)]
+            measured = run_config(config, request.decode_profile, runs, out,
+                                  request.max_num_seqs, ray_address,
+                                  local=ray_address != address)["trace"]
+            measured["meets_slo"] = measured["failed"] == 0 and request.slo.meets(measured)
+            config["measured"] = measured
+            config["error"] = errors(config.get("repredicted", config["predicted"]), measured)
     return doc
+
+
+@contextlib.contextmanager
+def local_ray(address: str | None, max_workers: int) -> Iterator[str | None]:
+    """`address`, or a local Ray instance started here for every server the block runs
+    (sized as `pdcluster serve` sizes its own) and stopped after it.
+
+    Yields:
+        The Ray address the servers join; `address` itself when given, and None when
+        nothing is served (`max_workers` 0).
+    """
+    if address or not max_workers:
+        yield address
+        return
+    import ray  # only here: planning without validation never needs Ray
+
+    ray.init(num_cpus=max(os.cpu_count() or 1, 4 * max_workers), include_dashboard=False,
+             log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
 
 
 def _served_runs(config: dict[str, Any], request: PlanRequest,

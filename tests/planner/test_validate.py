@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 
 from bench.run import Target
 from commands.cli import main
@@ -83,6 +84,10 @@ def test_serve_flags_build_the_config_as_profiled() -> None:
         "--max-num-seqs 32 --local-prefill-threshold 64 --kv-cache-gb 1 --dtype float32 "
         "--transport shm --prefill 2 --address auto")
     assert "--prefill" not in serve_flags(config("colocated", 0, 2), synthetic_profile())
+    # On validation's own local Ray the workers stay on loopback, as on a server's own.
+    assert serve_flags(config("colocated", 0, 2), synthetic_profile(), 32, "10.0.0.1:6379",
+                       local=True)[-4:] == ["--address", "10.0.0.1:6379",
+                                            "--worker-host", "127.0.0.1"]
 
 
 def test_errors_are_relative_and_attainment_in_points() -> None:
@@ -265,6 +270,13 @@ def test_served_configs_are_calibrated_through_their_servers_before_their_replay
     validate(doc, request, 1, None, tmp_path, pilot_requests=4, probe_batches=(1, 2, 4))
 
     assert (two["validation_role"], one["validation_role"]) == ("recommended", "rejected")
+    # Both servers joined the one local Ray instance validation started, their workers on
+    # loopback without CURVE, as each server's own local Ray would have them.
+    logs = [(tmp_path / name / "serve.log").read_text() for name in ("2-colocated",
+                                                                   "1-colocated")]
+    assert all("Internal sockets: plain TCP" in log and "Started a local Ray" not in log
+               for log in logs), logs
+    assert not ray.is_initialized()  # and stopped it
     docs = documented_fields()
     for served in (two, one):
         calibration = served["served_calibration"]
