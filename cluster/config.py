@@ -153,12 +153,13 @@ class ClusterConfig:
                              f"got {self.internal_auth!r}")
         if self.mode == "disaggregated":
             for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
-                if pool.engine.get("tensor_parallel_size", 1) > 1:
+                if pool.engine.get("tensor_parallel_size", 1) > 1 and pool.num_gpus:
                     raise ValueError(
                         f"tensor-parallel-size {pool.engine['tensor_parallel_size']} on the "
-                        f"{name} pool: KV transfer between tensor-parallel workers is not "
-                        "built yet (each rank holds its share of the KV heads); serve "
-                        "tensor-parallel workers colocated (--mode colocated)")
+                        f"{name} pool with GPUs: KV transfer from or to tensor-parallel "
+                        "GPU workers is not built yet (each rank's KV heads are on its own "
+                        "device); on CPU it is, and on GPU tensor-parallel workers serve "
+                        "colocated (--mode colocated)")
             for key in KV_LAYOUT_KEYS:  # KV blocks move between the pools as they are
                 ours, theirs = self.prefill.engine.get(key), self.decode.engine.get(key)
                 if ours != theirs:

@@ -179,6 +179,14 @@ class WorkerCollector(Collector):
                 info.add_metric([self.model_name, h.worker_id, h.role, h.stats.kv_cache_dtype],
                                 h.stats.num_blocks)
         yield info
+        ranks = GaugeMetricFamily(
+            "pdcluster:worker_tensor_parallel_size",
+            "Ranks the worker's model is split over (tensor parallelism; 1: whole).",
+            labels=labels)
+        for h in workers:
+            ranks.add_metric([self.model_name, h.worker_id, h.role],
+                             h.info.tensor_parallel_size)
+        yield ranks
         yield from self.backend.metrics.registry.collect()
 
 

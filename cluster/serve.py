@@ -101,8 +101,9 @@ class ServeOptions:
 
 def check_tensor_parallel_sizes(cluster: ClusterConfig) -> None:
     """Refuse, before anything starts, a pool's tensor-parallel size the model's dimensions
-    do not split into (`engine.parallel.check_tensor_parallel` names the one); the model's
-    config is read only when a pool is split.
+    do not split into (`engine.parallel.check_tensor_parallel` names the one), or, in a
+    disaggregated pool, one that would replicate KV heads; the model's config is read only
+    when a pool is split.
 
     Raises:
         ValueError: naming the pool, the size and the dimension.
@@ -121,6 +122,12 @@ def check_tensor_parallel_sizes(cluster: ClusterConfig) -> None:
             check_tensor_parallel(config, size)
         except ValueError as e:
             raise ValueError(f"{name} workers: {e}") from None
+        if name != "colocated" and config.num_kv_heads % size:
+            raise ValueError(
+                f"{name} workers: tensor-parallel-size {size} does not divide the model's "
+                f"{config.num_kv_heads} KV heads, so its ranks would hold copies of them; KV "
+                "transfer needs each head on one rank (a size dividing the KV heads, or "
+                "--mode colocated)")
 
 
 def endpoint_file() -> Path:

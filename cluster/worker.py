@@ -193,6 +193,11 @@ class Worker:
 
     def _build_role(self) -> WorkerRole:
         spec = self.spec
+        if spec.role != Role.MIXED and not self.engine.kv_cache_whole:
+            raise ValueError(
+                f"a {spec.role} worker moves KV blocks, and its pool does not hold every KV "
+                f"head at tensor-parallel-size {spec.tensor_parallel_size} on "
+                f"{self.engine.device.type} (cluster.serve.check_tensor_parallel_sizes)")
         compat = CompatRecord.from_kv_cache(self.engine.kv_cache, str(self.engine.model_dir))
         config = TransferConfig(transports=spec.transports, host=spec.host,
                                 cluster_key=spec.cluster_key,

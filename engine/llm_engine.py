@@ -24,7 +24,7 @@ from engine.config import (
 )
 from engine.draft_model import draft_block_bytes, draft_kv_cache, load_draft_model
 from engine.hardware import keep_freed_memory
-from engine.kv_cache import BufferAllocator, KVCache
+from engine.kv_cache import BufferAllocator, KVCache, SharedPages, map_shared
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, read_model_config, resolve_model_dir
 from engine.model_runner import ModelRunner, StepResult
@@ -36,6 +36,7 @@ from engine.parallel import (
     TensorParallelError,
     TensorParallelModel,
     check_tensor_parallel,
+    kv_heads,
     shard_config,
     weight_bytes,
 )
@@ -158,6 +159,7 @@ class LLMEngine:
         self.scheduler_config = scheduler or SchedulerConfig()
         self.tensor_parallel_size = _check_tp_size(tensor_parallel_size)
         self._followers: Followers | None = None
+        self._shared_pages: SharedPages | None = None  # the pool's, when it made its own
         # Bytes of each rank's weights, rank 0 first (its shard under tensor parallelism).
         self.weight_bytes_per_rank: list[int] = []
         self.device = _pick_device(device)
@@ -191,13 +193,14 @@ class LLMEngine:
                                     cfg.head_dim, self.dtype, self.device, kv_allocator,
                                     kv_dtype)
             self.weight_bytes_per_rank = [weight_bytes(self.model)]
+            pages = self.kv_cache
         else:
-            draft, attn = self._start_tensor_parallel(hf_config, attention_backend,
-                                                      num_threads, kv_allocator)
+            draft, attn, pages = self._start_tensor_parallel(hf_config, attention_backend,
+                                                             num_threads, kv_allocator)
             num_blocks = self.kv_cache.num_blocks
         self.block_pool = BlockPool(num_blocks, self.cache_config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, bs)
-        self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device)
+        self.runner = ModelRunner(self.model, pages, attn, self.device)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         # The draft model's path and runner (`speculative_config.model`), while one is set.
         self._draft: tuple[str, ModelRunner] | None = None
@@ -220,13 +223,24 @@ class LLMEngine:
 
     def _start_tensor_parallel(self, hf_config: Any, attention_backend: str,
                                num_threads: int | None, kv_allocator: BufferAllocator | None
-                               ) -> tuple[LlamaForCausalLM | None, AttentionBackend]:
+                               ) -> tuple[LlamaForCausalLM | None, AttentionBackend, KVCache]:
         """Start the followers, load rank 0's shard (and a draft model, whole), size the
-        pool to the smallest rank's budget and build rank 0's pages. Sets `model`,
-        `kv_cache` and `weight_bytes_per_rank`.
+        pool to the smallest rank's budget and build the pages. Sets `model`, `kv_cache`
+        and `weight_bytes_per_rank`.
+
+        On CPU with KV heads that divide among the ranks, `kv_cache` is one pool of every
+        head in shared memory (`kv_allocator` when it is `SharedPages`, else its own),
+        each rank reading and writing its heads' slice of it in place: the pool a KV
+        transport moves is the whole model's, as at size 1, so pools of different sizes
+        exchange KV blocks unchanged (`kv_cache_whole`). Otherwise (CUDA, one device per
+        rank; KV heads replicated) each rank has pages of its own heads, and `kv_cache` is
+        rank 0's.
 
         Returns:
-            The draft model (or None) and rank 0's attention backend.
+            The draft model (or None), rank 0's attention backend and its pages.
+
+        Raises:
+            ValueError: the pool would be whole but `kv_allocator` is not `SharedPages`.
         """
         size, cfg, cache = self.tensor_parallel_size, self.model_config, self.cache_config
         check_tensor_parallel(cfg, size)
@@ -246,14 +260,36 @@ class LLMEngine:
             ready = followers.wait_ready()
             num_blocks = min([builder.num_blocks(self.device, extra),
                               *(blocks for blocks, _ in ready)])
-            followers.begin(num_blocks)
-            self.kv_cache = builder.kv_cache(num_blocks, self.device, kv_allocator)
+            if self.kv_cache_whole:
+                if kv_allocator is not None and not isinstance(kv_allocator, SharedPages):
+                    raise ValueError("a tensor-parallel pool on CPU lives in shared memory "
+                                     "its ranks map: kv_allocator must be SharedPages")
+                if kv_allocator is None:
+                    kv_allocator = self._shared_pages = SharedPages(
+                        f"pdcluster-tp-{os.getpid()}")
+                self.kv_cache = builder.kv_cache(num_blocks, self.device, kv_allocator,
+                                                 whole=True)
+                pages = self.kv_cache.heads(kv_heads(cfg, 0, size))
+                followers.begin(num_blocks, os.getpid(), kv_allocator.fd,
+                                kv_allocator.nbytes)
+            else:
+                followers.begin(num_blocks)
+                self.kv_cache = pages = builder.kv_cache(num_blocks, self.device, kv_allocator)
         except BaseException:
             followers.stop()
             raise
         self.model = TensorParallelModel(shard, followers)
         self.weight_bytes_per_rank = [weight_bytes(shard), *(nbytes for _, nbytes in ready)]
-        return draft, TensorParallelAttention(attn)
+        return draft, TensorParallelAttention(attn), pages
+
+    @property
+    def kv_cache_whole(self) -> bool:
+        """Whether `kv_cache` holds every KV head of the model (always at size 1; under
+        tensor parallelism on CPU when the KV heads divide among the ranks), as a KV
+        transport needs it to."""
+        return self.tensor_parallel_size == 1 or (
+            self.device.type == "cpu" and
+            self.model_config.num_kv_heads % self.tensor_parallel_size == 0)
 
     @property
     def follower_pids(self) -> list[int]:
@@ -265,6 +301,9 @@ class LLMEngine:
         there is nothing to stop; above it, every later step raises EngineDeadError."""
         if self._followers is not None:
             self._followers.stop()
+        if self._shared_pages is not None:  # the pages stay until the pool is dropped
+            self._shared_pages.close()
+            self._shared_pages = None
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -571,13 +610,20 @@ class _ShardBuilder:
                                   self.attention_backend, self.cache.kv_cache_dtype)
 
     def kv_cache(self, num_blocks: int, device: torch.device,
-                 allocator: BufferAllocator | None = None) -> KVCache:
-        local = shard_config(self.cfg, self.size)
-        return KVCache(local.num_layers, num_blocks, self.cache.block_size, local.num_kv_heads,
-                       local.head_dim, self.dtype, device, allocator, self.cache.kv_cache_dtype)
+                 allocator: BufferAllocator | None = None, whole: bool = False) -> KVCache:
+        """A rank's pages of its KV heads, or (`whole`) the pool of every head."""
+        cfg = self.cfg if whole else shard_config(self.cfg, self.size)
+        return KVCache(cfg.num_layers, num_blocks, self.cache.block_size, cfg.num_kv_heads,
+                       cfg.head_dim, self.dtype, device, allocator, self.cache.kv_cache_dtype)
 
-    def pages(self, num_blocks: int, device: torch.device) -> tuple[KVCache, AttentionBackend]:
-        return self.kv_cache(num_blocks, device), self.attention(device)
+    def pages(self, num_blocks: int, device: torch.device, rank: int,
+              shared: tuple[int, int, int] | None) -> tuple[KVCache, AttentionBackend]:
+        if shared is None:
+            return self.kv_cache(num_blocks, device), self.attention(device)
+        pid, fd, nbytes = shared
+        pool = self.kv_cache(num_blocks, device, lambda _numel, dtype: map_shared(
+            pid, fd, nbytes, dtype), whole=True)
+        return pool.heads(kv_heads(self.cfg, rank, self.size)), self.attention(device)
 
 
 def _attention_backend(device: torch.device, cfg: ModelConfig, name: str,

@@ -129,7 +129,7 @@ def vocab_shard_rows(vocab_size: int, size: int) -> int:
     return math.ceil(vocab_size / size)
 
 
-def _kv_heads(cfg: ModelConfig, rank: int, size: int) -> range:
+def kv_heads(cfg: ModelConfig, rank: int, size: int) -> range:
     """The KV heads rank `rank` holds: its own share, or (fewer KV heads than ranks) the
     one its query heads read."""
     if cfg.num_kv_heads >= size:
@@ -150,7 +150,7 @@ def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
     d = cfg.head_dim
     q_heads = cfg.num_heads // size
     q_rows = _rows(rank * q_heads * d, q_heads * d)
-    kv = _kv_heads(cfg, rank, size)
+    kv = kv_heads(cfg, rank, size)
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
     k_rows = _rows(q_size + kv.start * d, len(kv) * d)
     v_rows = _rows(q_size + kv_size + kv.start * d, len(kv) * d)
@@ -297,14 +297,17 @@ class ShardBuilder(Protocol):
     def num_blocks(self, device: torch.device) -> int:
         """The KV blocks this rank's budget holds."""
 
-    def pages(self, num_blocks: int, device: torch.device) -> tuple[KVCache, AttentionBackend]:
-        """The rank's KV pages (its KV heads of `num_blocks` blocks) and attention backend."""
+    def pages(self, num_blocks: int, device: torch.device, rank: int,
+              shared: tuple[int, int, int] | None) -> tuple[KVCache, AttentionBackend]:
+        """The rank's KV pages (its KV heads of `num_blocks` blocks) and attention backend;
+        with `shared` (rank 0's `SharedPages`: pid, descriptor, bytes), its heads' slice of
+        the pool of every head there."""
 
 
 class _Message(enum.IntEnum):
     """What rank 0 broadcasts next; header fields after the kind:
-    START num_blocks | FORWARD tokens, seqs, table width, prefills, layers (-1: all),
-    block size | LOGITS rows, hidden | STOP."""
+    START num_blocks, shared pool's pid, descriptor (-1: none), bytes | FORWARD tokens,
+    seqs, table width, prefills, layers (-1: all), block size | LOGITS rows, hidden | STOP."""
 
     START = 1
     FORWARD = 2
@@ -404,10 +407,12 @@ class Followers:
         """
         return [tuple(json.loads(value)) for value in self._wait_for("ready", START_TIMEOUT_S)]
 
-    def begin(self, num_blocks: int) -> None:
-        """Tell the followers the pool's size: each allocates its pages and waits for steps."""
+    def begin(self, num_blocks: int, pid: int = 0, fd: int = -1, nbytes: int = 0) -> None:
+        """Tell the followers the pool's size: each allocates its pages (or, given rank 0's
+        `SharedPages` as `pid`, `fd`, `nbytes`, maps the pool of every head there and
+        takes its heads' slice) and waits for steps."""
         with self.step():
-            self._send_header(_Message.START, num_blocks)
+            self._send_header(_Message.START, num_blocks, pid, fd, nbytes)
 
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      layout: BatchLayout, num_layers: int | None) -> None:
@@ -631,7 +636,9 @@ def _serve(group: ParallelGroup, model: nn.Module, builder: ShardBuilder) -> Non
         if kind == _Message.STOP:
             return
         if kind == _Message.START:
-            kv_cache, attn = builder.pages(fields[0], group.device)
+            num_blocks, pid, fd, nbytes = fields[:4]
+            kv_cache, attn = builder.pages(num_blocks, group.device, group.rank,
+                                           None if fd < 0 else (pid, fd, nbytes))
         elif kind == _Message.FORWARD:
             input_ids, positions, layout, num_layers = _receive_forward(group, fields)
             attn.begin_step(layout)

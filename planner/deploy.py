@@ -5,8 +5,8 @@ whose pods hold exactly what each pool's workers ask.
 
 A colocated pick with TP > 1 serves with `tensor-parallel-size` in its pool; a
 disaggregated one with TP > 1 in either role is planned but not deployable by this version
-(KV transfer between tensor-parallel workers is not built), and gets no command, file or
-manifest."""
+(KV transfer between tensor-parallel GPU workers is not built: the engine moves KV between
+tensor-parallel pools on CPU only), and gets no command, file or manifest."""
 
 from __future__ import annotations
 
@@ -185,8 +185,8 @@ def deployment(config: dict[str, Any], prefill: Profile, decode: Profile,
         out["notes"].append(
             f"not deployable by this version: the pick shards a worker over {sharded} "
             "devices (TP > 1) in a disaggregated split, and KV transfer between "
-            "tensor-parallel workers is not built; plan colocated or with TP-1 profiles "
-            "for something to serve now")
+            "tensor-parallel GPU workers is not built (on CPU it is); plan colocated or "
+            "with TP-1 profiles for something to serve now")
         return out
     file = serve_config(config, prefill, decode, max_num_seqs)
     argv = ["pdcluster", "serve", "--model", model or MODEL_PLACEHOLDER,

@@ -47,17 +47,19 @@ struct Ops {
   void (*silu_mul)(const T* gate_up, int64_t gs, T* out, int64_t n, int64_t begin,
                    int64_t end);
   // Paged decode attention for tasks [begin, end): a task is one sequence and
-  // `kv_heads / head_tasks` of its KV heads.
+  // `kv_heads / head_tasks` of its KV heads. The pages' rows hold `pool_heads` heads, the
+  // first `num_kv_heads` of them at `kv` the ones read (all of them, or one tensor-parallel
+  // rank's share of a pool holding every head).
   void (*decode)(const T* q, const T* kv, const int64_t* tables, const int64_t* lens, T* out,
                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, int64_t block_size, float scale, int64_t head_tasks,
-                 int64_t begin, int64_t end);
+                 int64_t pool_heads, int64_t head_dim, int64_t block_size, float scale,
+                 int64_t head_tasks, int64_t begin, int64_t end);
   // The same over int8 pages: each row of head_dim int8 values is followed by its fp32
   // scale (engine/kv_quant.py), dequantized as the row is read.
   void (*decode_i8)(const T* q, const int8_t* kv, const int64_t* tables, const int64_t* lens,
                     T* out, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                    int64_t head_dim, int64_t block_size, float scale, int64_t head_tasks,
-                    int64_t begin, int64_t end);
+                    int64_t pool_heads, int64_t head_dim, int64_t block_size, float scale,
+                    int64_t head_tasks, int64_t begin, int64_t end);
 };
 
 // Columns per block of a weight packed for `gemv_bf16` ([N / 16][K / 2][16][2]: each block's

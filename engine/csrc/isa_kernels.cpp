@@ -233,11 +233,11 @@ inline void scores16(const float* qs, const T* qb, const K* k, int64_t stride,
 // K is the pages' element type: T itself, or int8 (rows of head_dim values and a scale).
 template <class T, class K>
 void decode(const T* q, const K* kv, const int64_t* tables, const int64_t* lens, T* out,
-            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, float scale, int64_t head_tasks, int64_t begin, int64_t end) {
+            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t pool_heads,
+            int64_t head_dim, int64_t block_size, float scale, int64_t head_tasks, int64_t begin, int64_t end) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_width = head_dim + kTail<K>;
-  const int64_t token_stride = num_kv_heads * row_width;  // kv [N, 2, bs, Hkv, row_width]
+  const int64_t token_stride = pool_heads * row_width;  // kv [N, 2, bs, pool_heads, row_width]
   const int64_t half_stride = block_size * token_stride;  // K -> V of one block
   const int64_t block_stride = 2 * half_stride;
   const int64_t heads_per_task = num_kv_heads / head_tasks;

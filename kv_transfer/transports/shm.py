@@ -1,9 +1,5 @@
-"""Same host: the receiver's pool lives in an anonymous memfd the sender maps and copies into.
-
-The segment has no name in any filesystem (`memfd_create`), so it cannot outlive its
-users: the kernel frees it when the last descriptor and mapping are gone. The owner's go
-when it exits, even on SIGKILL; a sender drops its mapping when it loses the owner.
-"""
+"""Same host: the receiver's pool lives in an anonymous memfd (`engine.kv_cache.SharedPages`)
+the sender maps and copies into; a sender drops its mapping when it loses the owner."""
 
 from __future__ import annotations
 
@@ -12,60 +8,30 @@ import os
 import torch
 import zmq
 
+from engine.kv_cache import SharedPages, map_shared
 from kv_transfer.blocks import Run, copy_runs
 from kv_transfer.transports.base import Immediate, Landed
 from kv_transfer.wire import Layer, encode
 from protocol.kv import ShmHandle
 
 
-class SharedKVPool:
-    """`KVCache` allocator placing the pool in shared memory peers can map.
+class SharedKVPool(SharedPages):
+    """`KVCache` allocator placing the pool in shared memory peers can map
+    (`engine.kv_cache.SharedPages`), with the handle a KV transport's peer maps it by.
 
     Use one per pool: `KVCache(..., allocator=pool)`, then `KVReceiver(..., shm_pool=pool)`.
-
-    Args:
-        name: label shown in `/proc/<pid>/maps` (debugging only; no file is created).
     """
-
-    def __init__(self, name: str = "pdcluster-kv") -> None:
-        self.name = name
-        self._fd: int | None = None
-        self.nbytes = 0
-
-    def __call__(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Allocate the flat, zeroed pool.
-
-        Args:
-            numel: elements.
-            dtype: element type.
-
-        Returns:
-            A CPU tensor backed by the shared segment.
-        """
-        if self.nbytes:
-            raise RuntimeError("a SharedKVPool backs exactly one KV cache")
-        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, self.nbytes)  # a fresh memfd reads as zeros
-        return torch.from_file(f"/proc/self/fd/{self._fd}", shared=True, size=numel, dtype=dtype)
-
-    def close(self) -> None:
-        """Close the descriptor: peers can no longer map the pool, and its memory goes as
-        soon as the KV cache tensor and every peer mapping are gone. Exit does the same."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def handle(self) -> ShmHandle:
         """What a same-host peer needs to map the pool: owner pid, descriptor, size."""
-        if self._fd is None:
+        if self.fd is None:
             raise RuntimeError("the pool is not allocated, or closed")
-        return ShmHandle(pid=os.getpid(), fd=self._fd, nbytes=self.nbytes)
+        return ShmHandle(pid=os.getpid(), fd=self.fd, nbytes=self.nbytes)
 
 
 def map_peer_pool(handle: ShmHandle, shape: tuple[int, ...],
                   dtype: torch.dtype) -> torch.Tensor:
-    """Map a peer's `SharedKVPool` through `/proc/<pid>/fd/<fd>`.
+    """Map a peer's `SharedKVPool` (`engine.kv_cache.map_shared`).
 
     Args:
         handle: the peer's `SharedKVPool.handle()`.
@@ -84,8 +50,7 @@ def map_peer_pool(handle: ShmHandle, shape: tuple[int, ...],
         numel *= dim
     if numel * torch.empty((), dtype=dtype).element_size() != handle.nbytes:
         raise ValueError(f"shared pool of {handle.nbytes} bytes does not hold {shape}")
-    path = f"/proc/{handle.pid}/fd/{handle.fd}"
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    return map_shared(handle.pid, handle.fd, handle.nbytes, dtype).view(shape)
 
 
 class ShmSendChannel(Immediate):

@@ -49,13 +49,15 @@ def loop_thread():
 
 
 def start_cluster(loop_thread: LoopThread, **overrides: Any) -> ClusterBackend:
-    """A cluster on the tiny model; `worker` overrides engine settings of both pools."""
+    """A cluster on the tiny model; `worker` overrides engine settings of both pools,
+    `prefill_worker` and `decode_worker` of one."""
     worker = {"num_blocks": 128, "block_size": 16, "max_num_batched_tokens": 512,
               "torch_threads": 1}
     worker.update(overrides.pop("worker", {}))
-    pool = PoolSpec(num_cpus=1, engine=worker)
-    config = ClusterConfig(model="tiny", local_prefill_threshold=8, prefill=pool, decode=pool,
-                           **overrides)
+    prefill, decode = (PoolSpec(num_cpus=1, engine={**worker, **overrides.pop(key, {})})
+                       for key in ("prefill_worker", "decode_worker"))
+    config = ClusterConfig(model="tiny", local_prefill_threshold=8, prefill=prefill,
+                           decode=decode, **overrides)
     backend = loop_thread.run(_make(config))
     return backend
 

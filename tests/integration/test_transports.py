@@ -1,5 +1,8 @@
 """The disaggregated path over each KV transport gives the engine's exact tokens: torch
-distributed and mooncake (tcp) here; shared memory by tests/integration/test_cluster.py and
+distributed and mooncake (tcp) here, and pools of different tensor-parallel sizes, a prefill
+worker on two ranks feeding a decode worker on one and one feeding two, over shared memory,
+zmq and mooncake (zmq one to two: tests/integration/test_tensor_parallel_cluster.py);
+shared memory between one-rank pools by tests/integration/test_cluster.py and
 test_internal_auth.py, zmq by test_internal_auth.py (its `off` cluster: the same config)."""
 
 from __future__ import annotations
@@ -13,25 +16,36 @@ from engine import LLM, CacheConfig, SamplingParams
 from tests.integration.conftest import collect_all, start_cluster, wait_pools_free
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+MOONCAKE = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                              reason="the mooncake extra is not installed")
 
 
 pytestmark = pytest.mark.cluster
 
 
-@pytest.mark.parametrize("transports", [("torch_dist",), pytest.param(("mooncake",), marks=(
-    pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                       reason="the mooncake extra is not installed")))], ids=lambda t: t[0])
-def test_transport_end_to_end(ray_local, loop_thread, transports):
+@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"), [
+    ("torch_dist", 1, 1), pytest.param("mooncake", 2, 1, marks=MOONCAKE),
+    pytest.param("mooncake", 1, 2, marks=MOONCAKE), ("shm", 2, 1), ("shm", 1, 2),
+    ("zmq", 2, 1)], ids=lambda v: str(v))
+def test_transport_end_to_end(ray_local, loop_thread, transport, prefill_tp, decode_tp):
     rng = random.Random(9)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 150))]
                for _ in range(4)]
     expected = [o.outputs[0].token_ids for o in
                 LLM("tiny", cache=CacheConfig(num_blocks=64)).generate(prompts, GREEDY)]
-    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=transports)
+    backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=(transport,),
+                            prefill_worker={"tensor_parallel_size": prefill_tp},
+                            decode_worker={"tensor_parallel_size": decode_tp})
     try:
+        sizes = {h.role: h.info.tensor_parallel_size for h in backend.workers.values()}
+        assert (sizes["prefill"], sizes["decode"]) == (prefill_tp, decode_tp)
         got = collect_all(loop_thread, backend, prompts, GREEDY, "t")
         assert [tokens for tokens, _ in got] == expected
         assert all("transfer" in last.timings for _, last in got)
+        shipped = {sample.labels["transport"] for metric in backend.metrics.registry.collect()
+                   for sample in metric.samples
+                   if sample.name == "pdcluster:kv_transfer_bytes_total" and sample.value}
+        assert shipped == {transport}
         wait_pools_free(loop_thread, backend)
     finally:
         loop_thread.run(backend.close())

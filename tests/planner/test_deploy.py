@@ -148,7 +148,7 @@ def test_a_colocated_tp_pick_serves_split_and_a_disaggregated_one_is_not_deploye
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A colocated TP-4 pick: each worker asks 4 GPUs and splits its model over 4 ranks,
     and the real CLI builds that pool (tiny's 4 heads and 2 KV heads split into 4: the
-    serve check reads the model). KV transfer between tensor-parallel workers is not
+    serve check reads the model). KV transfer between tensor-parallel GPU workers is not
     built: a disaggregated TP-4 pick gets no command, file or manifest, and says why."""
     profile = gpu_profile("H100-SXM", tp=4, model="llama-3-70b")
     colocated = deployment({**DISAGG, "mode": "colocated", "prefill": 0}, profile, profile,
@@ -168,7 +168,8 @@ def test_a_colocated_tp_pick_serves_split_and_a_disaggregated_one_is_not_deploye
     assert deploy["tensor_parallel"] == {"prefill": 1, "decode": 4}
     assert [deploy[k] for k in ("serve_argv", "serve_command", "serve_config",
                                 "kuberay_manifest")] == [None] * 4
-    assert "KV transfer between tensor-parallel workers is not built" in deploy["notes"][0]
+    assert "KV transfer between tensor-parallel GPU workers is not built" in \
+        deploy["notes"][0]
 
 
 def test_serve_refuses_the_placeholder_before_starting_anything(

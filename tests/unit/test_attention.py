@@ -145,6 +145,31 @@ def test_cpu_paged_decode_kernel_reads_int8_pages(isa, dtype, tol):
         out, q, lambda t, j: dequantize(kv[t, j].flatten(0, 1), torch.float32), tables, tol)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_cpu_paged_decode_kernel_reads_one_ranks_heads_of_a_whole_pool(isa, kv_dtype):
+    # A tensor-parallel rank's pages are its KV heads' slice of a pool holding every head
+    # (here the second of three ranks' 3 heads of 9), read in place: the same output as the
+    # slice copied out contiguous, and as dense attention over it.
+    from engine.attention.torch_backend import paged_decode
+    from engine.kv_quant import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(3)
+    tables = _scattered_tables(gen)
+    whole = torch.randn(128, 2, SMOL_BS, 3 * SMOL_KV_HEADS, SMOL_DIM, generator=gen)
+    dtype = torch.float32 if kv_dtype == "int8" else getattr(torch, kv_dtype)
+    whole = quantize(whole * 3) if kv_dtype == "int8" else whole.to(dtype)
+    rank = whole[..., SMOL_KV_HEADS:2 * SMOL_KV_HEADS, :]
+    assert not rank.is_contiguous()
+    q = torch.randn(len(SMOL_LENS), SMOL_HEADS, SMOL_DIM, generator=gen).to(dtype)
+    out = paged_decode(q, rank, tables, torch.tensor(SMOL_LENS))
+    assert torch.equal(out, paged_decode(q, rank.contiguous(), tables, torch.tensor(SMOL_LENS)))
+    rows = (lambda t, j: dequantize(rank[t, j].flatten(0, 1), torch.float32)) \
+        if kv_dtype == "int8" else (lambda t, j: rank[t, j].flatten(0, 1).float())
+    _assert_dense_attention(out, q, rows, tables, 1e-5 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(RuntimeError, match="contiguous pages, or a slice of their heads"):
+        paged_decode(q, whole.transpose(2, 3), tables, torch.tensor(SMOL_LENS))
+
+
 def test_int8_pages_prefill_and_decode_match_the_dense_reference_on_their_values():
     # Cached context, fresh prefill and decodes over int8 pages (kernel and per-sequence
     # paths): exact attention over the dequantized keys, near the full-precision answer.

@@ -174,7 +174,18 @@ def test_tensor_parallel_size_reaches_each_pool_and_a_size_the_model_cannot_spli
     assert main(["serve", "--model", "tiny", "--mode", "colocated", "-tp", "3"]) == 2
     assert "colocated workers: tensor_parallel_size 3 does not divide num_attention_heads " \
         "(4)" in capsys.readouterr().err
-    assert main(["serve", "--model", "tiny", "--tensor-parallel-size", "2"]) == 2
-    assert "KV transfer between tensor-parallel workers is not built yet" in \
+    # Disaggregated: both pools split, their pools holding every KV head (tiny's 2 at 2
+    # ranks); at 4 ranks each would hold a copy of one, which a KV transfer cannot use.
+    assert main(["serve", "--model", "tiny", "--tensor-parallel-size", "2"]) == 0
+    assert [captured[2].cluster.prefill.engine["tensor_parallel_size"],
+            captured[2].cluster.decode.engine["tensor_parallel_size"]] == [2, 2]
+    capsys.readouterr()
+    assert main(["serve", "--model", "tiny", "-tp", "4"]) == 2
+    assert "prefill workers: tensor-parallel-size 4 does not divide the model's 2 KV heads" \
+        in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny", "-tp", "4", "--mode", "colocated"]) == 0
+    # On GPUs, each rank's KV heads are on its own device: not built for a transfer.
+    assert main(["serve", "--model", "tiny", "-tp", "2", "--num-gpus-per-worker", "1"]) == 2
+    assert "KV transfer from or to tensor-parallel GPU workers is not built yet" in \
         capsys.readouterr().err
-    assert len(captured) == 2
+    assert len(captured) == 4

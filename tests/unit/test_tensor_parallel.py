@@ -150,6 +150,31 @@ def test_each_rank_holds_about_half_the_weights(tiny_tp1: LLM, tiny_tp2: LLM) ->
     assert tiny_tp2.engine.tensor_parallel_size == 2
 
 
+def test_two_ranks_fill_one_pool_of_every_head() -> None:
+    """On CPU the ranks share one pool of every KV head (shared memory, each rank its
+    heads' slice): after the same prompts it holds what one rank's pool holds, block for
+    block, and it is the pool a KV transport moves (`kv_cache_whole`)."""
+    cache, scheduler = CacheConfig(block_size=8, num_blocks=64), \
+        SchedulerConfig(max_num_batched_tokens=16)
+    one = LLM("tiny", cache=cache, scheduler=scheduler)
+    two = LLM("tiny", cache=cache, scheduler=scheduler, tensor_parallel_size=2)
+    try:
+        prompts = [list(range(300, 341)), list(range(900, 917))]
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        engine = two.engine
+        assert engine.kv_cache_whole and engine.kv_cache.num_kv_heads == 2
+        assert engine.kv_block_bytes == one.engine.kv_block_bytes
+        # Rank 1 wrote its head (index 1) into the pool, as one rank computes it.
+        torch.testing.assert_close(engine.kv_cache.buffer, one.engine.kv_cache.buffer,
+                                   atol=1e-5, rtol=1e-5)
+        assert engine.kv_cache.buffer[..., 1, :].abs().sum() > 0
+        assert_pool_free(engine)
+    finally:
+        _stopped(two)
+
+
 def test_three_ranks_with_a_padded_vocabulary_match_transformers(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """6 heads, 3 KV heads, a tied embedding of 49153 rows: 16385 per rank, the last two
