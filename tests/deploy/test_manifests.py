@@ -352,7 +352,8 @@ def stand_in_backend() -> SimpleNamespace:
     """What WorkerCollector reads of a `ClusterBackend`: one prefill and one decode worker
     and the cluster's own metrics, built as the backend builds them."""
     workers = {worker_id: SimpleNamespace(worker_id=worker_id, role=role, stats=WORKER_STATS,
-                                          info=SimpleNamespace(block_size=16))
+                                          info=SimpleNamespace(block_size=16,
+                                                            tensor_parallel_size=1))
                for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
     metrics = ClusterMetrics("smollm2")
     metrics.transfer_bytes.labels("zmq")  # a labelled counter has no series before its child
