@@ -287,7 +287,8 @@ def analytic_profile(model: StepModel, block_size: int = defaults.BLOCK_SIZE,
                  "prefill_s": model.step_time([(0, n, True)])} for n in grid["lengths"]]
     capacity = model.kv_capacity(max_num_batched_tokens, max_num_seqs)
     block_bytes = int(model.kv_bytes_per_token()) * block_size
-    hardware = {"accelerator": a.name, "tp": model.tp, "analytic": True,
+    hardware = {"accelerator": a.name, "tp": model.tp, "kv_heads": s.num_kv_heads,
+                "analytic": True,
                 "kv_dtype": model.kv_dtype, "source": a.source,
                 "gpu": None if a.name == "cpu" else a.name,
                 "devices_per_node": a.devices_per_node}

@@ -284,6 +284,19 @@ class Profile:
         """Exposed seconds to ship `num_blocks` blocks of KV to a decode worker."""
         return self.transfer.predict((1.0, float(num_blocks)))
 
+    def transfer_links_to(self, decode: Profile) -> float:
+        """How many times longer the wire part of this (prefill) profile's transfer takes
+        to a worker of `decode`'s: an analytic profile ships a request's KV over
+        min(TP, KV heads) links in parallel (`StepModel.transfer_time`), each rank its
+        heads over its own NIC; to a decode worker of fewer ranks only as many links
+        receive it (its ranks take every head between them). 1 for measured profiles (one
+        process, one link) and for equal or larger decode TPs; from a larger TP to a
+        smaller the sender's own links are still the limit."""
+        tp = int(self.hardware.get("tp", 1))
+        heads = int(self.hardware.get("kv_heads", tp))
+        sending = min(tp, heads)
+        return sending / min(sending, int(decode.hardware.get("tp", 1)))
+
     def save(self, path: Path) -> None:
         """Write the profile as JSON."""
         path.write_text(json.dumps(asdict(self), indent=1))

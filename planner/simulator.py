@@ -17,9 +17,10 @@ It follows the real request path (cluster/dispatch.py, cluster/worker.py, the ro
 - a remote prefill reserves blocks on D first (a rejection is retried after
   `RESERVE_RETRY_S`), then queues on P; once P samples the first token the KV transfer's
   exposed time passes (its per-block part on the wire: transfers that leave the same P or
-  reach the same D share that worker's NIC, one after another), P frees its blocks, and
-  D adds the request to its batch at its next step boundary: that is the first token the
-  client sees;
+  reach the same D share that worker's NIC, one after another; to a D of fewer
+  tensor-parallel ranks than P over fewer links, `Profile.transfer_links_to`), P frees its
+  blocks, and D adds the request to its batch at its next step boundary: that is the first
+  token the client sees;
 - decode steps stream one token per request per step.
 
 Output tokens are a fixed id and the trace's `output_len` is exact (the bench sends
@@ -256,6 +257,8 @@ class Simulation:
         self._num_failed = 0
         # When each worker's NIC (its devices' links) is done with the transfers queued on it.
         self._nic_free: dict[str, float] = {}
+        # A prefill worker's transfers to a decode worker of fewer ranks use fewer links.
+        self._wire_factor = prefill_profile.transfer_links_to(decode_profile)
         self._latency = decode_profile.response_latency_s  # tokens reach clients from D
         roles = [("mixed", shape.num_decode)] if shape.mode == "colocated" else \
             [("decode", shape.num_decode), ("prefill", shape.num_prefill)]
@@ -470,7 +473,7 @@ class Simulation:
         # The transfer model's per-block part is bytes on the wire: it waits for both ends'
         # NICs; its constant (setup, the last layer's latency) overlaps other transfers.
         fixed = prefill.profile.transfer_time(0)
-        wire = prefill.profile.transfer_time(shipped) - fixed
+        wire = (prefill.profile.transfer_time(shipped) - fixed) * self._wire_factor
         start = max(self.now, self._nic_free.get(prefill.worker_id, 0.0),
                     self._nic_free.get(decode.worker_id, 0.0))
         self._nic_free[prefill.worker_id] = self._nic_free[decode.worker_id] = start + wire

@@ -266,3 +266,27 @@ def test_kv_transfers_from_one_prefill_worker_share_its_nic() -> None:
     result = Simulation(shape, profile, profile).run(requests)
 
     assert sorted(result.first_token) == pytest.approx([0.107, 0.127])
+
+
+def test_a_transfer_to_a_decode_worker_of_fewer_ranks_has_fewer_links() -> None:
+    """The prefill profile's transfer model ships over min(TP, KV heads) links at once
+    (each rank its heads over its own NIC): at TP 4 with 8 KV heads, 4. To a TP-4 decode
+    worker the same 4 links receive; to a TP-2 one, 2, so the wire part takes twice as
+    long, and to TP 1 four times. The fixed part does not change; nor does a transfer to a
+    worker of more ranks than the sender's (the sender's links stay the limit)."""
+    transfer = (0.003, 1e-3)
+    profile = synthetic_profile(prefill=(0.02, 1e-4, 0.0, 0.0), decode=(0.01, 0.0, 0.0),
+                                transfer=transfer)
+    at = {tp: replace(profile, hardware={**profile.hardware, "tp": tp, "kv_heads": 8})
+          for tp in (1, 2, 4, 8)}
+    shape = ClusterShape("disaggregated", 1, 1, local_prefill_threshold=100)
+    requests = [TraceRequest(0.0, 1, random_prompts(1, 320, seed=5)[0])]  # 20 blocks
+
+    def first_token(prefill: int, decode: int) -> float:
+        return Simulation(shape, at[prefill], at[decode]).run(requests).first_token[0]
+
+    prefill_s, wire_s = 0.02 + 320e-4, 20 * 1e-3
+    for decode, links in ((4, 4), (8, 4), (2, 2), (1, 1)):
+        assert first_token(4, decode) == pytest.approx(prefill_s + 0.003 + wire_s * 4 / links)
+    assert first_token(1, 4) == pytest.approx(prefill_s + 0.003 + wire_s)
+    assert at[4].transfer_links_to(at[1]) == 4 and profile.transfer_links_to(profile) == 1

@@ -193,12 +193,13 @@ def test_three_ranks_with_a_padded_vocabulary_match_transformers(
         assert out.outputs[0].token_ids == _hf_generate(hf, prompt, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_qwen3_families_logits_on_two_ranks_match_transformers(
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+def test_qwen3_and_moe_families_logits_on_two_ranks_match_transformers(
         family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Qwen3: per-head q/k norms on the local heads, q/k/v biases split with their heads,
     the o_proj bias added once, a tied head. Qwen3-MoE: the router on both ranks, each
-    expert's intermediate split, a dense layer between, an untied LM head."""
+    expert's intermediate split, a dense layer between, an untied LM head. Mixtral: every
+    layer sparse, top-2 of 4 experts renormalised, each expert split alike."""
     folder = tmp_path_factory.mktemp(family)
     hf = _make_folder(family, folder)
     with LLM(str(folder), cache=CacheConfig(num_blocks=32), tensor_parallel_size=2) as llm:
