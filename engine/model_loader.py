@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -206,23 +207,27 @@ def load_model(model_dir: Path, cfg: ModelConfig, hf: PretrainedConfig | SimpleN
                group: ParallelGroup | None = None) -> LlamaForCausalLM:
     """Build the model and fill it from the directory's safetensors files.
 
+    The files are mapped, not read (safetensors' tensors are views of the mapping), and
+    the fused tensors are made a layer at a time (`_fused`).
+
     Args:
         group: the tensor-parallel group: the model is then this rank's shard
-            (`engine.parallel.shard_state` slices each tensor; the whole file is read
-            first, so a rank holds the full weights for a moment while it loads).
+            (`engine.parallel.shard_state` slices each tensor as soon as it is fused, so
+            a rank holds its shard and one layer's fused tensors, never the whole model).
     """
     rope = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, rope, group)
-    state = _fuse(_read_safetensors(model_dir), cfg)
     expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in _fused(_read_safetensors(model_dir), cfg):
+        if name in expected:
+            state |= {name: tensor} if group is None else shard_state(
+                {name: tensor}, cfg, group.rank, group.size)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"weights in {model_dir} lack {len(missing)} tensors, "
                              f"e.g. {missing[:3]}")
-    if group is not None:
-        state = shard_state({name: state[name] for name in expected}, cfg, group.rank,
-                            group.size)
     for name, param in expected.items():
         if state[name].shape != param.shape:
             raise ModelLoadError(f"weight {name}: shape {tuple(state[name].shape)} in "
@@ -244,8 +249,11 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _fuse(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> ours, concatenating q/k/v and gate/up into single matmuls."""
+def _fused(hf_state: dict[str, torch.Tensor], cfg: ModelConfig
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face names -> ours, concatenating q/k/v and gate/up into single matmuls:
+    each layer's tensors once that layer is fused, then the rest (embedding, final norm,
+    LM head), so a caller can keep a slice of each and let the fused whole go."""
     state = {}
     for name, tensor in hf_state.items():
         # Mixtral's checkpoints call the MoE block `block_sparse_moe`; Qwen3-MoE's and ours
@@ -268,9 +276,11 @@ def _fuse(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
                 state[f"{p}{norm}.weight"] = state.pop(f"{p}self_attn.{norm}.weight")
         if i in cfg.moe_layers:
             _fuse_experts(state, f"{p}mlp.", cfg.num_experts)
-            continue
-        _fuse_mlp(state, f"{p}mlp.", p, ("gate_proj", "up_proj", "down_proj"))
-    return state
+        else:
+            _fuse_mlp(state, f"{p}mlp.", p, ("gate_proj", "up_proj", "down_proj"))
+        for name in [name for name in state if name.startswith(p)]:
+            yield name, state.pop(name)
+    yield from state.items()
 
 
 def _fuse_mlp(state: dict[str, torch.Tensor], src: str, dst: str,

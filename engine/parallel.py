@@ -141,7 +141,8 @@ def kv_heads(cfg: ModelConfig, rank: int, size: int) -> range:
 
 def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
                 size: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s slices of a full state dict in the engine's names (`_fuse`'s output).
+    """Rank `rank`'s slices of full tensors in the engine's names (as
+    `engine.model_loader._fused` yields them).
 
     Each slice is a copy, so the full tensors can be freed once every slice is taken.
     """

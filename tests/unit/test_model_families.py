@@ -340,3 +340,19 @@ def test_a_sliding_window_bounds_the_context(families: Callable[[str], Family],
     assert read_model_config(unused)[0].max_model_len == 256
     used = _config_copy(qwen3, tmp_path / "u", sliding_window=64, use_sliding_window=True)
     assert read_model_config(used)[0].max_model_len == 64
+
+
+def test_weights_are_fused_a_layer_at_a_time(family: Family) -> None:
+    """`_fused` yields each layer's tensors, fused, before it fuses the next layer's, then
+    the rest: a tensor-parallel rank keeps its slice of each as it comes and holds one
+    layer's fused tensors at most, never the whole model's. Every name comes out once, and
+    they are the model's."""
+    cfg, _ = read_model_config(family.folder)
+    names = [name for name, _ in model_loader._fused(
+        load_file(family.folder / "model.safetensors"), cfg)]
+    layers = [int(name.split(".")[1]) for name in names if name.startswith("layers.")]
+    first_other = next(i for i, name in enumerate(names) if not name.startswith("layers."))
+    assert layers == sorted(layers) and len(layers) == first_other
+    assert sorted(set(layers)) == list(range(cfg.num_layers))
+    assert len(names) == len(set(names))
+    assert set(names) == set(family.llm.engine.model.state_dict())
