@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                           "--attainment", str(SLO.attainment), "--max-workers", "2"]}
     arms |= {name: [*common, "--prefill", str(p), "--decode", str(d)]
              for name, (p, d) in SPLITS.items()}
-    run = {"slo": SLO.as_dict(), "phases": ["chat"] * len(requests), "requests": requests}
+    run = {"slo": SLO, "phases": ["chat"] * len(requests), "requests": requests}
     results: dict[str, dict[str, Any]] = {}
     for name in args.arms.split(","):
-        result = run_arm(name, arms[name], {**run, "slo": SLO}, profile, args.out / name)
+        result = run_arm(name, arms[name], run, profile, args.out / name)
         figures = result["report"]["summary"]["figures"]
         results[name] = {"measured": {k: figures.get(k) for k in (GOODPUT, ATTAINMENT,
                                                                   "ttft_p90_ms",

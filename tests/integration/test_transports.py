@@ -8,12 +8,17 @@ test_internal_auth.py, zmq by test_internal_auth.py (its `off` cluster: the same
 from __future__ import annotations
 
 import importlib.util
-import random
 
 import pytest
 
-from engine import LLM, CacheConfig, SamplingParams
-from tests.integration.conftest import collect_all, start_cluster, wait_pools_free
+from engine import SamplingParams
+from tests.integration.conftest import (
+    collect_all,
+    expected_tokens,
+    random_prompts,
+    start_cluster,
+    wait_pools_free,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MOONCAKE = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
@@ -27,12 +32,10 @@ pytestmark = pytest.mark.cluster
     ("torch_dist", 1, 1), pytest.param("mooncake", 2, 1, marks=MOONCAKE),
     pytest.param("mooncake", 1, 2, marks=MOONCAKE), ("shm", 2, 1), ("shm", 1, 2),
     ("zmq", 2, 1)], ids=lambda v: str(v))
-def test_transport_end_to_end(ray_local, loop_thread, transport, prefill_tp, decode_tp):
-    rng = random.Random(9)
-    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 150))]
-               for _ in range(4)]
-    expected = [o.outputs[0].token_ids for o in
-                LLM("tiny", cache=CacheConfig(num_blocks=64)).generate(prompts, GREEDY)]
+def test_transport_end_to_end(ray_local, loop_thread, reference, transport, prefill_tp,
+                              decode_tp):
+    prompts = random_prompts(4, seed=9, low=40, high=150)
+    expected = expected_tokens(reference, prompts, GREEDY)
     backend = start_cluster(loop_thread, num_prefill=1, num_decode=1, transports=(transport,),
                             prefill_worker={"tensor_parallel_size": prefill_tp},
                             decode_worker={"tensor_parallel_size": decode_tp})
