@@ -24,7 +24,7 @@ import sys
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, TextIO
+from typing import Literal, TextIO
 
 from protocol.messages import split_attempt_id
 from protocol.tracing import trace_id
@@ -65,7 +65,7 @@ class JsonFormatter(logging.Formatter):
     top-level keys. Newlines (a traceback's) stay inside the JSON string."""
 
     def format(self, record: logging.LogRecord) -> str:
-        body: dict[str, Any] = {
+        body: dict[str, object] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname, "logger": record.name, "message": record.getMessage()}
         body.update(getattr(record, "request", {}))
@@ -118,7 +118,7 @@ def configure_logging(level: str = "INFO", fmt: LogFormat = "text",
 
 
 def request_log(request_id: str, traceparent: str | None = None,
-                **fields: Any) -> dict[str, dict[str, Any]]:
+                **fields: object) -> dict[str, dict[str, object]]:
     """`extra` for a record about one request.
 
     Args:
@@ -126,7 +126,7 @@ def request_log(request_id: str, traceparent: str | None = None,
         traceparent: its W3C `traceparent`; a valid one adds `trace_id`.
         fields: more of the request's fields (None values are left out).
     """
-    request: dict[str, Any] = {"request_id": request_id}
+    request: dict[str, object] = {"request_id": request_id}
     trace = trace_id(traceparent)
     if trace is not None:
         request["trace_id"] = trace
@@ -170,7 +170,7 @@ class RequestTraces(logging.Filter):
         return True
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4f}"
     if isinstance(value, list | tuple):
