@@ -1,4 +1,8 @@
 # Every target creates .venv and installs what it needs on a fresh machine.
+# Bytecode is written even where the environment says not to, so pytest keeps each test
+# module's assertion rewrite: collecting takes ~5 s instead of ~11 s a process after the
+# first run (measured on a 2-core EPYC).
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)

@@ -7,11 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import LLM
+from engine import LLM, CacheConfig
 from engine.hardware import cpu_paths
 from engine.kernels import cpu_kernels
 from engine.models.llama import BlasLinear, OneDnnLinear
 from tests.conftest import cpu_lacks
+
+SMALL_POOL = CacheConfig(num_blocks=16)  # not the default 1 GiB: only the weights matter here
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 300])
@@ -31,7 +33,7 @@ def test_blas_linear_matches_torch_linear(rows, bias, small_rows):
 def test_one_weight_layout_is_kept():
     # The parameter keeps its shape and values but is a view of the transposed storage that
     # the BLAS call reads: no second copy of any weight, the tied embedding included.
-    model = LLM("tiny").engine.model
+    model = LLM("tiny", cache=SMALL_POOL).engine.model
     qkv = model.layers[0].qkv_proj
     assert isinstance(qkv.forward, BlasLinear)
     assert qkv.weight.T.is_contiguous()
@@ -45,7 +47,7 @@ def test_small_row_counts_take_onednn_where_the_cpu_has_avx512(monkeypatch):
     # paths name the choice. Which kernel ran is seen by breaking numpy's matmul: 2-16 rows
     # must not need it, 1 and 17 must.
     wanted = cpu_paths().fp32_small_rows
-    engine = LLM("tiny").engine
+    engine = LLM("tiny", cache=SMALL_POOL).engine
     model = engine.model
     linears = [model._tied_head] + [p.forward for layer in model.layers for p in (
         layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
@@ -72,7 +74,7 @@ def test_bf16_linears_run_on_prepacked_weights_with_f_linear_results():
     if not cpu_paths().bf16_onednn:
         pytest.skip(cpu_lacks("oneDNN's bf16 GEMM (AVX-512 BW/VL/DQ or AVX-NE-CONVERT, "
                               "uncapped): bf16 takes torch's linears (test_hardware.py)"))
-    model = LLM("tiny", dtype="bfloat16").engine.model
+    model = LLM("tiny", dtype="bfloat16", cache=SMALL_POOL).engine.model
     qkv = model.layers[0].qkv_proj
     assert isinstance(qkv.forward, OneDnnLinear) and isinstance(model._tied_head, OneDnnLinear)
     few = cpu_kernels().gemv_rows()
@@ -92,5 +94,5 @@ def test_bf16_linears_run_on_prepacked_weights_with_f_linear_results():
 
 
 def test_fp16_keeps_torch_linear():
-    model = LLM("tiny", dtype="float16").engine.model
+    model = LLM("tiny", dtype="float16", cache=SMALL_POOL).engine.model
     assert "forward" not in vars(model.layers[0].qkv_proj)  # nn.Linear's own

@@ -545,7 +545,7 @@ def test_a_draft_model_that_cannot_serve_the_target_is_refused(tiny_draft, ngram
     """At start-up, and when set on a running engine (which then keeps its setting)."""
     config = model_draft(_unfit_draft(kind, tiny_draft, tmp_path))
     with pytest.raises(ValueError, match=f"^speculative_config.model: {message}"):
-        LLMEngine("tiny", speculative_config=config)
+        LLMEngine("tiny", cache=CacheConfig(num_blocks=16), speculative_config=config)
     with pytest.raises(ValueError, match=f"^speculative_config.model: {message}"):
         ngram_engine.set_speculative_config(config)
     assert ngram_engine.speculative_config.method == "ngram"
