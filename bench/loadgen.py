@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -50,6 +50,9 @@ class RequestRecord:
         output_tokens: tokens received (the server's count when it reports usage).
         finish_reason: `stop`, `length`, `abort` or `error`; None when the stream broke.
         error: what went wrong, or None.
+        server: the server's own clocks for the request, in seconds from its arrival at the
+            router (`queue`, `prefill`, `transfer`, `ttft`, `e2e`: pdcluster's gRPC API sends
+            them on the last message); None where the server does not report them.
     """
 
     index: int
@@ -62,6 +65,7 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    server: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class StreamEvent:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     error: str | None = None
+    server: dict[str, float] | None = None
 
 
 class Backend(Protocol):
@@ -175,6 +180,7 @@ def _apply(record: RequestRecord, event: StreamEvent, now: float) -> None:
         record.prompt_tokens = event.prompt_tokens
     record.finish_reason = event.finish_reason or record.finish_reason
     record.error = event.error or record.error
+    record.server = event.server or record.server
 
 
 @contextmanager
@@ -208,7 +214,8 @@ class GrpcBackend:
                 usage = out.usage
                 yield StreamEvent(len(out.token_ids), out.finish_reason,
                                   usage.prompt_tokens if usage else None,
-                                  usage.completion_tokens if usage else None, out.error)
+                                  usage.completion_tokens if usage else None, out.error,
+                                  asdict(out.timings) if out.timings else None)
         except grpc.aio.AioRpcError as e:
             yield StreamEvent(error=f"{e.code().name}: {e.details()}")
         finally:

@@ -7,7 +7,8 @@
      "throughput_over_time": {"bin_s": 1.0, "output_tokens_per_s": [float, ...]},
      "requests": [{"index", "arrival", "max_tokens", "prompt_tokens", "send",
                    "chunks": [[time, num_tokens], ...], "finish", "output_tokens",
-                   "finish_reason", "error"}, ...]}
+                   "finish_reason", "error", "server": {"queue", "prefill", "transfer",
+                   "ttft", "e2e"} or null}, ...]}
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rich.table import Table
 
 from bench.loadgen import LoadResult, RequestRecord
 from bench.serving_metrics import (
+    BREAKDOWN,
     e2e,
     itls,
     latencies,
@@ -166,6 +168,12 @@ def print_summary(label: str, summary: dict[str, Any], console: Console | None =
                       ("e2e_ms", "E2E")):
         for stat, value in summary[key].items():
             table.add_row(f"{name} {stat} (ms)", fmt(value))
+    parts = summary.get("breakdown")
+    for part in BREAKDOWN if parts else ():
+        stats = parts["ms"][part]
+        table.add_row(f"time in {part.replace('_', ' ')}: mean / p90 (ms)",
+                      f"{fmt(stats['mean'])} / {fmt(stats['p90'])} "
+                      f"({_percent(parts['share'][part])})")
     if summary["slo"] is not None:
         table.add_row("SLO", ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms"
                                        for k, v in summary["slo"].items() if k != "attainment"))
@@ -174,6 +182,10 @@ def print_summary(label: str, summary: dict[str, Any], console: Console | None =
         table.add_row("SLO attainment", "-" if figures[ATTAINMENT] is None
                       else f"{figures[ATTAINMENT]:.1%}")
     (console or Console()).print(table)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%} of E2E"
 
 
 def load_report(path: Path) -> dict[str, Any]:

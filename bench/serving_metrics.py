@@ -12,6 +12,24 @@ Latencies are summarized over the requests that succeeded (finish_reason `stop` 
 `length`, no error); failed requests are counted. Throughputs divide by the run's duration.
 The run is scored against the SLO by `protocol.slo` (attainment, goodput), the scorer the
 planner predicts with.
+
+Where the time went (`breakdown`), per request that succeeded and carries the server's
+clocks (pdcluster's gRPC API; `RequestRecord.server`); each part a difference of two
+clocks of one process, so no two machines' clocks are compared:
+
+- `queue`: waiting for admission at the router (`--max-running`);
+- `prefill`: the prompt's prefill on a prefill worker, as that worker timed it (zero when
+  the decode worker prefilled it itself);
+- `kv_transfer`: the decode worker's wait for the KV blocks beyond that prefill;
+- `first_token_other`: the rest of the router's time to the first token: placement, the
+  messages between router and workers, a prefill the decode worker ran itself, the first
+  token's way back;
+- `client_first`: the client's TTFT beyond the router's: the network both ways, parsing and
+  tokenizing before the router's clock starts, the client's own scheduling;
+- `decode`: the router's time from the first token to the last;
+- `client_rest`: the client's time from the first token to the end beyond the router's.
+
+The first five add up to the client's TTFT and all seven to its E2E.
 """
 
 from __future__ import annotations
@@ -76,6 +94,42 @@ def itls(record: RequestRecord) -> list[float]:
     return values
 
 
+BREAKDOWN = ("queue", "prefill", "kv_transfer", "first_token_other", "client_first", "decode",
+             "client_rest")
+
+
+def parts(record: RequestRecord) -> dict[str, float] | None:
+    """Seconds of each part of `BREAKDOWN` (module docstring) for one request; None when it
+    failed or the server did not report its clocks."""
+    server = record.server
+    if server is None or not succeeded(record):
+        return None
+    first, last = ttft(record), e2e(record)
+    remote = server["queue"] + server["prefill"] + server["transfer"]
+    return {"queue": server["queue"], "prefill": server["prefill"],
+            "kv_transfer": server["transfer"], "first_token_other": server["ttft"] - remote,
+            "client_first": first - server["ttft"], "decode": server["e2e"] - server["ttft"],
+            "client_rest": (last - first) - (server["e2e"] - server["ttft"])}
+
+
+def breakdown(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """Where the requests' time went: each part's distribution in ms, and its share of the
+    mean E2E; None when no request carries the server's clocks.
+
+    Returns:
+        `{"requests": n, "ms": {part: {"mean", "p50", "p90", "p99"}}, "share": {part:
+        fraction}}`.
+    """
+    timed = [p for r in records if (p := parts(r)) is not None]
+    if not timed:
+        return None
+    total = sum(sum(p.values()) for p in timed)
+    return {"requests": len(timed),
+            "ms": {part: distribution([p[part] for p in timed], 1e3) for part in BREAKDOWN},
+            "share": {part: (sum(p[part] for p in timed) / total if total else None)
+                      for part in BREAKDOWN}}
+
+
 def summarize(records: Sequence[RequestRecord], duration: float,
               slo: Slo | None = None) -> dict[str, Any]:
     """The run's summary metrics.
@@ -87,9 +141,10 @@ def summarize(records: Sequence[RequestRecord], duration: float,
 
     Returns:
         Counts, token totals, throughputs (per second), latency distributions in ms
-        (`ttft_ms`, `tpot_ms`, `itl_ms`, `e2e_ms`), `slo` (None without one) and
+        (`ttft_ms`, `tpot_ms`, `itl_ms`, `e2e_ms`), `slo` (None without one),
         `figures`: `protocol.slo.score`'s, the keys a plan predicts (`attainment` and
-        `goodput_rps` None without an SLO).
+        `goodput_rps` None without an SLO), and `breakdown` (None where the server does not
+        report its clocks).
     """
     if not duration > 0:
         raise ValueError(f"duration must be > 0 seconds, got {duration}")
@@ -112,6 +167,7 @@ def summarize(records: Sequence[RequestRecord], duration: float,
         "e2e_ms": distribution([e2e(r) for r in ok], 1e3),
         "slo": None if slo is None else slo.as_dict(),
         "figures": score(latencies(records), duration, slo),
+        "breakdown": breakdown(records),
     }
 
 

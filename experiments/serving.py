@@ -309,7 +309,14 @@ def run_metrics(summary: dict[str, Any]) -> dict[str, Any]:
         "request_throughput": summary["request_throughput"],
         "output_throughput": summary["output_throughput"],
         **{key: summary["figures"][key] for key in _FIGURES},
+        "breakdown_ms": _breakdown_means(summary.get("breakdown")),
     }
+
+
+def _breakdown_means(breakdown: dict[str, Any] | None) -> dict[str, float | None] | None:
+    """The mean ms of each part of a run's time breakdown (None over the OpenAI API)."""
+    return None if breakdown is None else {
+        part: stats["mean"] for part, stats in breakdown["ms"].items()}
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

@@ -65,6 +65,24 @@ def test_bench_run_writes_a_valid_report(backend: str, servers: Servers, tmp_pat
         assert record["max_tokens"] == record["output_tokens"] == request.output_len
         if backend == "grpc":  # gRPC messages carry their token ids, so counts are exact
             assert sum(n for _, n in record["chunks"]) == request.output_len
+            # and the last one the router's clocks: one engine, no prefill worker, no KV
+            # moved; the router's first token and end come before the client's
+            server = record["server"]
+            assert server["prefill"] == server["transfer"] == 0.0
+            assert 0 <= server["queue"] < server["ttft"] <= server["e2e"]
+            assert server["ttft"] < record["chunks"][0][0] - record["send"]
+            assert server["e2e"] < record["finish"] - record["send"]
+        else:  # the OpenAI API has no field for them
+            assert record["server"] is None
+    if backend == "grpc":
+        parts = summary["breakdown"]
+        assert parts["requests"] == 8
+        assert parts["ms"]["prefill"]["p99"] == parts["ms"]["kv_transfer"]["p99"] == 0.0
+        assert sum(parts["share"].values()) == pytest.approx(1.0)
+        assert sum(stats["mean"] for stats in parts["ms"].values()) == pytest.approx(
+            summary["e2e_ms"]["mean"])
+    else:
+        assert summary["breakdown"] is None
 
     tokens_per_s = report["throughput_over_time"]["output_tokens_per_s"]
     assert len(tokens_per_s) == math.ceil(summary["duration_s"])

@@ -6,6 +6,7 @@ import pytest
 
 from bench.loadgen import RequestRecord
 from bench.serving_metrics import (
+    breakdown,
     e2e,
     itls,
     met,
@@ -19,11 +20,12 @@ from protocol.serving import Slo
 
 def record(send: float, chunks: list[tuple[float, int]], finish: float, *,
            finish_reason: str | None = "length", error: str | None = None,
-           prompt_tokens: int = 10) -> RequestRecord:
+           prompt_tokens: int = 10, server: dict[str, float] | None = None) -> RequestRecord:
     output_tokens = sum(n for _, n in chunks)
     return RequestRecord(index=0, arrival=send, max_tokens=output_tokens,
                          prompt_tokens=prompt_tokens, send=send, chunks=chunks, finish=finish,
-                         output_tokens=output_tokens, finish_reason=finish_reason, error=error)
+                         output_tokens=output_tokens, finish_reason=finish_reason, error=error,
+                         server=server)
 
 
 def test_latencies_of_one_request() -> None:
@@ -95,3 +97,35 @@ def test_throughput_over_time_bins_tokens_by_arrival() -> None:
     assert token_throughput_over_time(records, duration=1.5) == pytest.approx([3.0, 6.0])
     assert token_throughput_over_time(records, duration=1.5, bin_s=0.5) == pytest.approx(
         [2.0, 4.0, 6.0])
+
+
+def test_the_breakdown_splits_each_request_between_router_workers_and_client() -> None:
+    # Sent at 1.0, first token at 1.5, end at 2.2 (client). The router saw: 0.05 s in its
+    # queue, a remote prefill of 0.2 s, a KV wait of 0.05 s, first token 0.45 s after
+    # arrival, the end 1.1 s after it. The second request prefilled on its decode worker.
+    timed = record(1.0, [(1.5, 1), (1.7, 1), (2.1, 2)], 2.2,
+                   server={"queue": 0.05, "prefill": 0.2, "transfer": 0.05, "ttft": 0.45,
+                           "e2e": 1.1})
+    local = record(3.0, [(3.1, 1), (3.3, 1)], 3.4,
+                   server={"queue": 0.0, "prefill": 0.0, "transfer": 0.0, "ttft": 0.08,
+                           "e2e": 0.36})
+    unreported = record(0.0, [(0.1, 1)], 0.1)
+    failed = record(0.0, [(0.1, 1)], 0.2, finish_reason="error", error="boom",
+                    server={"queue": 0.0, "prefill": 0.0, "transfer": 0.0, "ttft": 0.1,
+                            "e2e": 0.1})
+
+    out = breakdown([timed, local, unreported, failed])
+
+    assert out["requests"] == 2
+    means = {part: stats["mean"] for part, stats in out["ms"].items()}
+    assert means == pytest.approx({
+        "queue": 25.0, "prefill": 100.0, "kv_transfer": 25.0,
+        "first_token_other": (150 + 80) / 2,       # 0.45 - 0.3 and 0.08 - 0
+        "client_first": (50 + 20) / 2,             # client TTFT 0.5 and 0.1
+        "decode": (650 + 280) / 2,                 # router 1.1 - 0.45 and 0.36 - 0.08
+        "client_rest": (50 + 20) / 2})             # client 0.7 and 0.3 after the first
+    e2e_total = (1.2 + 0.4) * 1e3 / 2
+    assert sum(means.values()) == pytest.approx(e2e_total)
+    assert out["share"]["decode"] == pytest.approx((650 + 280) / 2 / e2e_total)
+    assert breakdown([unreported, failed]) is None
+    assert summarize([unreported], 1.0)["breakdown"] is None

@@ -246,3 +246,34 @@ def test_generate_cli_answers_paris(disaggregated, capsys):
     assert main(["generate", SMOL_CHATS[0], "--address", disaggregated.grpc,
                  "--max-tokens", "16"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_bench_says_where_each_requests_time_went(disaggregated, tmp_path, capsys):
+    """Over gRPC the router's clocks come back with each request: every prompt here was
+    prefilled on the prefill worker (threshold 0), so each request's remote prefill, its KV
+    wait and the rest of its first token are the decode worker's and the router's figures,
+    and the parts add up to the client's TTFT and E2E."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--backend", "grpc", "--address", disaggregated.grpc,
+                 "--num-requests", "6", "--rate", "20", "--prompt-len", "20:60",
+                 "--output-len", "4:8", "--seed", "3", "--out", str(out)]) == 0
+    assert "time in kv transfer: mean / p90 (ms)" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    for record in report["requests"]:
+        server = record["server"]
+        client_ttft = record["chunks"][0][0] - record["send"]
+        assert server["prefill"] > 0 and server["transfer"] >= 0 and server["queue"] >= 0
+        # the prefill and the KV wait lie between the decode worker's reservation (after
+        # admission) and the first token reaching the router, which the client sees later
+        assert server["queue"] + server["prefill"] + server["transfer"] <= server["ttft"]
+        assert server["ttft"] <= client_ttft
+        assert server["e2e"] - server["ttft"] >= 0
+    parts = report["summary"]["breakdown"]
+    assert parts["requests"] == 6
+    means = {part: stats["mean"] for part, stats in parts["ms"].items()}
+    assert means["prefill"] > 0 and means["first_token_other"] >= 0
+    assert sum(means[p] for p in ("queue", "prefill", "kv_transfer", "first_token_other",
+                                  "client_first")) == pytest.approx(
+        report["summary"]["ttft_ms"]["mean"])
+    assert sum(means.values()) == pytest.approx(report["summary"]["e2e_ms"]["mean"])
+    _pools_free(disaggregated.grpc)
