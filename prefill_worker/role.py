@@ -57,7 +57,7 @@ class _Job:
     skip_blocks: int  # the decode side's prefix-cache hits: never sent
     traceparent: str | None = None
     tracestate: str | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # the command's arrival
     begun: bool = False
     aborted: bool = False
     span: Span = NO_SPAN  # prefill: the command to the first token
@@ -87,6 +87,9 @@ class PrefillRole(WorkerRole):
         self._jobs: dict[str, _Job] = {}
         self._peers: dict[str, str] = {}  # receiver id -> sender peer id
         self._unreachable: dict[str, str] = {}  # request id -> why its handshake failed
+        # request id -> when its command arrived (the reader thread): a command can wait
+        # for the engine thread behind a long prefill step, and that wait is the prefill's
+        self._received: dict[str, float] = {}
 
     def prepare(self, command: Command) -> None:
         """Handshake with the command's decode worker (may block on the network); again
@@ -94,6 +97,7 @@ class PrefillRole(WorkerRole):
         fails (no answer in time, the peer lost) is that request's transfer failing:
         `handle` reports it so, and the router prefills it again elsewhere."""
         if isinstance(command, Prefill):
+            self._received[command.request_id] = time.monotonic()
             receiver_id = command.peer_info.receiver_id
             peer_id = self._peers.get(receiver_id)
             if peer_id is None or not self.sender.is_connected(peer_id):
@@ -107,6 +111,7 @@ class PrefillRole(WorkerRole):
         if not isinstance(command, Prefill):
             raise ValueError(f"a prefill worker cannot handle {type(command).__name__}")
         rid = command.request_id
+        received = self._received.pop(rid, time.monotonic())
         if rid in self._unreachable:
             return [self._failed(rid, f"KV transfer failed: {self._unreachable.pop(rid)}",
                                  transfer_failed=True)]
@@ -114,7 +119,7 @@ class PrefillRole(WorkerRole):
         job = self._jobs[rid] = _Job(self._peers[command.peer_info.receiver_id],
                                      command.dst_block_ids,
                                      command.num_cached_tokens // self.block_size,
-                                     command.traceparent, command.tracestate)
+                                     command.traceparent, command.tracestate, started=received)
         log.debug("queued: %d prompt tokens, %d cached on the decode side",
                   len(command.prompt_token_ids), command.num_cached_tokens,
                   extra=request_log(rid))

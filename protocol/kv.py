@@ -128,8 +128,8 @@ class FirstToken(msgspec.Struct, kw_only=True, frozen=True):
     Args:
         token_id: the first sampled token.
         logprobs: its step's `{token id: logprob}` when the request asked for logprobs.
-        prefill_s: seconds from the prefill command to the first token, on the prefill
-            worker.
+        prefill_s: seconds from the prefill command's arrival to the first token, on the
+            prefill worker (a wait behind the steps already running included).
     """
 
     token_id: int
