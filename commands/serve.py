@@ -152,10 +152,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     worker.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks each worker's model is split over (vLLM's flag; gloo on "
                              "CPU, NCCL on GPU): rank 0 in the worker's process, the others "
-                             "its child processes; colocated workers only for now (KV "
-                             "transfer between sharded pools is not built); give each "
-                             "worker the CPUs or GPUs of all its ranks "
-                             "(--num-cpus-per-worker, --num-gpus-per-worker)")
+                             "its child processes; prefill and decode pools of any sizes "
+                             "that divide the model's KV heads on CPU, colocated workers "
+                             "only on GPU; give each worker the CPUs or GPUs of all its "
+                             "ranks (--num-cpus-per-worker, --num-gpus-per-worker)")
     worker.add_argument("--prefix-caching", "--enable-prefix-caching",
                         dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse cached prompt blocks")
