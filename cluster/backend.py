@@ -60,7 +60,8 @@ class ClusterBackend(Backend):
         self.dispatcher = Dispatcher(
             self.pool, DispatchConfig(config.local_prefill_threshold, config.reserve_timeout_s,
                                       config.migrate,
-                                      config.decode.engine.get("block_size", defaults.BLOCK_SIZE)),
+                                      config.decode.engine.get("block_size", defaults.BLOCK_SIZE),
+                                      config.ttft_slo_s),
             self.metrics, self.tracer)
         self.scaler = Scaler(self.pool, self.dispatcher, config.mode, config.drain_timeout_s)
         self._replacing: set[asyncio.Task] = set()

@@ -116,6 +116,9 @@ class ClusterConfig:
         tracing: where the router and the workers export their spans
             (`--otlp-traces-endpoint`); None: no tracing.
         log: the level and format of every worker's log (`--log-level`, `--log-format`).
+        ttft_slo_s: the TTFT objective in seconds (`serve --slo`'s tightest TTFT bound):
+            workers serve waiting prompts that can still meet it first
+            (`engine.scheduler.Scheduler.order_waiting`); None: in arrival order.
 
     Raises:
         ValueError: a field out of range, naming it.
@@ -136,6 +139,7 @@ class ClusterConfig:
     decode: PoolSpec = PoolSpec()
     tracing: TracingConfig | None = None
     log: LogConfig = field(default_factory=LogConfig)
+    ttft_slo_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -151,6 +155,8 @@ class ClusterConfig:
         if self.internal_auth not in INTERNAL_AUTH:
             raise ValueError(f"internal_auth must be one of {INTERNAL_AUTH}, "
                              f"got {self.internal_auth!r}")
+        if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
+            raise ValueError(f"ttft_slo_s must be > 0 or None, got {self.ttft_slo_s}")
         if self.mode == "disaggregated":
             for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
                 if pool.engine.get("tensor_parallel_size", 1) > 1 and pool.num_gpus:

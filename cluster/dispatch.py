@@ -108,12 +108,16 @@ class DispatchConfig:
         reserve_timeout_s: how long a request may wait for decode KV to free up.
         migrate: place a dead or drained worker's requests again (else they end in error).
         block_size: tokens per KV block (the prefix index hashes whole blocks).
+        ttft_slo_s: the TTFT objective (`serve --slo`): each first placement tells its
+            workers how much of it is left (`ttft_budget_s`), and they serve waiting
+            prompts that can still make theirs first. None: arrival order.
     """
 
     local_prefill_threshold: int
     reserve_timeout_s: float
     migrate: bool = True
     block_size: int = defaults.BLOCK_SIZE
+    ttft_slo_s: float | None = None
 
 
 @dataclass
@@ -264,7 +268,8 @@ class Dispatcher:
             command = Generate(request_id=state.attempt_id, prompt_token_ids=prompt,
                                params=params, remote_prefill=placement.prefill_worker is not None,
                                output_token_ids=generated, traceparent=request.traceparent,
-                               tracestate=request.tracestate)
+                               tracestate=request.tracestate,
+                               ttft_budget_s=None if generated else self._ttft_budget(state))
             if not command.remote_prefill:
                 await self.pool.send(decode, command)
                 return
@@ -310,7 +315,14 @@ class Dispatcher:
             request_id=state.attempt_id, prompt_token_ids=state.request.prompt_token_ids,
             params=params, peer_info=peer_info,
             dst_block_ids=reply.dst_block_ids, num_cached_tokens=reply.num_cached_tokens,
-            traceparent=state.request.traceparent, tracestate=state.request.tracestate))
+            traceparent=state.request.traceparent, tracestate=state.request.tracestate,
+            ttft_budget_s=self._ttft_budget(state)))
+
+    def _ttft_budget(self, state: RequestState) -> float | None:
+        """Seconds left of the request's TTFT objective (since the router took it), or None
+        without one."""
+        slo = self.config.ttft_slo_s
+        return None if slo is None else slo - (time.monotonic() - state.request.arrival_time)
 
     def forget(self, worker_id: str) -> None:
         """The worker left its pool (stopped, or changing its role): forget its prefixes."""

@@ -99,6 +99,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        help="uncached prompts this short prefill on the decode worker")
     serve.add_argument("--policy", choices=["continuous", "static"], default="continuous",
                        help="batching policy of every worker (static: for comparison)")
+    serve.add_argument("--slo", default=None, type=slo_arg, metavar="KEY=MS,...",
+                       help=f"{SLO_HELP}; what --autoscale meets, and its TTFT bound orders "
+                            "each worker's waiting prompts (--scheduling-policy)")
+    serve.add_argument("--scheduling-policy", choices=["deadline", "fcfs"],
+                       default="deadline",
+                       help="order of the prompts waiting on a worker: deadline, those that "
+                            "can still meet --slo's TTFT bound first (earliest deadline "
+                            "first; late ones after, promoted once they have waited twice "
+                            "the bound: none starves), arrival order without a TTFT bound; "
+                            "fcfs, arrival order always")
     serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING,
                        help="requests the router runs at once; more wait in its queue")
     serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE,
@@ -190,8 +200,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     auto.add_argument("--autoscale", action="store_true",
                       help="resize the pools live to meet --slo (needs --profile)")
     auto.add_argument("--profile", type=Path, default=None, help="PROFILE.json of the workers")
-    auto.add_argument("--slo", default=None, type=slo_arg, metavar="KEY=MS,...",
-                      help=SLO_HELP)
     auto.add_argument("--attainment", type=float, default=0.9,
                       help="share of requests that must meet --slo")
     auto.add_argument("--min-workers", type=int, default=None,
@@ -358,7 +366,7 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
         local_prefill_threshold=args.local_prefill_threshold,
         drain_timeout_s=args.drain_timeout, migrate=not args.no_migration,
         internal_auth=args.internal_auth, tracing=tracing,
-        log=LogConfig(args.log_level, args.log_format),
+        log=LogConfig(args.log_level, args.log_format), ttft_slo_s=_ttft_slo_s(args),
         prefill=_pool_spec(args, "prefill", shared), decode=_pool_spec(args, "decode", shared))
     router = RouterConfig(max_running=args.max_running, max_queue=args.max_queue,
                           served_model_name=args.served_model_name,
@@ -402,6 +410,17 @@ def chat_template_arg(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def _ttft_slo_s(args: argparse.Namespace) -> float | None:
+    """The TTFT bound workers order waiting prompts by: --slo's tightest, in seconds, under
+    --scheduling-policy deadline; else None (arrival order)."""
+    if args.slo is None or args.scheduling_policy != "deadline":
+        return None
+    from protocol.serving import Slo
+
+    bound = Slo.parse(args.slo).bound("ttft")
+    return None if bound is None else bound / 1000
 
 
 def _pool_spec(args: argparse.Namespace, pool: str, shared: dict[str, Any]) -> Any:

@@ -110,7 +110,8 @@ class DecodeRole(WorkerRole):
         rid = command.request_id
         params = command.params.to_params()
         if not command.remote_prefill or self.receiver is None:
-            engine.add_request(rid, command.prompt_token_ids, params, command.output_token_ids)
+            engine.add_request(rid, command.prompt_token_ids, params, command.output_token_ids,
+                               command.ttft_deadline(time.monotonic()))
             if command.output_token_ids:
                 log.info("moved here: recomputing its %d prompt and %d streamed tokens",
                          len(command.prompt_token_ids), len(command.output_token_ids),

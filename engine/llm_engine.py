@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -389,7 +390,8 @@ class LLMEngine:
                       self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, output_token_ids: Sequence[int] = ()) -> Request:
+                    params: SamplingParams, output_token_ids: Sequence[int] = (),
+                    ttft_deadline: float | None = None) -> Request:
         """Validate and queue a request.
 
         Args:
@@ -400,6 +402,9 @@ class LLMEngine:
                 from a worker that died): recomputed with the prompt, exactly like a
                 preempted request, and counted as output for `max_tokens`, penalties and
                 the grammar, so the continuation is the one the first worker would have made.
+            ttft_deadline: `time.monotonic()` by which its first token is due (a TTFT
+                objective): waiting requests that can still make theirs go first
+                (`Scheduler.order_waiting`); None: arrival order.
 
         Raises:
             ValueError: bad input, or `request_id` already in use.
@@ -411,6 +416,7 @@ class LLMEngine:
                                  f"reach max_tokens {params.max_tokens}")
         request = self._new_request(request_id, prompt_token_ids, params)
         request.output_token_ids = list(output_token_ids)
+        request.ttft_deadline = ttft_deadline
         skip_draws(request, self.model_config.vocab_size, len(output_token_ids))
         self.scheduler.add_request(request)
         return request
@@ -442,8 +448,11 @@ class LLMEngine:
             return []
         if self.threads is not None:
             self.threads.update()
+        started = time.perf_counter()
         result = self._run(schedule, layer_hook)
-        self.step_token_counts.add(sum(n for _, n, _ in self.last_step))
+        num_tokens = sum(n for _, n, _ in self.last_step)
+        self.scheduler.observe_step(num_tokens, time.perf_counter() - started)
+        self.step_token_counts.add(num_tokens)
         before = {s.request.request_id: len(s.request.output_token_ids)
                   for s in schedule.scheduled}
         changed = self.scheduler.postprocess(schedule, result.tokens)

@@ -40,7 +40,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, ttft_deadline: float | None = None
+                 ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -66,6 +67,9 @@ class Request:
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # `time.monotonic()` by which its first token is due (a TTFT objective), or None:
+        # the scheduler serves waiting requests that can still make theirs first.
+        self.ttft_deadline = ttft_deadline
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None

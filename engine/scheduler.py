@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,6 +11,11 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+
+# A step computing at least this many tokens is prefill-bound: its time per token is the
+# rate a waiting prompt's prefill is estimated at. Decode-only steps cost far more per token.
+RATE_MIN_TOKENS = 256
+RATE_SMOOTHING = 0.2  # weight of the newest step in the moving average
 
 
 @dataclass
@@ -66,8 +73,9 @@ class Scheduler:
     Running requests go first (decodes and unfinished prompt chunks), in arrival order;
     when blocks run out the newest running request is preempted and recomputed later.
     Waiting requests are admitted while the token budget, `max_num_seqs` and the KV pool
-    allow. Role `prefill` parks a request once its first token is sampled; role `decode`
-    also holds requests whose KV is arriving from a remote prefill.
+    allow, in arrival order unless they carry TTFT deadlines (`order_waiting`). Role
+    `prefill` parks a request once its first token is sampled; role `decode` also holds
+    requests whose KV is arriving from a remote prefill.
 
     A decoding request for which `num_lookahead(request)` is positive also gets that many
     more tokens of budget and KV slots for drafts when both are there (speculative
@@ -90,6 +98,8 @@ class Scheduler:
         # waiting to be shipped.
         self.parked: dict[str, Request] = {}
         self.num_preemptions = 0  # cumulative: running requests sent back to be recomputed
+        # Seconds per token of prefill-bound steps (`observe_step`); None until one ran.
+        self.prefill_s_per_token: float | None = None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -102,8 +112,51 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted and self._may_admit():
+            self.order_waiting(time.monotonic())
             self._schedule_waiting(out, budget)
         return out
+
+    def order_waiting(self, now: float) -> None:
+        """Put the waiting requests that can still meet their TTFT deadline first.
+
+        Requests without a deadline keep arrival order (FCFS). With deadlines, a goodput
+        order: preempted requests first (as without), then those that can still make their
+        deadline, earliest deadline first, then those that cannot (already past it, or
+        their prompt's estimated prefill would end past it), in arrival order, so a burst
+        makes its last requests late instead of all of them. None starves: a late request
+        is promoted to the front once it has waited past its deadline by as long again as
+        it had when it arrived (at most twice its budget in all).
+
+        Args:
+            now: `time.monotonic()`.
+        """
+        if not any(r.ttft_deadline is not None for r in self.waiting):
+            return
+        rate = self.prefill_s_per_token or 0.0
+
+        def key(request: Request) -> tuple[int, float]:
+            deadline = request.ttft_deadline
+            if request.num_preemptions:
+                return 0, 0.0
+            if deadline is None:
+                return 1, math.inf
+            left = request.num_tokens - request.num_computed_tokens
+            if now + left * rate <= deadline or \
+                    now - deadline > deadline - request.arrival_time:
+                return 1, deadline
+            return 2, deadline
+
+        self.waiting = deque(sorted(self.waiting, key=key))  # stable: FCFS within a key
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Learn the prefill rate from a step that computed `num_tokens` in `seconds`
+        (steps under `RATE_MIN_TOKENS` tokens are decode-bound and ignored)."""
+        if num_tokens < RATE_MIN_TOKENS or seconds <= 0:
+            return
+        per_token = seconds / num_tokens
+        last = self.prefill_s_per_token
+        self.prefill_s_per_token = per_token if last is None else \
+            last + RATE_SMOOTHING * (per_token - last)
 
     def _may_admit(self) -> bool:
         # Static batching admits a new batch only once the whole previous one is done.

@@ -115,7 +115,8 @@ class PrefillRole(WorkerRole):
         if rid in self._unreachable:
             return [self._failed(rid, f"KV transfer failed: {self._unreachable.pop(rid)}",
                                  transfer_failed=True)]
-        engine.add_request(rid, command.prompt_token_ids, command.params.to_params())
+        engine.add_request(rid, command.prompt_token_ids, command.params.to_params(),
+                           ttft_deadline=command.ttft_deadline(received))
         job = self._jobs[rid] = _Job(self._peers[command.peer_info.receiver_id],
                                      command.dst_block_ids,
                                      command.num_cached_tokens // self.block_size,

@@ -117,7 +117,18 @@ class WireSamplingParams(msgspec.Struct, kw_only=True, frozen=True,
 
 # ---- router -> worker ----------------------------------------------------------------
 
-class Generate(_Message, tag="generate"):
+class _Work(_Message):
+    """A request a worker computes for; `ttft_budget_s` as in `Generate`."""
+
+    ttft_budget_s: float | None = None
+
+    def ttft_deadline(self, received: float) -> float | None:
+        """The request's first-token deadline on this worker's `time.monotonic()` clock,
+        given when the command arrived; None: no objective."""
+        return None if self.ttft_budget_s is None else received + self.ttft_budget_s
+
+
+class Generate(_Work, tag="generate", kw_only=True):
     """Start a request on a decode (or mixed) worker.
 
     Args:
@@ -135,6 +146,10 @@ class Generate(_Message, tag="generate"):
             its trace id is on the worker's log lines about the request.
         tracestate: the W3C `tracestate` that came with `traceparent`: the worker's spans
             keep it in their context.
+        ttft_budget_s: seconds left, when the router sent this, of the request's TTFT
+            objective (`serve --slo`; negative once past it); the worker's scheduler puts
+            waiting prompts that can still make theirs first. None: no objective (a
+            migrated request, whose first token is out, has none).
     """
 
     request_id: str
@@ -146,7 +161,7 @@ class Generate(_Message, tag="generate"):
     tracestate: str | None = None
 
 
-class Prefill(_Message, tag="prefill"):
+class Prefill(_Work, tag="prefill", kw_only=True):
     """Prefill a prompt on a prefill worker and ship its KV into reserved decode blocks.
 
     Args:
@@ -158,6 +173,7 @@ class Prefill(_Message, tag="prefill"):
         num_cached_tokens: prompt tokens the decode side already holds.
         traceparent: as in `Generate`.
         tracestate: as in `Generate`.
+        ttft_budget_s: as in `Generate`, when the prefill was sent.
     """
 
     request_id: str

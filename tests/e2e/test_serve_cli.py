@@ -38,9 +38,11 @@ def otlp():
 @pytest.fixture(scope="module")
 def disaggregated(otlp):
     # CURVE on the internal sockets (on loopback `auto` would leave them plain); spans
-    # exported every 0.2 s instead of 5 s, so the trace test waits less.
+    # exported every 0.2 s instead of 5 s, so the trace test waits less; a TTFT objective,
+    # so every request carries its budget to both workers' schedulers.
     with serve("--model", "smollm2", "--prefill", "1", "--decode", "1",
                "--local-prefill-threshold", "0", "--metrics-compat", "vllm",
+               "--slo", "ttft_p90_ms=60000,tpot_p90_ms=5000",
                "--internal-auth", "curve", "--otlp-traces-endpoint", otlp.endpoint,
                env={"OTEL_BSP_SCHEDULE_DELAY": "200"}) as served:
         yield served

@@ -29,6 +29,19 @@ def test_colocated_mode_and_pool_flags(captured: list[Any]) -> None:
     assert (options.host, options.grpc_port, options.http_port) == ("127.0.0.1", 0, 0)
 
 
+@pytest.mark.parametrize(("flags", "ttft_slo_s"), [
+    ([], None),  # no objective: arrival order
+    (["--slo", "ttft_p90_ms=8000,ttft_ms=12000,tpot_p90_ms=150"], 8.0),  # the tightest
+    (["--slo", "tpot_p90_ms=150"], None),  # no TTFT bound to order by
+    (["--slo", "ttft=500", "--scheduling-policy", "fcfs"], None),
+])
+def test_the_slos_ttft_bound_orders_the_workers_queues_unless_fcfs(
+        captured: list[Any], flags: list[str], ttft_slo_s: float | None) -> None:
+    assert main(["serve", "--model", "tiny", *flags]) == 0
+    (options,) = captured
+    assert options.cluster.ttft_slo_s == ttft_slo_s
+
+
 def test_mooncake_transport_and_its_protocol_reach_the_workers(captured: list[Any]) -> None:
     pytest.importorskip("mooncake", reason="the mooncake extra is not installed")
     assert main(["serve", "--model", "tiny", "--transport", "mooncake",

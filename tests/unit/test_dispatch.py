@@ -87,21 +87,22 @@ class Harness:
     """A dispatcher over a fake pool, and a client reading one stream per request."""
 
     def __init__(self, migrate: bool = True, reserve_timeout_s: float = 5.0,
-                 local_prefill_threshold: int = 8) -> None:
+                 local_prefill_threshold: int = 8, ttft_slo_s: float | None = None) -> None:
         self.pool = FakePool()
         self.metrics = ClusterMetrics("tiny")
         self.dispatcher = Dispatcher(
             self.pool, DispatchConfig(local_prefill_threshold=local_prefill_threshold,
                                       reserve_timeout_s=reserve_timeout_s, migrate=migrate,
-                                      block_size=4), self.metrics)
+                                      block_size=4, ttft_slo_s=ttft_slo_s), self.metrics)
         self.received: dict[str, list[TokenDelta]] = {}
         self.streams: dict[str, asyncio.Task] = {}
 
     def start(self, request_id: str, prompt: list[int], traceparent: str | None = None,
-              tracestate: str | None = None, **params: Any) -> None:
+              tracestate: str | None = None, waited: float = 0.0, **params: Any) -> None:
+        """Stream `request_id`, which arrived at the router `waited` seconds ago."""
         params.setdefault("max_tokens", 64)
-        request = GenerateRequest(request_id, prompt, SamplingParams(**params), 0.0,
-                                  traceparent, tracestate)
+        request = GenerateRequest(request_id, prompt, SamplingParams(**params),
+                                  time.monotonic() - waited, traceparent, tracestate)
         self.received[request_id] = []
 
         async def read(stream: AsyncIterator[TokenDelta]) -> None:
@@ -212,6 +213,47 @@ def test_a_long_prompt_reserves_on_decode_then_prefills_remotely() -> None:
     assert idle(h) and not h.dispatcher.requests
     # A finished request is not aborted.
     assert not [c for _, c in h.pool.sent if isinstance(c, Abort)]
+
+
+def test_with_a_ttft_objective_each_first_placement_carries_the_time_left_of_it() -> None:
+    async def scenario(h: Harness) -> None:
+        # Each budget is 2 s less the time since the router took the request: within the
+        # clock readings around each step (no bound on how fast this machine runs it).
+        t0 = time.monotonic()
+        await _prefilling_remotely(h, "far")
+        h.start("near", SHORT, waited=1.5)
+        t1 = time.monotonic()
+        await until(lambda: len(h.pool.to("decode-0", Generate)) == 2)
+        t2 = time.monotonic()
+        far, near = h.pool.to("decode-0", Generate)
+        (prefill,) = h.pool.to("prefill-0", Prefill)
+        assert 2.0 - (t1 - t0) <= far.ttft_budget_s <= 2.0
+        assert far.ttft_budget_s - (t1 - t0) <= prefill.ttft_budget_s <= far.ttft_budget_s
+        assert 0.5 - (t2 - t1) <= near.ttft_budget_s <= 0.5
+        # A request whose tokens are already out has no TTFT left to meet when it moves.
+        h.step("decode-0", TokenRecord(request_id="near@1", token_ids=[5]))
+        await until(lambda: h.tokens("near") == [5])
+        h.pool.add("decode-1", Role.DECODE)
+        h.pool.workers["decode-0"].state = "dead"
+        h.dispatcher.migrate_off(h.pool.workers["decode-0"])
+        await until(lambda: len(h.pool.to("decode-1", Generate)) == 2)
+        t3 = time.monotonic()
+        moved = {c.request_id: c for c in h.pool.to("decode-1", Generate)}
+        assert moved["near@2"].output_token_ids == [5] and moved["near@2"].ttft_budget_s is None
+        # One with no token yet still has its objective, less the time already spent.
+        far2 = moved["far@2"]
+        assert far2.output_token_ids == [] and far2.remote_prefill
+        assert 2.0 - (t3 - t0) <= far2.ttft_budget_s <= prefill.ttft_budget_s
+        h.step("decode-1", TokenRecord(request_id="near@2", token_ids=[6],
+                                       finish_reason="length"))
+        h.reply("decode-1", Reserved(worker_id="decode-1", request_id="far@2",
+                                     dst_block_ids=[2], num_cached_tokens=0))
+        await until(lambda: len(h.pool.to("prefill-0", Prefill)) == 2)
+        h.step("decode-1", TokenRecord(request_id="far@2", token_ids=[6],
+                                       finish_reason="length"))
+
+    h = run(scenario, ttft_slo_s=2.0)
+    assert h.tokens("near") == [5, 6] and h.tokens("far") == [6] and idle(h)
 
 
 def test_a_short_prompt_is_prefilled_where_it_decodes() -> None:

@@ -43,7 +43,8 @@ def test_a_decode_worker_that_never_answers_the_handshake_fails_the_transfer_onl
 def test_the_prefill_time_starts_when_the_command_arrives():
     """The reader thread takes the command (`prepare`) while the engine thread may still be
     in a long step; the prefill's time, which the decode worker subtracts from its KV wait,
-    starts then, not when the engine thread gets to it."""
+    starts then, not when the engine thread gets to it; so does the clock of its TTFT
+    budget, whose deadline orders the engine's waiting prompts."""
     prefill = LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=32),
                         scheduler=SchedulerConfig(role="prefill"))
     decode = LLMEngine("tiny", cache=CacheConfig(block_size=4, num_blocks=32),
@@ -58,12 +59,15 @@ def test_the_prefill_time_starts_when_the_command_arrives():
     reserved = decode.reserve_remote("r@1", prompt, params.to_params())
     receiver.expect("r@1", reserved.block_ids)
     command = Prefill(request_id="r@1", prompt_token_ids=prompt, params=params,
-                      peer_info=receiver.peer_info(), dst_block_ids=reserved.block_ids)
+                      peer_info=receiver.peer_info(), dst_block_ids=reserved.block_ids,
+                      ttft_budget_s=5.0)
     try:
         arrived = time.monotonic()
         role.prepare(command)
+        prepared = time.monotonic()
         time.sleep(0.3)  # the engine thread finishing a long step
         assert role.handle(prefill, command) == []
+        assert arrived + 5.0 <= prefill.requests["r@1"].ttft_deadline <= prepared + 5.0
         while prefill.has_unfinished_requests():
             assert role.on_outputs(prefill.step(role.layer_hook)) == []
         [done] = receiver.wait_events(10.0)

@@ -1,3 +1,7 @@
+import time
+
+import pytest
+
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -103,3 +107,85 @@ def test_decode_role_remote_request_joins_running():
     assert _step(s) == {"r": 1}
     assert _step(s) == {"r": 1}
     assert request.is_finished and s.kv.pool.num_free_blocks == 64
+
+
+# ---- waiting order under TTFT deadlines (`Scheduler.order_waiting`) ----
+
+def _add_due(s: Scheduler, rid: str, n: int, arrival: float, deadline: float | None
+             ) -> Request:
+    request = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4, ignore_eos=True),
+                      arrival_time=arrival, ttft_deadline=deadline)
+    s.add_request(request)
+    return request
+
+
+def _order(s: Scheduler, now: float) -> list[str]:
+    s.order_waiting(now)
+    return [r.request_id for r in s.waiting]
+
+
+def test_without_deadlines_waiting_prompts_keep_arrival_order():
+    s = _scheduler()
+    for i, rid in enumerate("cab"):
+        _add_due(s, rid, 4, arrival=float(i), deadline=None)
+    assert _order(s, now=100.0) == ["c", "a", "b"]
+
+
+def test_prompts_that_can_still_meet_their_deadline_go_first_earliest_first():
+    s = _scheduler()
+    _add_due(s, "late", 4, arrival=0.0, deadline=5.0)      # missed at now=6
+    _add_due(s, "later", 4, arrival=1.0, deadline=20.0)    # fine
+    _add_due(s, "soon", 4, arrival=2.0, deadline=10.0)     # fine, due first
+    _add_due(s, "late2", 4, arrival=3.0, deadline=5.5)     # missed too
+    _add_due(s, "free", 4, arrival=4.0, deadline=None)     # no objective: after the due ones
+    assert _order(s, now=6.0) == ["soon", "later", "free", "late", "late2"]
+
+
+def test_a_prompt_whose_prefill_would_end_past_its_deadline_yields_to_one_that_can_make_it():
+    s = _scheduler()
+    s.observe_step(1000, 1.0)  # 1 ms a token
+    _add_due(s, "long", 3000, arrival=0.0, deadline=2.0)   # 3 s of prefill: ends at 3 > 2
+    _add_due(s, "short", 500, arrival=0.5, deadline=2.5)   # 0.5 s: ends at 0.5 + 0 < 2.5
+    assert _order(s, now=0.0) == ["short", "long"]
+    # With no rate learnt yet, nothing is known to be too long: earliest deadline first.
+    fresh = _scheduler()
+    _add_due(fresh, "long", 3000, arrival=0.0, deadline=2.0)
+    _add_due(fresh, "short", 500, arrival=0.5, deadline=2.5)
+    assert _order(fresh, now=0.0) == ["long", "short"]
+
+
+def test_a_late_prompt_is_promoted_once_it_waited_past_its_deadline_as_long_as_it_had():
+    s = _scheduler()
+    _add_due(s, "old", 4, arrival=0.0, deadline=10.0)  # had 10 s: promoted after t = 20
+    _add_due(s, "new", 4, arrival=15.0, deadline=25.0)
+    assert _order(s, now=19.9) == ["new", "old"]
+    assert _order(s, now=20.1) == ["old", "new"]
+
+
+def test_a_preempted_request_stays_at_the_front_of_the_waiting_line():
+    s = _scheduler()
+    due = _add_due(s, "due", 4, arrival=0.0, deadline=100.0)
+    back = _add_due(s, "back", 4, arrival=0.0, deadline=1.0)  # late at now=5
+    back.num_preemptions = 1
+    assert _order(s, now=5.0) == ["back", "due"]
+    assert due.status is RequestStatus.WAITING
+
+
+def test_the_prefill_rate_is_learnt_from_prefill_bound_steps_only():
+    s = _scheduler()
+    s.observe_step(8, 1.0)  # a decode step: 125 ms a token would be far too slow
+    assert s.prefill_s_per_token is None
+    s.observe_step(1000, 1.0)
+    assert s.prefill_s_per_token == 0.001
+    s.observe_step(1000, 2.0)  # moves a fifth of the way to 2 ms
+    assert s.prefill_s_per_token == pytest.approx(0.0012)
+
+
+def test_schedule_admits_in_deadline_order_within_the_token_budget():
+    s = _scheduler(max_num_batched_tokens=8)
+    now = time.monotonic()
+    _add_due(s, "missed", 8, arrival=now - 10, deadline=now - 1)
+    _add_due(s, "due", 8, arrival=now, deadline=now + 60)
+    assert _step(s) == {"due": 8}
+    assert _step(s) == {"due": 1, "missed": 7}
+    assert [r.request_id for r in s.running] == ["due", "missed"]
