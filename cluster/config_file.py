@@ -104,12 +104,22 @@ def _field_type(action: argparse.Action) -> Any:
         kind = str if action.choices is None else Literal[tuple(action.choices)]
     if action.type not in (None, str, int, float, Path):  # a converter such as str.upper
         convert = action.type
+        kind = getattr(convert, "value_type", kind)  # what it returns, where not a str
         kind = Annotated[kind, pydantic.BeforeValidator(
-            lambda v: convert(v) if isinstance(v, str) else v)]
+            lambda v: _converted(convert, v) if isinstance(v, str) else v)]
     if action.metavar == "JSON":  # a JSON object's text: the file may write the mapping
         kind = Annotated[kind, pydantic.BeforeValidator(
             lambda v: json.dumps(v) if isinstance(v, dict) else v)]
     return kind | None if action.default is None else kind
+
+
+def _converted(convert: Any, value: str) -> Any:
+    """`convert(value)` with argparse's refusal as pydantic's (a `ValueError`, reported
+    under the file's key) instead of an exception pydantic would let through."""
+    try:
+        return convert(value)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def _model(name: str, actions: list[argparse.Action],

@@ -16,6 +16,29 @@ def slo_arg(text: str) -> str:
     return text
 
 
+def threads_arg(text: str) -> int | None:
+    """`--torch-threads`: a count >= 1, or `auto` (None: the engine's threads follow the
+    cores other processes leave free, `engine.threads.ThreadGovernor`).
+
+    Raises:
+        argparse.ArgumentTypeError: neither.
+    """
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a thread count >= 1 or auto, got {text!r}")
+    return value
+
+
+# The config file's type of `threads_arg`'s values (`cluster.config_file`): a YAML number
+# or `auto`.
+threads_arg.value_type = int | None
+
+
 def int_list(text: str, name: str) -> tuple[int, ...]:
     """Comma-separated integers >= 0 (`--tp 1,2,4`); `name` is the flag in the error."""
     try:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from commands.arguments import slo_arg
+from commands.arguments import slo_arg, threads_arg
 from engine import defaults as engine_defaults
 from protocol import defaults
 from protocol.logs import LOG_FORMATS, LOG_LEVELS
@@ -156,9 +156,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="token budget of one engine step")
     worker.add_argument("--max-num-seqs", type=int, default=engine_defaults.MAX_NUM_SEQS,
                         help="most requests a worker runs at once")
-    worker.add_argument("--torch-threads", type=int, default=1,
-                        help="intra-op threads per worker (per rank with "
-                             "--tensor-parallel-size)")
+    worker.add_argument("--torch-threads", type=threads_arg, default=1, metavar="N|auto",
+                        help="compute threads per worker (per rank with "
+                             "--tensor-parallel-size); auto: on CPU, the cores the other "
+                             "processes leave free, re-measured each second, so workers on "
+                             "one host lend each other the cores they leave idle (e.g. a "
+                             "prefill worker between prompts to a busy decode worker)")
     worker.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks each worker's model is split over (vLLM's flag; gloo on "
                              "CPU, NCCL on GPU): rank 0 in the worker's process, the others "

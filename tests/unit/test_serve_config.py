@@ -113,6 +113,22 @@ decode:
     assert shown["prefill"]["resource"] == "big_cpu"
 
 
+def test_torch_threads_auto_lets_a_pools_threads_follow_the_free_cores(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "torch-threads: 2\ndecode:\n  torch-threads: auto\n")
+    config = serve(captured, "--config", str(path)).cluster
+    # None: the engine's `ThreadGovernor` sets them from the cores others leave free.
+    assert (config.prefill.engine["torch_threads"], config.decode.engine["torch_threads"]) \
+        == (2, None)
+    config = serve(captured, "--torch-threads", "AUTO").cluster
+    assert (config.prefill.engine["torch_threads"], config.decode.engine["torch_threads"]) \
+        == (None, None)
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "tiny", "--torch-threads", "0"])
+    assert "--torch-threads: expected a thread count >= 1 or auto, got '0'" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("max-num-seqs: many\n", "max-num-seqs: Input should be a valid integer"),
     ("max-num-seq: 4\n", "max-num-seq: unknown key"),
@@ -123,6 +139,10 @@ decode:
     ("mode: split\n", "mode: Input should be 'disaggregated' or 'colocated'"),
     ("no-migration: maybe\n", "no-migration: Input should be a valid boolean"),
     ("port: null\n", "port: Input should be a valid integer"),
+    # a value a flag's own parser refuses, with its message
+    ("slo: bogus\n", "slo: Value error, slo: expected KEY=MS, got 'bogus'"),
+    ("prefill:\n  torch-threads: lots\n",
+     "prefill.torch-threads: Value error, expected a thread count >= 1 or auto, got 'lots'"),
     ("decode:\n  max-num-seqs: null\n", "decode.max-num-seqs: Input should be a valid integer"),
     ("- port: 1\n", "expected a mapping of flag names to values, got list"),
     ("port: [1\n", "while parsing a flow sequence"),
