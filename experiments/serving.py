@@ -3,6 +3,7 @@
     python -m experiments.serving disagg-vs-colocated [--model smollm2] [--rates 0.1,0.2,0.3,0.4]
     python -m experiments.serving ladder [--rate 0.3] [--steps static,continuous,...]
     python -m experiments.serving vs-vllm [--rate 0.2]
+    python -m experiments.serving bench-serve [--runs 3] [--servers pdcluster,vllm,...]
 
 Each experiment starts its servers as subprocesses (`python -m commands.cli serve ... --grpc-port
 0 --http-port 0`, read back from its ready line; vLLM's OpenAI server on a free port,
@@ -60,6 +61,19 @@ latency and goodput.
 (`--backend openai`, streaming `/v1/completions`); one server at a time, since they share
 the cores. The table gives pdcluster's metrics as ratios to vLLM's.
 
+**bench-serve** (`make bench-serve`). The fixed protocol of the comparison with `vllm
+serve`, each server at its own defaults: pdcluster 1P+1D (`serve`'s defaults: dtype auto,
+one thread a worker, the SLO's TTFT bound ordering the workers' queues), pdcluster with
+2 colocated workers (the same), vLLM-CPU at its defaults (bf16, even where the CPU
+emulates it; 4 GiB of KV; chunked prefill) and vLLM at float32 (its better setting on
+CPUs without native bf16). The long/short mix above at two loads, light (0.1 req/s) and
+interfering (0.25 req/s: long prompts queue and, colocated, stretch the decodes), judged by
+one fixed SLO, TTFT p90 10 s and TPOT p90 150 ms, the same for all. Each server serves
+every run: `--runs` (3) runs of each load, run i of a load the same requests for every
+server (new ones for each run and load, so no prefix is cached from an earlier one). The
+table gives every run's goodput and attainment per server and the ratios pdcluster /
+vLLM (defaults), pdcluster / vLLM fp32 and disaggregated / colocated, run by run.
+
 `--model tiny --length-scale 0.25 --num-requests 4` is a quick plumbing check (the tiny
 model's context is 1024 tokens).
 """
@@ -70,7 +84,8 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -728,6 +743,147 @@ def plot_ratios(path: Path, rows: Sequence[dict[str, Any]], title: str) -> Path:
     return path
 
 
+# ---- experiment 4: the fixed comparison with `vllm serve` ----
+
+BENCH_SERVE_SLO = "ttft_p90_ms=10000,tpot_p90_ms=150"
+BENCH_SERVE_RATES = (0.1, 0.25)  # light, interfering
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server of `bench-serve`, at its own defaults.
+
+    Args:
+        name: its label in the tables.
+        kind: `pdcluster` or `vllm`.
+        flags: more `serve` flags (pdcluster) or `vllm serve` flags.
+        dtype: vLLM's `--dtype`; None: its default.
+    """
+
+    name: str
+    kind: str
+    flags: tuple[str, ...] = ()
+    dtype: str | None = None
+
+
+def bench_serve_servers(slo: Slo) -> list[Server]:
+    """The four servers `bench-serve` compares; pdcluster's are told the SLO (`--slo`), as
+    an operator would, which orders their workers' queues."""
+    told = ("--slo", slo.text())
+    return [Server("pdcluster", "pdcluster", ("--prefill", "1", "--decode", "1", *told)),
+            Server("pdcluster-colocated", "pdcluster",
+                   ("--mode", "colocated", "--decode", "2", *told)),
+            Server("vllm", "vllm"),
+            Server("vllm-fp32", "vllm", dtype="float32")]
+
+
+def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+    """Every server through the same OpenAI client on the same runs (module docstring).
+
+    Returns:
+        The summary written to summary.json.
+
+    Raises:
+        ValueError: an unknown server name, or vLLM's venv missing for a vLLM server.
+    """
+    root = args.out / "bench-serve"
+    servers = _chosen_servers(bench_serve_servers(args.slo), args.servers)
+    if any(s.kind == "vllm" for s in servers) and not args.vllm_python.is_file():
+        raise ValueError(f"bench-serve needs vLLM's CPU build in the venv of "
+                         f"{args.vllm_python}: `make setup-vllm`, or leave the vLLM servers "
+                         "out (--servers pdcluster,pdcluster-colocated)")
+    from engine.hardware import cpu_paths
+    from engine.model_loader import resolve_model_dir
+
+    classes = pd_mix(args.length_scale, 0.5)
+    settings = _settings(args, "bench-serve")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for server in servers:
+        runs[server.name] = []
+        with _serving(server, args, root / server.name / "serve.log") as target:
+            warm_up(target, classes, settings, args.seed)
+            for run in range(args.runs):
+                for i, rate in enumerate(args.rates):
+                    out = root / server.name / f"run-{run + 1}-rate-{rate:g}"
+                    report = rate_run(target, classes, rate, args.num_requests, settings,
+                                      args.seed, run * len(args.rates) + i, out,
+                                      f"{server.name} run {run + 1} {rate:g} req/s", args.slo)
+                    runs[server.name].append({"run": run + 1, "rate": rate, "report": str(out),
+                                              **run_metrics(report["summary"])})
+    rows = bench_serve_rows(runs)
+    summary = {"experiment": "bench-serve", "model": args.model,
+               "model_dir": str(resolve_model_dir(args.model)), "cpu": cpu_paths().describe(),
+               "rates": list(args.rates), "runs": args.runs, "num_requests": args.num_requests,
+               "seed": args.seed, "length_scale": args.length_scale,
+               "classes": _describe(classes), "slo": args.slo.as_dict(),
+               "servers": [asdict(s) for s in servers], "results": runs, "table": rows}
+    _finish(root, summary, bench_serve_markdown(rows, [s.name for s in servers]))
+    return summary
+
+
+@contextmanager
+def _serving(server: Server, args: argparse.Namespace, log_path: Path) -> Iterator[Target]:
+    """The server running, as the OpenAI client reaches it."""
+    if server.kind == "vllm":
+        from engine.model_loader import resolve_model_dir
+
+        with vllm_serve(args.vllm_python, resolve_model_dir(args.model), log_path,
+                        args.vllm_kv_cache_gb, server.flags, args.vllm_ready_timeout,
+                        dtype=server.dtype) as base_url:
+            yield Target("openai", base_url)
+        return
+    with pdcluster_serve(args.model, [*server.flags, *args.serve_args], log_path,
+                         args.ready_timeout) as endpoints:
+        yield Target("openai", endpoints.http, endpoints.grpc)
+
+
+def _chosen_servers(servers: list[Server], names: Sequence[str] | None) -> list[Server]:
+    if not names:
+        return servers
+    known = {s.name for s in servers}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--servers: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(s.name for s in servers)}")
+    return [s for s in servers if s.name in names]
+
+
+# (ratio name, numerator server, denominator server)
+BENCH_SERVE_RATIOS = (("pdcluster / vLLM", "pdcluster", "vllm"),
+                      ("pdcluster / vLLM fp32", "pdcluster", "vllm-fp32"),
+                      ("disagg. / coloc.", "pdcluster", "pdcluster-colocated"))
+
+
+def bench_serve_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (rate, run): each server's figures and the goodput ratios of the servers
+    that ran it (None where one is missing or the denominator's goodput is 0)."""
+    keys = sorted({(r["rate"], r["run"]) for rs in runs.values() for r in rs})
+    rows = []
+    for rate, run in keys:
+        figures = {name: next((r for r in rs if (r["rate"], r["run"]) == (rate, run)), None)
+                   for name, rs in runs.items()}
+        goodput = {name: None if f is None else f["goodput_rps"] for name, f in figures.items()}
+        rows.append({"rate": rate, "run": run, "servers": figures,
+                     "ratios": {label: ratio(goodput.get(a), goodput.get(b))
+                                for label, a, b in BENCH_SERVE_RATIOS}})
+    return rows
+
+
+def bench_serve_markdown(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
+    """Goodput (req/s) and SLO attainment of every server in every run, and the ratios."""
+    ratios = [label for label, a, b in BENCH_SERVE_RATIOS if a in names and b in names]
+    headers = ["req/s", "run", *(f"{n} goodput / att." for n in names), *ratios]
+    lines = []
+    for row in rows:
+        cells = []
+        for name in names:
+            f = row["servers"].get(name)
+            cells.append("-" if f is None else f"{fmt(f['goodput_rps'])} / {pct(f['attainment'])}")
+        lines.append([fmt(row["rate"]), str(row["run"]), *cells,
+                      *(fmt(row["ratios"][label], "x") for label in ratios)])
+    return markdown_table(headers, lines)
+
+
 # ---- shared ----
 
 def _settings(args: argparse.Namespace, experiment: str) -> RunSettings:
@@ -777,22 +933,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bounded steps: serve --max-queue (default 8)")
     steps.set_defaults(func=ladder)
 
-    peer = sub.add_parser("vs-vllm", parents=[common],
+    vllm = _vllm_flags()
+    peer = sub.add_parser("vs-vllm", parents=[common, vllm],
                           help="pdcluster 1P+1D vs vLLM-CPU through the OpenAI API")
     peer.add_argument("--rate", type=_positive, default=0.2, help="req/s (default 0.2)")
     peer.add_argument("--long-fraction", type=float, default=0.5,
                       help="share of long-prompt requests (default 0.5)")
     peer.add_argument("--slo", type=Slo.parse, metavar="ttft=MS,tpot=MS",
                       help="objectives for goodput (default: none)")
-    peer.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
-                      help="python of vLLM's venv (default .venv-vllm/bin/python)")
-    peer.add_argument("--vllm-kv-cache-gb", type=float, default=4,
-                      help="VLLM_CPU_KVCACHE_SPACE (default 4)")
-    peer.add_argument("--vllm-args", type=shlex.split, default=[], metavar="'FLAGS'",
-                      help="more `vllm serve` flags")
-    peer.add_argument("--vllm-ready-timeout", type=float, default=600.0,
-                      help="seconds to wait for vLLM to serve (default 600)")
     peer.set_defaults(func=vs_vllm)
+
+    fixed = sub.add_parser("bench-serve", parents=[common, vllm],
+                           help="the fixed comparison with vllm serve (make bench-serve)")
+    fixed.add_argument("--servers", type=lambda text: text.split(","), metavar="A,B",
+                       help="only these servers (pdcluster, pdcluster-colocated, vllm, "
+                            "vllm-fp32; default all)")
+    fixed.add_argument("--rates", type=_rates, default=list(BENCH_SERVE_RATES),
+                       help="loads in req/s (default 0.1,0.25: light, interfering)")
+    fixed.add_argument("--runs", type=_positive_int, default=3,
+                       help="runs of each load on each server (default 3)")
+    fixed.add_argument("--slo", type=Slo.parse, default=Slo.parse(BENCH_SERVE_SLO),
+                       metavar="KEY=MS,...", help=f"the SLO (default {BENCH_SERVE_SLO})")
+    fixed.set_defaults(func=bench_serve, num_requests=30)
     return parser
 
 
@@ -800,7 +962,7 @@ def _common_flags() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default="smollm2", help="serve --model (default smollm2)")
     common.add_argument("--num-requests", type=_positive_int, default=40,
-                        help="requests per measured run (default 40)")
+                        help="requests per measured run (default 40; bench-serve 30)")
     common.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
     common.add_argument("--length-scale", type=_positive, default=1.0,
                         help="multiply every token length (0.25 fits the tiny model)")
@@ -814,6 +976,19 @@ def _common_flags() -> argparse.ArgumentParser:
     common.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds before a request counts as failed (default 600)")
     return common
+
+
+def _vllm_flags() -> argparse.ArgumentParser:
+    vllm = argparse.ArgumentParser(add_help=False)
+    vllm.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
+                      help="python of vLLM's venv (default .venv-vllm/bin/python)")
+    vllm.add_argument("--vllm-kv-cache-gb", type=float, default=4,
+                      help="VLLM_CPU_KVCACHE_SPACE (default 4)")
+    vllm.add_argument("--vllm-args", type=shlex.split, default=[], metavar="'FLAGS'",
+                      help="more `vllm serve` flags (vs-vllm)")
+    vllm.add_argument("--vllm-ready-timeout", type=float, default=600.0,
+                      help="seconds to wait for vLLM to serve (default 600)")
+    return vllm
 
 
 def _slo_flags() -> argparse.ArgumentParser:

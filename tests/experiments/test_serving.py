@@ -192,6 +192,49 @@ def test_ladder_steps_add_one_technique_each() -> None:
     assert all(flag(s, "--dtype") == "float32" for s in steps)
 
 
+def test_bench_serve_rows_pair_each_run_of_each_load_across_servers() -> None:
+    runs = {"pdcluster": [{"run": 1, "rate": 0.1, **metrics(0.1, 0.09)},
+                          {"run": 1, "rate": 0.25, **metrics(0.25, 0.2)}],
+            "pdcluster-colocated": [{"run": 1, "rate": 0.1, **metrics(0.1, 0.06)},
+                                    {"run": 1, "rate": 0.25, **metrics(0.25, 0.1)}],
+            "vllm": [{"run": 1, "rate": 0.1, **metrics(0.1, 0.0)},
+                     {"run": 1, "rate": 0.25, **metrics(0.25, 0.05)}]}
+    rows = ex.bench_serve_rows(runs)
+    assert [(r["rate"], r["run"]) for r in rows] == [(0.1, 1), (0.25, 1)]
+    assert rows[0]["ratios"] == {"pdcluster / vLLM": None,  # vLLM met nothing: no ratio
+                                 "pdcluster / vLLM fp32": None,  # not run
+                                 "disagg. / coloc.": pytest.approx(1.5)}
+    assert rows[1]["ratios"]["pdcluster / vLLM"] == pytest.approx(4.0)
+    assert rows[1]["ratios"]["disagg. / coloc."] == pytest.approx(2.0)
+    lines = ex.bench_serve_markdown(rows, ["pdcluster", "pdcluster-colocated", "vllm"]
+                                    ).splitlines()
+    assert lines[0] == ("| req/s | run | pdcluster goodput / att. | pdcluster-colocated goodput"
+                        " / att. | vllm goodput / att. | pdcluster / vLLM | disagg. / coloc. |")
+    assert lines[3] == "| 0.25 | 1 | 0.2 / 75% | 0.1 / 75% | 0.05 / 75% | 4x | 2x |"
+
+
+def test_bench_serve_servers_run_at_their_defaults_with_pdcluster_told_the_slo(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    slo = ex.Slo.parse(ex.BENCH_SERVE_SLO)
+    servers = {s.name: s for s in ex.bench_serve_servers(slo)}
+    assert list(servers) == ["pdcluster", "pdcluster-colocated", "vllm", "vllm-fp32"]
+    told = ("--slo", "ttft_p90_ms=10000,tpot_p90_ms=150")
+    assert servers["pdcluster"].flags == ("--prefill", "1", "--decode", "1", *told)
+    assert servers["pdcluster-colocated"].flags == ("--mode", "colocated", "--decode", "2",
+                                                    *told)
+    # No dtype, thread or KV flag: each server's own defaults.
+    assert (servers["vllm"].dtype, servers["vllm-fp32"].dtype) == (None, "float32")
+    # vLLM's servers need its venv, refused before anything starts; a bad name is named.
+    argv = ["bench-serve", "--vllm-python", str(tmp_path / "missing" / "python"),
+            "--out", str(tmp_path)]
+    assert ex.main(argv) == 2
+    assert "leave the vLLM servers out (--servers pdcluster,pdcluster-colocated)" in \
+        capsys.readouterr().err
+    assert ex.main([*argv, "--servers", "pdcluster,sglang"]) == 2
+    assert "--servers: unknown sglang; choose from pdcluster," in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_vs_vllm_without_its_venv_fails_before_starting_anything(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["vs-vllm", "--vllm-python", str(tmp_path / "missing" / "python"),
