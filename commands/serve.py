@@ -105,10 +105,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--scheduling-policy", choices=["deadline", "fcfs"],
                        default="deadline",
                        help="order of the prompts waiting on a worker: deadline, those that "
-                            "can still meet --slo's TTFT bound first (earliest deadline "
-                            "first; late ones after, promoted once they have waited twice "
-                            "the bound: none starves), arrival order without a TTFT bound; "
-                            "fcfs, arrival order always")
+                            "can still meet --slo's TTFT bound behind the ones ahead first "
+                            "(earliest deadline first; late ones after, promoted once they "
+                            "have waited twice the bound: none starves), arrival order "
+                            "without a TTFT bound; fcfs, arrival order always")
     serve.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING,
                        help="requests the router runs at once; more wait in its queue")
     serve.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -120,12 +119,13 @@ class Scheduler:
         """Put the waiting requests that can still meet their TTFT deadline first.
 
         Requests without a deadline keep arrival order (FCFS). With deadlines, a goodput
-        order: preempted requests first (as without), then those that can still make their
-        deadline, earliest deadline first, then those that cannot (already past it, or
-        their prompt's estimated prefill would end past it), in arrival order, so a burst
-        makes its last requests late instead of all of them. None starves: a late request
-        is promoted to the front once it has waited past its deadline by as long again as
-        it had when it arrived (at most twice its budget in all).
+        order: preempted requests first (as without), then, earliest deadline first, those
+        whose prefill still ends in time behind the ones before them (the prompt tokens
+        left of the running prefills and of those placed ahead, at the rate the engine
+        measured), then the rest (already late, or late behind the queue), in arrival
+        order: a burst makes its last requests late instead of all of them. None starves:
+        a late request goes to the front once it has waited past its deadline as long
+        again as it had when it arrived (at most twice its budget in all).
 
         Args:
             now: `time.monotonic()`.
@@ -133,20 +133,28 @@ class Scheduler:
         if not any(r.ttft_deadline is not None for r in self.waiting):
             return
         rate = self.prefill_s_per_token or 0.0
-
-        def key(request: Request) -> tuple[int, float]:
+        first, due, late, free = [], [], [], []
+        for request in self.waiting:
             deadline = request.ttft_deadline
-            if request.num_preemptions:
-                return 0, 0.0
-            if deadline is None:
-                return 1, math.inf
-            left = request.num_tokens - request.num_computed_tokens
-            if now + left * rate <= deadline or \
-                    now - deadline > deadline - request.arrival_time:
-                return 1, deadline
-            return 2, deadline
-
-        self.waiting = deque(sorted(self.waiting, key=key))  # stable: FCFS within a key
+            if request.num_preemptions or (
+                    deadline is not None and now - deadline > deadline - request.arrival_time):
+                first.append(request)  # preempted, or late for too long
+            elif deadline is None:
+                free.append(request)
+            else:
+                due.append(request)
+        # When each prefill would end: behind the running prompts' chunks and those first.
+        ends = now + rate * sum(_prompt_left(r) for r in (*self.running, *first))
+        kept = []
+        for request in sorted(due, key=lambda r: r.ttft_deadline):
+            end = ends + rate * _prompt_left(request)
+            if end <= request.ttft_deadline:
+                kept.append(request)
+                ends = end
+            else:
+                late.append(request)
+        late.sort(key=lambda r: r.arrival_time)
+        self.waiting = deque([*first, *kept, *free, *late])
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """Learn the prefill rate from a step that computed `num_tokens` in `seconds`
@@ -333,3 +341,8 @@ class Scheduler:
 
     def _remove_running(self, request: Request) -> None:
         self.running.remove(request)
+
+
+def _prompt_left(request: Request) -> int:
+    """Prompt tokens the request has still to compute (0 once decoding)."""
+    return max(0, request.num_prompt_tokens - request.num_computed_tokens)

@@ -154,6 +154,21 @@ def test_a_prompt_whose_prefill_would_end_past_its_deadline_yields_to_one_that_c
     assert _order(fresh, now=0.0) == ["long", "short"]
 
 
+def test_a_prompt_that_would_end_late_behind_the_ones_before_it_yields_its_place():
+    s = _scheduler()
+    s.observe_step(1000, 1.0)  # 1 ms a token: each 1000-token prompt takes 1 s
+    _add_due(s, "a", 1000, arrival=0.0, deadline=1.0)  # ends at 1.0: in time
+    _add_due(s, "b", 1000, arrival=0.1, deadline=1.5)  # behind a, ends at 2.0: late
+    _add_due(s, "c", 1000, arrival=0.2, deadline=2.1)  # behind a (not b), ends at 2.0
+    assert _order(s, now=0.0) == ["a", "c", "b"]
+    # A running prompt's 500 tokens still to compute come first: a would end at 1.5, late;
+    # b then ends at 1.5, in time; c behind b at 2.5, late. The late ones by arrival.
+    running = Request("r", list(range(1, 1001)), SamplingParams(max_tokens=4))
+    running.num_computed_tokens = 500
+    s.running.append(running)
+    assert _order(s, now=0.0) == ["b", "a", "c"]
+
+
 def test_a_late_prompt_is_promoted_once_it_waited_past_its_deadline_as_long_as_it_had():
     s = _scheduler()
     _add_due(s, "old", 4, arrival=0.0, deadline=10.0)  # had 10 s: promoted after t = 20
