@@ -798,25 +798,33 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     classes = pd_mix(args.length_scale, 0.5)
     settings = _settings(args, "bench-serve")
     runs: dict[str, list[dict[str, Any]]] = {}
+    errors: dict[str, str] = {}
     for server in servers:
         runs[server.name] = []
-        with _serving(server, args, root / server.name / "serve.log") as target:
-            warm_up(target, classes, settings, args.seed)
-            for run in range(args.runs):
-                for i, rate in enumerate(args.rates):
-                    out = root / server.name / f"run-{run + 1}-rate-{rate:g}"
-                    report = rate_run(target, classes, rate, args.num_requests, settings,
-                                      args.seed, run * len(args.rates) + i, out,
-                                      f"{server.name} run {run + 1} {rate:g} req/s", args.slo)
-                    runs[server.name].append({"run": run + 1, "rate": rate, "report": str(out),
-                                              **run_metrics(report["summary"])})
+        try:
+            with _serving(server, args, root / server.name / "serve.log") as target:
+                warm_up(target, classes, settings, args.seed)
+                for run in range(args.runs):
+                    for i, rate in enumerate(args.rates):
+                        out = root / server.name / f"run-{run + 1}-rate-{rate:g}"
+                        report = rate_run(target, classes, rate, args.num_requests, settings,
+                                          args.seed, run * len(args.rates) + i, out,
+                                          f"{server.name} run {run + 1} {rate:g} req/s",
+                                          args.slo)
+                        runs[server.name].append({"run": run + 1, "rate": rate,
+                                                  "report": str(out),
+                                                  **run_metrics(report["summary"])})
+        except RuntimeError as e:  # a server that fails to start or to answer its warm-up
+            errors[server.name] = str(e)
+            print(f"{server.name}: {e}; the other servers go on", flush=True)
     rows = bench_serve_rows(runs)
     summary = {"experiment": "bench-serve", "model": args.model,
                "model_dir": str(resolve_model_dir(args.model)), "cpu": cpu_paths().describe(),
                "rates": list(args.rates), "runs": args.runs, "num_requests": args.num_requests,
                "seed": args.seed, "length_scale": args.length_scale,
                "classes": _describe(classes), "slo": args.slo.as_dict(),
-               "servers": [asdict(s) for s in servers], "results": runs, "table": rows}
+               "servers": [asdict(s) for s in servers], "errors": errors, "results": runs,
+               "table": rows}
     _finish(root, summary, bench_serve_markdown(rows, [s.name for s in servers]))
     return summary
 
