@@ -17,9 +17,11 @@ A request's life here, and what holds it in each state. Before it, the router's
 `RequestState` by the client's id and `_attempts` by the current attempt id.
 
 - placing: `_place_attempt` takes a new attempt id and picks a decode worker (and a
-  prefill worker for a first attempt whose uncached prompt is long). With no decode worker
-  ready it waits for one being started (`Pool.wait_for_worker`), up to
-  `reserve_timeout_s`.
+  prefill worker for a first attempt whose uncached prompt is long). With a TTFT objective
+  (`DispatchConfig.ttft_slo_s`) each command of a request with no token out yet carries
+  the time left of it (`ttft_budget_s`), which orders the workers' waiting prompts.
+  With no decode worker ready it waits for one being started (`Pool.wait_for_worker`),
+  up to `reserve_timeout_s`.
 - placed, prefilled on the decode worker: `Generate` goes to it; its handle's `in_flight`
   holds the request (`RequestState.decode`).
 - reserving: for a remote prefill, `Generate(remote_prefill=True)` goes to the decode

@@ -14,9 +14,10 @@ reserved its destination blocks):
 - connecting: on the command reader's thread, `prepare` opens a KV connection to the
   decode worker's receiver the first time one is named (`KVSender.connect`) and keeps it
   in `_peers` (receiver id -> peer id); a connection lost meanwhile is opened again.
-- queued: `handle` adds it to the engine (the scheduler's `waiting` queue); from here to
-  its end `_jobs[request id]` holds its `_Job` (peer, destination blocks, the decode
-  side's cached blocks to skip, spans).
+- queued: `handle` adds it to the engine (the scheduler's `waiting` queue, with its TTFT
+  deadline when the router sent a budget: `Scheduler.order_waiting` then takes first the
+  prompts still in time); from here to its end `_jobs[request id]` holds its `_Job` (peer,
+  destination blocks, the decode side's cached blocks to skip, spans).
 - prefilling: in the scheduler's `running` list, one chunk per step; a long prompt's
   earlier chunks stay in this engine's cache.
 - transferring: in the step that computes its last chunk, `layer_hook` begins the transfer
