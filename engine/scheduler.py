@@ -99,8 +99,12 @@ class Scheduler:
         self.num_preemptions = 0  # cumulative: running requests sent back to be recomputed
         # Seconds per token of prefill-bound steps (`observe_step`); None until one ran.
         self.prefill_s_per_token: float | None = None
+        # Whether any request came with a TTFT deadline: until one does, the waiting order
+        # is arrival order and costs nothing (the planner's simulator steps this scheduler).
+        self._deadlines = False
 
     def add_request(self, request: Request) -> None:
+        self._deadlines = self._deadlines or request.ttft_deadline is not None
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -130,7 +134,7 @@ class Scheduler:
         Args:
             now: `time.monotonic()`.
         """
-        if not any(r.ttft_deadline is not None for r in self.waiting):
+        if not self._deadlines or not any(r.ttft_deadline is not None for r in self.waiting):
             return
         rate = self.prefill_s_per_token or 0.0
         first, due, late, free = [], [], [], []
