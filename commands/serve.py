@@ -55,11 +55,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        help="the model, as `vllm serve MODEL` takes it (or --model)")
     serve.add_argument("--model", default="smollm2",
                        help="model name (smollm2, tiny), HF directory or .gguf file")
-    serve.add_argument("--mode", choices=["disaggregated", "colocated"],
-                       default="disaggregated",
-                       help="separate prefill and decode pools, or one pool of mixed workers")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    serve.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
+    # None: not given (`_resolve_split` fills them: the planner's pick, else SPLIT_DEFAULTS).
+    serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
+                       help="separate prefill and decode pools, or one pool of mixed workers "
+                            "(default disaggregated; with none of --mode, --prefill and "
+                            "--decode, and --slo, --profile and --trace, the planner's pick)")
+    serve.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    serve.add_argument("--decode", type=int, default=None,
+                       help="decode (or colocated) workers (default 1)")
     serve.add_argument("--transport", choices=["shm", "zmq", "torch", "mooncake"],
                        default="shm",
                        help="KV transport (shm falls back to zmq across hosts; mooncake: "
@@ -199,10 +202,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                             "autoscalers")
     _add_security_flags(serve)
     serve.set_defaults(serve_parser=serve)  # `cli.parse_args` layers its defaults
-    auto = serve.add_argument_group("autoscaling (the planner on the router's recent window)")
+    auto = serve.add_argument_group("planning and autoscaling (the planner on a trace at "
+                                    "start, on the router's recent window live)")
     auto.add_argument("--autoscale", action="store_true",
                       help="resize the pools live to meet --slo (needs --profile)")
-    auto.add_argument("--profile", type=Path, default=None, help="PROFILE.json of the workers")
+    auto.add_argument("--profile", type=Path, default=None,
+                      help="PROFILE.json of the workers (`pdcluster profile`)")
+    auto.add_argument("--trace", type=Path, default=None, metavar="TRACE.jsonl",
+                      help="a workload like the one to serve (a `pdcluster bench` JSONL "
+                           "trace): with --slo and --profile and none of --mode, --prefill "
+                           "and --decode, serve starts the mode and split the planner "
+                           "predicts to sustain the highest rate within --slo on this "
+                           "machine's cores (or --max-workers), or says why it did not")
     auto.add_argument("--attainment", type=float, default=0.9,
                       help="share of requests that must meet --slo")
     auto.add_argument("--min-workers", type=int, default=None,
@@ -302,6 +313,9 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # OpenTelemetry not installed: say what to install
         raise ValueError(str(exc)) from None
     per_model = _per_model(args)
+    if len(per_model) == 1:
+        _resolve_split(per_model[0])
+        args = per_model[0]
     for flag, given in (("--autoscale", args.autoscale), ("--detach", args.detach)):
         if given and len(per_model) > 1:
             raise ValueError(f"{flag} serves one model; this config serves {len(per_model)}")
@@ -330,6 +344,74 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+SPLIT_DEFAULTS = {"mode": "disaggregated", "prefill": 1, "decode": 1}
+
+
+def _resolve_split(args: argparse.Namespace) -> None:
+    """Fill in `--mode`, `--prefill` and `--decode`: as given; with none given, the
+    planner's pick for this machine when `--slo`, `--profile` and `--trace` say what to
+    plan for (`planned_split`); else `SPLIT_DEFAULTS` (1P+1D). Says which, and why."""
+    if all(getattr(args, key) is None for key in SPLIT_DEFAULTS):
+        missing = [flag for flag, value in (("--slo", args.slo), ("--profile", args.profile),
+                                            ("--trace", args.trace)) if value is None]
+        if not missing:
+            picked, why = planned_split(args)
+            print(why, flush=True)
+            if picked is not None:
+                args.mode, args.prefill, args.decode = picked
+        elif len(missing) < 3:
+            print(f"serving the default 1P+1D: the planner picks a split from --slo, "
+                  f"--profile and --trace, and {' and '.join(missing)} "
+                  f"{'is' if len(missing) == 1 else 'are'} not given", flush=True)
+    for key, value in SPLIT_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def planned_split(args: argparse.Namespace) -> tuple[tuple[str, int, int] | None, str]:
+    """The split that serves `--trace` within `--slo` at the highest rate on this machine.
+
+    The planner simulates every mode and split of exactly the machine's workers (its cores
+    over `--torch-threads`, at least 2, or `--max-workers`: on one machine idle cores buy
+    nothing) on the `--profile`, and the one that sustains the highest rate within the SLO
+    wins (ties: the trace's goodput).
+
+    Returns:
+        (mode, prefill workers, decode workers), or None when no split meets the SLO at
+        the trace's rate; and the line that says so.
+    """
+    from planner.plan import PlanRequest, label, load_trace, plan
+    from planner.profile import Profile, check_same_model
+    from protocol.serving import Slo
+    from protocol.slo import ATTAINMENT, GOODPUT
+
+    profile = Profile.load(args.profile)
+    check_same_model([profile], args.model)
+    threads = args.torch_threads or 1
+    workers = args.max_workers or max(2, (os.cpu_count() or 1) // threads)
+    request = PlanRequest(profile, profile, load_trace(args.trace, profile.model),
+                          Slo.parse(args.slo, args.attainment), workers,
+                          thresholds=(args.local_prefill_threshold,),
+                          budgets=(args.max_num_batched_tokens,),
+                          max_num_seqs=args.max_num_seqs, sweep_rates=False)
+    configs = [c for c in plan(request)["configs"]
+               if c["prefill"] * (c["mode"] == "disaggregated") + c["decode"] == workers]
+    where = f"{workers} workers of {threads} thread(s)"
+    good = [c for c in configs if c["meets_slo"]]
+    if not good:
+        best = max(configs, key=lambda c: c["predicted"][ATTAINMENT])
+        return None, (f"serving the default 1P+1D: no split of {where} meets --slo on "
+                      f"{args.trace} by the profile (the best, {label(best)}, "
+                      f"{best['predicted'][ATTAINMENT]:.0%} of requests within it)")
+    pick = max(good, key=lambda c: (c["predicted"].get("max_rate_rps") or 0,
+                                    c["predicted"][GOODPUT]))
+    rate = pick["predicted"].get("max_rate_rps")
+    return ((pick["mode"], pick["prefill"], pick["decode"]),
+            f"serving {label(pick)}, the planner's split for {where}, --slo and "
+            f"{args.trace}: {len(good)} of {len(configs)} splits meet it at the trace's "
+            f"rate, this one up to {'?' if rate is None else f'{rate:.2f}'} req/s")
+
+
 def _per_model(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The flags of each model served: `args` itself, or with a config file's `models:`,
     one copy per entry with the entry's values and pool sections over the shared ones."""
@@ -353,6 +435,8 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
     from router.router import RouterConfig
 
     check_model_given(args.model)
+    split = {key: value if getattr(args, key) is None else getattr(args, key)
+             for key, value in SPLIT_DEFAULTS.items()}  # a config file's models: entry
     shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
     if args.transport == "mooncake":
         from kv_transfer.transports.mooncake import check_installed
@@ -363,7 +447,8 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
             raise ValueError(str(exc)) from None
         shared["mooncake_protocol"] = args.mooncake_protocol
     cluster = ClusterConfig(
-        model=args.model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
+        model=args.model, mode=split["mode"], num_prefill=split["prefill"],
+        num_decode=split["decode"],
         transports=TRANSPORTS[args.transport],
         host=args.worker_host or ("auto" if args.address else "127.0.0.1"),
         local_prefill_threshold=args.local_prefill_threshold,

@@ -42,6 +42,60 @@ def test_the_slos_ttft_bound_orders_the_workers_queues_unless_fcfs(
     assert options.cluster.ttft_slo_s == ttft_slo_s
 
 
+def _plan_inputs(tmp_path: Path) -> tuple[str, str]:
+    """A profile of `tiny` whose decode step grows with the batch (10 ms + 0.5 ms a
+    sequence), and 200 short chats at 8 req/s: every prompt is under the local-prefill
+    threshold, so 1P+1D decodes them all on one worker (predicted up to ~8.7 req/s within
+    TPOT p90 25 ms) and 2 colocated workers split them (~19 req/s)."""
+    import json
+
+    from tests.planner.synthetic import poisson_arrivals, synthetic_profile
+
+    profile = tmp_path / "profile.json"
+    synthetic_profile(prefill=(0.002, 1e-3, 0.0, 0.0), decode=(0.01, 0.0005, 0.0),
+                      model="tiny").save(profile)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": float(t), "prompt_len": 32,
+                                         "output_len": 50}) + "\n"
+                             for t in poisson_arrivals(200, 8.0, seed=5)))
+    return str(profile), str(trace)
+
+
+def test_with_no_split_given_serve_starts_the_planners_split_for_the_slo_and_trace(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile, trace = _plan_inputs(tmp_path)
+    plan = ["--slo", "ttft_p90_ms=2000,tpot_p90_ms=25", "--profile", profile, "--trace", trace,
+            "--max-workers", "2"]
+    assert main(["serve", "--model", "tiny", *plan]) == 0
+    config = captured[-1].cluster
+    assert (config.mode, config.num_decode) == ("colocated", 2)
+    out = capsys.readouterr().out
+    assert "serving 2 colocated, the planner's split for 2 workers of 1 thread(s)" in out
+    assert "2 of 2 splits meet it at the trace's rate, this one up to 19.1" in out
+    # A split given wins over the planner's, whole.
+    assert main(["serve", "--model", "tiny", *plan, "--prefill", "1"]) == 0
+    config = captured[-1].cluster
+    assert (config.mode, config.num_prefill, config.num_decode) == ("disaggregated", 1, 1)
+    assert "planner" not in capsys.readouterr().out
+
+
+def test_serve_says_why_it_starts_the_default_split_instead_of_a_planned_one(
+        captured: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile, trace = _plan_inputs(tmp_path)
+    assert main(["serve", "--model", "tiny", "--slo", "ttft_p90_ms=2000,tpot_p90_ms=5",
+                 "--profile", profile, "--trace", trace, "--max-workers", "2"]) == 0
+    assert "serving the default 1P+1D: no split of 2 workers of 1 thread(s) meets --slo " \
+           f"on {trace} by the profile (the best, " in capsys.readouterr().out
+    assert main(["serve", "--model", "tiny", "--slo", "ttft=500"]) == 0
+    assert "serving the default 1P+1D: the planner picks a split from --slo, --profile and " \
+           "--trace, and --profile and --trace are not given" in capsys.readouterr().out
+    assert main(["serve", "--model", "tiny"]) == 0  # nothing asked: nothing to say
+    assert capsys.readouterr().out == ""
+    for options in captured:
+        assert (options.cluster.mode, options.cluster.num_prefill,
+                options.cluster.num_decode) == ("disaggregated", 1, 1)
+
+
 def test_mooncake_transport_and_its_protocol_reach_the_workers(captured: list[Any]) -> None:
     pytest.importorskip("mooncake", reason="the mooncake extra is not installed")
     assert main(["serve", "--model", "tiny", "--transport", "mooncake",
