@@ -368,6 +368,13 @@ def _resolve_split(args: argparse.Namespace) -> None:
             setattr(args, key, value)
 
 
+def _split(args: argparse.Namespace) -> dict[str, Any]:
+    """`--mode`, `--prefill` and `--decode` as given, `SPLIT_DEFAULTS` where not (a config
+    file's `models:` entry, or args `_resolve_split` has not seen)."""
+    return {key: value if getattr(args, key) is None else getattr(args, key)
+            for key, value in SPLIT_DEFAULTS.items()}
+
+
 def planned_split(args: argparse.Namespace) -> tuple[tuple[str, int, int] | None, str]:
     """The split that serves `--trace` within `--slo` at the highest rate on this machine.
 
@@ -435,8 +442,7 @@ def _served_model(args: argparse.Namespace, tracing: Any) -> Any:
     from router.router import RouterConfig
 
     check_model_given(args.model)
-    split = {key: value if getattr(args, key) is None else getattr(args, key)
-             for key, value in SPLIT_DEFAULTS.items()}  # a config file's models: entry
+    split = _split(args)
     shared: dict[str, Any] = {"policy": args.policy, "max_model_len": args.max_model_len}
     if args.transport == "mooncake":
         from kv_transfer.transports.mooncake import check_installed
@@ -551,10 +557,12 @@ def _autoscaler(args: argparse.Namespace) -> Any:
         raise ValueError("--autoscale needs --profile and --slo")
     profile = Profile.load(args.profile)
     check_same_model([profile], args.model)
-    low = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
+    split = _split(args)
+    mode = split["mode"]
+    low = split["prefill"] + split["decode"] if mode == "disaggregated" else split["decode"]
     config = AutoscalerConfig(
-        Slo.parse(args.slo, args.attainment), args.mode,
-        min_workers=args.min_workers or (2 if args.mode == "disaggregated" else 1),
+        Slo.parse(args.slo, args.attainment), mode,
+        min_workers=args.min_workers or (2 if mode == "disaggregated" else 1),
         max_workers=args.max_workers or max(low, 2), min_prefill=args.min_prefill,
         interval_s=args.autoscale_interval,
         window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown,
