@@ -350,12 +350,12 @@ SPLIT_DEFAULTS = {"mode": "disaggregated", "prefill": 1, "decode": 1}
 def _resolve_split(args: argparse.Namespace) -> None:
     """Fill in `--mode`, `--prefill` and `--decode`: as given; with none given, the
     planner's pick for this machine when `--slo`, `--profile` and `--trace` say what to
-    plan for (`planned_split`); else `SPLIT_DEFAULTS` (1P+1D). Says which, and why."""
+    plan for (`_planned_split`); else `SPLIT_DEFAULTS` (1P+1D). Says which, and why."""
     if all(getattr(args, key) is None for key in SPLIT_DEFAULTS):
         missing = [flag for flag, value in (("--slo", args.slo), ("--profile", args.profile),
                                             ("--trace", args.trace)) if value is None]
         if not missing:
-            picked, why = planned_split(args)
+            picked, why = _planned_split(args)
             print(why, flush=True)
             if picked is not None:
                 args.mode, args.prefill, args.decode = picked
@@ -363,9 +363,8 @@ def _resolve_split(args: argparse.Namespace) -> None:
             print(f"serving the default 1P+1D: the planner picks a split from --slo, "
                   f"--profile and --trace, and {' and '.join(missing)} "
                   f"{'is' if len(missing) == 1 else 'are'} not given", flush=True)
-    for key, value in SPLIT_DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    for key, value in _split(args).items():
+        setattr(args, key, value)
 
 
 def _split(args: argparse.Namespace) -> dict[str, Any]:
@@ -375,7 +374,7 @@ def _split(args: argparse.Namespace) -> dict[str, Any]:
             for key, value in SPLIT_DEFAULTS.items()}
 
 
-def planned_split(args: argparse.Namespace) -> tuple[tuple[str, int, int] | None, str]:
+def _planned_split(args: argparse.Namespace) -> tuple[tuple[str, int, int] | None, str]:
     """The split that serves `--trace` within `--slo` at the highest rate on this machine.
 
     The planner simulates every mode and split of exactly the machine's workers (its cores
