@@ -576,7 +576,7 @@ def ladder(args: argparse.Namespace) -> dict[str, Any]:
     root = args.out / "ladder"
     classes = ladder_mix(args.length_scale)
     settings = _settings(args, "ladder")
-    steps = _chosen_steps(ladder_steps(args.max_running, args.max_queue), args.steps)
+    steps = _chosen(ladder_steps(args.max_running, args.max_queue), args.steps, "--steps")
     slo, slo_info = args.slo, {"given": args.slo is not None}
     results = []
     for step in steps:
@@ -648,15 +648,20 @@ def plot_ladder(path: Path, steps: Sequence[dict[str, Any]]) -> Path:
     return path
 
 
-def _chosen_steps(steps: list[LadderStep], names: Sequence[str] | None) -> list[LadderStep]:
+def _chosen(items: list[T], names: Sequence[str] | None, flag: str) -> list[T]:
+    """The `items` (ladder steps, servers) whose `name` is in `names`, all when None.
+
+    Raises:
+        ValueError: a name none of them has, naming `flag` and the choices.
+    """
     if not names:
-        return steps
-    known = {step.name for step in steps}
+        return items
+    known = [item.name for item in items]
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"--steps: unknown {', '.join(unknown)}; choose from "
-                         f"{', '.join(step.name for step in steps)}")
-    return [step for step in steps if step.name in names]
+        raise ValueError(f"{flag}: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(known)}")
+    return [item for item, name in zip(items, known, strict=True) if name in names]
 
 
 # ---- experiment 3: against vLLM ----
@@ -787,7 +792,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         ValueError: an unknown server name, or vLLM's venv missing for a vLLM server.
     """
     root = args.out / "bench-serve"
-    servers = _chosen_servers(bench_serve_servers(args.slo), args.servers)
+    servers = _chosen(bench_serve_servers(args.slo), args.servers, "--servers")
     if any(s.kind == "vllm" for s in servers) and not args.vllm_python.is_file():
         raise ValueError(f"bench-serve needs vLLM's CPU build in the venv of "
                          f"{args.vllm_python}: `make setup-vllm`, or leave the vLLM servers "
@@ -843,17 +848,6 @@ def _serving(server: Server, args: argparse.Namespace, log_path: Path) -> Iterat
     with pdcluster_serve(args.model, [*server.flags, *args.serve_args], log_path,
                          args.ready_timeout) as endpoints:
         yield Target("openai", endpoints.http, endpoints.grpc)
-
-
-def _chosen_servers(servers: list[Server], names: Sequence[str] | None) -> list[Server]:
-    if not names:
-        return servers
-    known = {s.name for s in servers}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"--servers: unknown {', '.join(unknown)}; choose from "
-                         f"{', '.join(s.name for s in servers)}")
-    return [s for s in servers if s.name in names]
 
 
 # (ratio name, numerator server, denominator server)
