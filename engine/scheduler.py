@@ -134,7 +134,7 @@ class Scheduler:
         Args:
             now: `time.monotonic()`.
         """
-        if not self._deadlines or not any(r.ttft_deadline is not None for r in self.waiting):
+        if not self._deadlines:
             return
         rate = self.prefill_s_per_token or 0.0
         first, due, late, free = [], [], [], []
