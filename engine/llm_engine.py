@@ -32,6 +32,8 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import (
     Followers,
+    KVMirror,
+    MirroredAttention,
     ParallelGroup,
     TensorParallelAttention,
     TensorParallelError,
@@ -60,6 +62,8 @@ from engine.tokenizer import load_tokenizer
 from engine.validation import check_request
 
 log = logging.getLogger(__name__)
+# Where a tensor-parallel engine's ranks keep their KV heads (`LLMEngine(tp_kv_pages=)`).
+TP_KV_PAGES = ("auto", "shared", "private")
 
 # Called after layer i wrote its KV for the step's schedule (used to stream KV out).
 StepLayerHook = Callable[[int, SchedulerOutput], None]
@@ -141,6 +145,12 @@ class LLMEngine:
             the budget. On CPU each rank runs `num_threads` threads, or the cores divided
             by N (at least 1). A draft model for speculative decoding runs whole on rank 0.
             Call `close()` (or use the engine as a context manager) to stop the followers.
+        tp_kv_pages: where a tensor-parallel engine's ranks keep their KV heads: `shared`
+            (CPU, KV heads dividing among the ranks: slices of one pool of every head in
+            shared memory that every rank maps), `private` (each rank its own pages; a
+            prefill or decode engine, whose KV a transport moves, also keeps a mirror of
+            every rank's heads on rank 0, `engine.parallel.KVMirror`: the GPU layout, one
+            device a rank), or `auto` (shared where it can be, else private).
 
     Raises:
         ValueError: a size the model's heads, intermediate sizes or the devices do not
@@ -154,12 +164,19 @@ class LLMEngine:
                  attention_backend: str = "auto", kv_allocator: BufferAllocator | None = None,
                  num_threads: int | None = None,
                  speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, tp_kv_pages: str = "auto") -> None:
         self.speculative_config = SpeculativeConfig.parse(speculative_config)  # fail early
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig()
         self.tensor_parallel_size = _check_tp_size(tensor_parallel_size)
+        if tp_kv_pages not in TP_KV_PAGES:
+            raise ValueError(f"tp_kv_pages must be one of {TP_KV_PAGES}, got {tp_kv_pages!r}")
+        # Whether `kv_cache` holds every KV head of the model, as a KV transport needs it
+        # to: always at size 1; under tensor parallelism, see `tp_kv_pages`.
+        self.kv_cache_whole = True
         self._followers: Followers | None = None
+        self._mirror: KVMirror | None = None
+        self._to_scatter: list[int] = []  # blocks a transport wrote into the mirror
         self._shared_pages: SharedPages | None = None  # the pool's, when it made its own
         # Bytes of each rank's weights, rank 0 first (its shard under tensor parallelism).
         self.weight_bytes_per_rank: list[int] = []
@@ -196,8 +213,8 @@ class LLMEngine:
             self.weight_bytes_per_rank = [weight_bytes(self.model)]
             pages = self.kv_cache
         else:
-            draft, attn, pages = self._start_tensor_parallel(hf_config, attention_backend,
-                                                             num_threads, kv_allocator)
+            draft, attn, pages = self._start_tensor_parallel(
+                hf_config, attention_backend, num_threads, kv_allocator, tp_kv_pages)
             num_blocks = self.kv_cache.num_blocks
         self.block_pool = BlockPool(num_blocks, self.cache_config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, bs)
@@ -223,19 +240,21 @@ class LLMEngine:
         self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
 
     def _start_tensor_parallel(self, hf_config: Any, attention_backend: str,
-                               num_threads: int | None, kv_allocator: BufferAllocator | None
+                               num_threads: int | None, kv_allocator: BufferAllocator | None,
+                               tp_kv_pages: str
                                ) -> tuple[LlamaForCausalLM | None, AttentionBackend, KVCache]:
         """Start the followers, load rank 0's shard (and a draft model, whole), size the
         pool to the smallest rank's budget and build the pages. Sets `model`, `kv_cache`
         and `weight_bytes_per_rank`.
 
-        On CPU with KV heads that divide among the ranks, `kv_cache` is one pool of every
-        head in shared memory (`kv_allocator` when it is `SharedPages`, else its own),
-        each rank reading and writing its heads' slice of it in place: the pool a KV
-        transport moves is the whole model's, as at size 1, so pools of different sizes
-        exchange KV blocks unchanged (`kv_cache_whole`). Otherwise (CUDA, one device per
-        rank; KV heads replicated) each rank has pages of its own heads, and `kv_cache` is
-        rank 0's.
+        With `shared` pages, `kv_cache` is one pool of every head in shared memory
+        (`kv_allocator` when it is `SharedPages`, else its own), each rank reading and
+        writing its heads' slice of it in place. With `private` pages each rank has pages
+        of its own heads; in a prefill or decode engine `kv_cache` is then rank 0's mirror
+        of every rank's heads (`KVMirror`, its blocks counted in rank 0's budget), else
+        rank 0's pages. Either way a prefill or decode engine's `kv_cache` is the whole
+        model's pool, as at size 1, so pools of different sizes exchange KV blocks
+        unchanged (`kv_cache_whole`).
 
         Returns:
             The draft model (or None), rank 0's attention backend and its pages.
@@ -245,6 +264,9 @@ class LLMEngine:
         """
         size, cfg, cache = self.tensor_parallel_size, self.model_config, self.cache_config
         check_tensor_parallel(cfg, size)
+        shared = _shared_tp_pages(tp_kv_pages, self.device, cfg, size)
+        mirrored = not shared and self.scheduler_config.role != "mixed" and \
+            cfg.num_kv_heads % size == 0
         if self.device.type == "cuda" and \
                 (self.device.index or 0) + size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices from "
@@ -258,10 +280,14 @@ class LLMEngine:
             draft = self._load_draft(self.speculative_config)
             extra = 0 if draft is None else draft_block_bytes(
                 draft, cache.block_size, self.dtype, cache.kv_cache_dtype)
+            if mirrored:
+                extra += KVCache.bytes_per_block(cfg.num_layers, cache.block_size,
+                                                 cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                                 cache.kv_cache_dtype)
             ready = followers.wait_ready()
             num_blocks = min([builder.num_blocks(self.device, extra),
                               *(blocks for blocks, _ in ready)])
-            if self.kv_cache_whole:
+            if shared:
                 if kv_allocator is not None and not isinstance(kv_allocator, SharedPages):
                     raise ValueError("a tensor-parallel pool on CPU lives in shared memory "
                                      "its ranks map: kv_allocator must be SharedPages")
@@ -273,6 +299,14 @@ class LLMEngine:
                 pages = self.kv_cache.heads(kv_heads(cfg, 0, size))
                 followers.begin(num_blocks, os.getpid(), kv_allocator.fd,
                                 kv_allocator.nbytes)
+            elif mirrored:
+                followers.begin(num_blocks, mirrored=True)
+                pages = builder.kv_cache(num_blocks, self.device)
+                self.kv_cache = builder.kv_cache(num_blocks, self.device, kv_allocator,
+                                                 whole=True)
+                self._mirror = KVMirror(followers.group, pages, self.kv_cache,
+                                        [kv_heads(cfg, rank, size) for rank in range(size)])
+                attn = MirroredAttention(attn, self._mirror)
             else:
                 followers.begin(num_blocks)
                 self.kv_cache = pages = builder.kv_cache(num_blocks, self.device, kv_allocator)
@@ -281,16 +315,8 @@ class LLMEngine:
             raise
         self.model = TensorParallelModel(shard, followers)
         self.weight_bytes_per_rank = [weight_bytes(shard), *(nbytes for _, nbytes in ready)]
+        self.kv_cache_whole = shared or mirrored
         return draft, TensorParallelAttention(attn), pages
-
-    @property
-    def kv_cache_whole(self) -> bool:
-        """Whether `kv_cache` holds every KV head of the model (always at size 1; under
-        tensor parallelism on CPU when the KV heads divide among the ranks), as a KV
-        transport needs it to."""
-        return self.tensor_parallel_size == 1 or (
-            self.device.type == "cpu" and
-            self.model_config.num_kv_heads % self.tensor_parallel_size == 0)
 
     @property
     def follower_pids(self) -> list[int]:
@@ -464,6 +490,9 @@ class LLMEngine:
         """Draft (when speculating) and run the model; a failure ends the step's requests."""
         hook = None if layer_hook is None else (lambda i: layer_hook(i, schedule))
         try:
+            if self._to_scatter:  # KV a transport wrote into the mirror: to every rank
+                blocks, self._to_scatter = self._to_scatter, []
+                self._followers.scatter(self._mirror, blocks)
             if self.speculator is not None:
                 self.speculator.propose(schedule)
             self.last_step = schedule.items()
@@ -532,6 +561,8 @@ class LLMEngine:
         """
         request = self.scheduler.complete_remote(request_id, first_token_id)
         skip_draws(request, self.model_config.vocab_size, 1)  # drawn on the prefill worker
+        if self._mirror is not None:  # the ranks read their heads of it from the next step
+            self._to_scatter.extend(request.block_ids)
         return self._output(request, [first_token_id], None)
 
     # ---- prefill role: KV kept until shipped -----------------------------------------
@@ -662,6 +693,19 @@ def _blocks_for_budget(cache: CacheConfig, cfg: ModelConfig, dtype: torch.dtype,
         total = torch.cuda.mem_get_info(device)[1]
         held = torch.cuda.memory_reserved(device)
     return max(kv_pool_bytes(cache, device.type, total, held) // per_block, 1)
+
+
+def _shared_tp_pages(pages: str, device: torch.device, cfg: ModelConfig, size: int) -> bool:
+    """Whether a tensor-parallel engine's ranks share one pool (`tp_kv_pages`).
+
+    Raises:
+        ValueError: `shared` where the ranks cannot share one pool.
+    """
+    possible = device.type == "cpu" and cfg.num_kv_heads % size == 0
+    if pages == "shared" and not possible:
+        raise ValueError(f"tp_kv_pages shared needs CPU ranks and KV heads dividing among "
+                         f"them ({cfg.num_kv_heads} KV heads, {size} ranks on {device})")
+    return possible and pages != "private"
 
 
 def _check_tp_size(size: int) -> int:

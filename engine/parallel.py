@@ -27,7 +27,12 @@ What each rank holds (`shard_state`):
   plus an all-reduce, and each rank's logits gathered to rank 0 and the padding dropped.
   A tied head shares the embedding's shard.
 - Norms replicated. KV pages: the local KV heads of every block; block ids are rank 0's
-  (its scheduler's allocator is the only one).
+  (its scheduler's allocator is the only one). A KV transport moves the pool of every
+  head, so a worker whose KV moves keeps one: on CPU the ranks' pages are slices of one
+  pool in shared memory that every rank maps (`shared` pages); with `private` pages (each
+  rank's heads in its own memory: one GPU a rank) rank 0 keeps a mirror of every rank's
+  heads (`KVMirror`): one gather a layer after each forward's KV writes, one scatter of
+  the blocks a transport wrote before they are read.
 
 gloo on CPU, NCCL on CUDA, through the same code. Only gloo has run (this project's
 machines have no GPU): the NCCL path (one GPU per rank, `cuda:<i + rank>`) is written but
@@ -254,15 +259,29 @@ class ParallelGroup:
         self._group.broadcast([t], opts).wait()
         return t
 
-    def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's `[N, C]` side by side on rank 0, `[N, size * C]` in rank order;
-        the other ranks get their own `t` back."""
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype everywhere) on rank 0, in rank order; the
+        other ranks get `[t]`."""
         t = t.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = 0
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
         self._group.gather([parts] if parts else [], [t], opts).wait()
-        return torch.cat(parts, dim=-1) if parts else t
+        return parts or [t]
+
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `[N, C]` side by side on rank 0, `[N, size * C]` in rank order;
+        the other ranks get their own `t` back."""
+        return torch.cat(self.gather(t), dim=-1)
+
+    def scatter(self, parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `parts[r]` into rank r's `out` (rank 0 passes one part a rank, the
+        others none; every part shaped as `out`)."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        inputs = [[part.contiguous() for part in parts]] if self.rank == 0 else []
+        self._group.scatter([out], inputs, opts).wait()
+        return out
 
 
 def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor,
@@ -307,13 +326,81 @@ class ShardBuilder(Protocol):
 
 class _Message(enum.IntEnum):
     """What rank 0 broadcasts next; header fields after the kind:
-    START num_blocks, shared pool's pid, descriptor (-1: none), bytes | FORWARD tokens,
-    seqs, table width, prefills, layers (-1: all), block size | LOGITS rows, hidden | STOP."""
+    START num_blocks, shared pool's pid, descriptor (-1: none), bytes, mirrored (0/1) |
+    FORWARD tokens, seqs, table width, prefills, layers (-1: all), block size | LOGITS rows,
+    hidden | SCATTER blocks | STOP."""
 
     START = 1
     FORWARD = 2
     LOGITS = 3
     STOP = 4
+    SCATTER = 5
+
+
+class KVMirror:
+    """Rank 0's copy of every rank's KV heads when each rank's pages are its own
+    (`private` pages): the pool of the whole model that a KV transport reads and writes.
+    Every rank holds one and calls it in the same order: `copy_out` after each layer's
+    attention, `scatter` when rank 0 says so.
+
+    Args:
+        group: the tensor-parallel group.
+        pages: this rank's pages (its KV heads).
+        whole: the pool of every head (rank 0), or None (the other ranks).
+        heads: per rank, the KV heads its pages hold.
+    """
+
+    def __init__(self, group: ParallelGroup, pages: KVCache, whole: KVCache | None,
+                 heads: list[range]) -> None:
+        self.group = group
+        self.pages = pages
+        self.whole = whole
+        self.heads = heads
+        self._layer_of = {layer.data_ptr(): i for i, layer in enumerate(pages.layers)}
+
+    def copy_out(self, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
+        """The rows this step wrote into `kv_layer` (one of `pages`' layers, at `slots`),
+        every rank's, into the same rows of the whole pool: one gather."""
+        bs = self.pages.block_size
+        blocks, offsets = slots // bs, slots % bs
+        parts = self.group.gather(kv_layer[blocks, :, offsets])  # [T, 2, heads, D] each
+        if self.whole is None:
+            return
+        whole = self.whole.layers[self._layer_of[kv_layer.data_ptr()]]
+        for heads, part in zip(self.heads, parts, strict=True):
+            whole[blocks, :, offsets, heads.start:heads.stop] = part
+
+    def scatter(self, block_ids: torch.Tensor) -> None:
+        """Blocks `block_ids` of the whole pool (written there by a transport) into every
+        rank's pages, each rank its heads of every layer: one scatter."""
+        pages = self.pages.buffer
+        out = torch.empty((pages.shape[0], len(block_ids), *pages.shape[2:]),
+                          dtype=pages.dtype, device=pages.device)
+        parts = [] if self.whole is None else [
+            self.whole.buffer[:, block_ids, :, :, heads.start:heads.stop]
+            for heads in self.heads]
+        pages[:, block_ids] = self.group.scatter(parts, out)
+
+
+class MirroredAttention(AttentionBackend):
+    """A rank's attention backend with private pages mirrored on rank 0: the inner
+    backend's, then `KVMirror.copy_out` of the rows the layer wrote."""
+
+    def __init__(self, inner: AttentionBackend, mirror: KVMirror) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.mirror = mirror
+        self._slots: torch.Tensor | None = None
+
+    def begin_step(self, layout: BatchLayout) -> None:
+        self._slots = layout.slot_mapping
+        self.inner.begin_step(layout)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        out = self.inner.forward(q, k, v, kv_layer)
+        self.mirror.copy_out(kv_layer, self._slots)
+        return out
 
 
 class TensorParallelAttention(AttentionBackend):
@@ -408,12 +495,25 @@ class Followers:
         """
         return [tuple(json.loads(value)) for value in self._wait_for("ready", START_TIMEOUT_S)]
 
-    def begin(self, num_blocks: int, pid: int = 0, fd: int = -1, nbytes: int = 0) -> None:
+    def begin(self, num_blocks: int, pid: int = 0, fd: int = -1, nbytes: int = 0,
+              mirrored: bool = False) -> None:
         """Tell the followers the pool's size: each allocates its pages (or, given rank 0's
         `SharedPages` as `pid`, `fd`, `nbytes`, maps the pool of every head there and
-        takes its heads' slice) and waits for steps."""
+        takes its heads' slice; `mirrored`: its private pages mirrored on rank 0,
+        `KVMirror`) and waits for steps."""
         with self.step():
-            self._send_header(_Message.START, num_blocks, pid, fd, nbytes)
+            self._send_header(_Message.START, num_blocks, pid, fd, nbytes, int(mirrored))
+
+    def scatter(self, mirror: KVMirror, block_ids: list[int]) -> None:
+        """`KVMirror.scatter` of `block_ids` on every rank.
+
+        Raises:
+            TensorParallelError: the group is (now) dead.
+        """
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        with self.step():
+            self._send_header(_Message.SCATTER, len(ids))
+            mirror.scatter(self.group.broadcast(ids))
 
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      layout: BatchLayout, num_layers: int | None) -> None:
@@ -632,14 +732,21 @@ def _serve(group: ParallelGroup, model: nn.Module, builder: ShardBuilder) -> Non
     dtype = next(model.parameters()).dtype
     kv_cache: KVCache | None = None
     attn: AttentionBackend | None = None
+    mirror: KVMirror | None = None
     while True:
         kind, *fields = group.broadcast(header).tolist()
         if kind == _Message.STOP:
             return
         if kind == _Message.START:
-            num_blocks, pid, fd, nbytes = fields[:4]
+            num_blocks, pid, fd, nbytes, mirrored = fields[:5]
             kv_cache, attn = builder.pages(num_blocks, group.device, group.rank,
                                            None if fd < 0 else (pid, fd, nbytes))
+            if mirrored:
+                mirror = KVMirror(group, kv_cache, None, [])
+                attn = MirroredAttention(attn, mirror)
+        elif kind == _Message.SCATTER:
+            ids = torch.empty(fields[0], dtype=torch.long, device=group.device)
+            mirror.scatter(group.broadcast(ids))
         elif kind == _Message.FORWARD:
             input_ids, positions, layout, num_layers = _receive_forward(group, fields)
             attn.begin_step(layout)

@@ -23,7 +23,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import LLM, CacheConfig, EngineDeadError, SamplingParams, SchedulerConfig
+from engine import (
+    LLM,
+    CacheConfig,
+    EngineDeadError,
+    LLMEngine,
+    SamplingParams,
+    SchedulerConfig,
+)
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_loader import read_model_config, resolve_model_dir
 from engine.models.llama import LlamaForCausalLM as OurLlama
@@ -173,6 +180,69 @@ def test_two_ranks_fill_one_pool_of_every_head() -> None:
         assert_pool_free(engine)
     finally:
         _stopped(two)
+
+
+def test_private_pages_are_mirrored_on_rank_zero_both_ways() -> None:
+    """With private pages (the GPU layout: each rank its own heads) a decode engine keeps
+    rank 0's mirror of every head: what the ranks computed reaches it (one gather a
+    layer: block for block what one rank's pool holds), and KV a transport writes into it
+    reaches the ranks (one scatter) before they decode from it: a prompt prefilled by a
+    one-rank prefill engine, its blocks copied into the mirror as a transport would,
+    decodes the one-rank engine's tokens."""
+    cache, scheduler = CacheConfig(block_size=8, num_blocks=64), \
+        SchedulerConfig(max_num_batched_tokens=16)
+    decode = dataclasses.replace(scheduler, role="decode")
+    one = LLM("tiny", cache=cache, scheduler=scheduler)
+    two = LLM("tiny", cache=cache, scheduler=decode, tensor_parallel_size=2,
+              tp_kv_pages="private")
+    try:
+        engine = two.engine
+        pages = engine.runner.kv_cache  # rank 0's own: its one KV head
+        assert engine.kv_cache_whole and engine.kv_cache.num_kv_heads == 2
+        assert pages.num_kv_heads == 1 and pages.buffer.data_ptr() != \
+            engine.kv_cache.buffer.data_ptr()
+        prompts = [list(range(300, 341)), list(range(900, 917))]
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+        torch.testing.assert_close(engine.kv_cache.buffer, one.engine.kv_cache.buffer,
+                                   atol=1e-5, rtol=1e-5)
+        assert engine.kv_cache.buffer[..., 1, :].abs().sum() > 0  # rank 1's head came
+        assert_pool_free(engine)
+
+        prompt = list(range(2000, 2037))
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        (want,) = [o.outputs[0].token_ids for o in one.generate([prompt], params)]
+        source = LLMEngine("tiny", cache=CacheConfig(block_size=8, num_blocks=16),
+                           scheduler=dataclasses.replace(scheduler, role="prefill"))
+        source.add_request("r", prompt, params)
+        while not (first := [t for out in source.step() for t in out.new_token_ids]):
+            pass
+        sent = source.requests["r"].block_ids
+        request = engine.reserve_remote("r", prompt, params)
+        assert request.num_computed_tokens == 0  # nothing of it cached here
+        engine.kv_cache.buffer[:, request.block_ids] = source.kv_cache.buffer[:, sent]
+        got = list(engine.complete_remote("r", first[0]).new_token_ids)
+        while engine.has_unfinished_requests():
+            got += [t for out in engine.step() for t in out.new_token_ids]
+        assert got == want
+        assert_pool_free(engine)
+    finally:
+        _stopped(two)
+
+
+def test_pages_that_cannot_be_shared_are_refused_before_any_process_starts(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    before = _children()
+    with pytest.raises(ValueError, match=r"tp_kv_pages must be one of \('auto', 'shared', "
+                                         r"'private'\), got 'gpu'"):
+        LLM("tiny", tensor_parallel_size=2, tp_kv_pages="gpu")
+    folder = tmp_path_factory.mktemp("llama1kv")
+    _llama_folder(folder, heads=4, kv_heads=1, hidden=64, intermediate=128, vocab=1000)
+    with pytest.raises(ValueError, match=r"tp_kv_pages shared needs CPU ranks and KV heads "
+                                         r"dividing among them \(1 KV heads, 2 ranks on cpu\)"):
+        LLM(str(folder), tensor_parallel_size=2, tp_kv_pages="shared")
+    assert _children() <= before
 
 
 def test_three_ranks_with_a_padded_vocabulary_match_transformers(
