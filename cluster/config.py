@@ -158,14 +158,6 @@ class ClusterConfig:
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
             raise ValueError(f"ttft_slo_s must be > 0 or None, got {self.ttft_slo_s}")
         if self.mode == "disaggregated":
-            for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
-                if pool.engine.get("tensor_parallel_size", 1) > 1 and pool.num_gpus:
-                    raise ValueError(
-                        f"tensor-parallel-size {pool.engine['tensor_parallel_size']} on the "
-                        f"{name} pool with GPUs: KV transfer from or to tensor-parallel "
-                        "GPU workers is not built yet (each rank's KV heads are on its own "
-                        "device); on CPU it is, and on GPU tensor-parallel workers serve "
-                        "colocated (--mode colocated)")
             for key in KV_LAYOUT_KEYS:  # KV blocks move between the pools as they are
                 ours, theirs = self.prefill.engine.get(key), self.decode.engine.get(key)
                 if ours != theirs:

@@ -89,6 +89,9 @@ class WorkerSpec:
         tensor_parallel_size: ranks the worker's model is split over (`engine.parallel`):
             this process is rank 0, the others its child processes; a rank that dies ends
             the whole worker, whose requests then move as for any dead worker.
+        tp_kv_pages: where its ranks keep their KV heads (`LLMEngine`'s `tp_kv_pages`):
+            `auto` (shared memory on CPU, each rank's own device on GPU), `shared`,
+            `private`.
     """
 
     worker_id: str
@@ -116,6 +119,7 @@ class WorkerSpec:
     speculative_config: str | None = None
     log: LogConfig | None = None
     tensor_parallel_size: int = 1
+    tp_kv_pages: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
@@ -179,7 +183,7 @@ class Worker:
                                       policy=spec.policy),
             num_threads=spec.torch_threads, kv_allocator=self.shm_pool,
             max_model_len=spec.max_model_len, speculative_config=spec.speculative_config,
-            tensor_parallel_size=spec.tensor_parallel_size)
+            tensor_parallel_size=spec.tensor_parallel_size, tp_kv_pages=spec.tp_kv_pages)
 
     def _die(self, error: BaseException) -> None:
         """The engine can compute no more (a tensor-parallel rank died): end this process,

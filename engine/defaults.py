@@ -8,3 +8,5 @@ MAX_NUM_BATCHED_TOKENS = 2048  # token budget of one step
 MAX_NUM_SEQS = 64  # most requests running at once
 DTYPE = "float32"  # the exact reference on CPU
 GPU_MEMORY_UTILIZATION = 0.9  # share of a GPU a worker may hold (weights + KV), as vLLM
+# Where a tensor-parallel engine's ranks keep their KV heads (`LLMEngine(tp_kv_pages=)`).
+TP_KV_PAGES = ("auto", "shared", "private")

@@ -23,6 +23,7 @@ from engine.config import (
     kv_pool_bytes,
     parse_dtype,
 )
+from engine.defaults import TP_KV_PAGES
 from engine.draft_model import draft_block_bytes, draft_kv_cache, load_draft_model
 from engine.hardware import keep_freed_memory
 from engine.kv_cache import BufferAllocator, KVCache, SharedPages, map_shared
@@ -62,8 +63,6 @@ from engine.tokenizer import load_tokenizer
 from engine.validation import check_request
 
 log = logging.getLogger(__name__)
-# Where a tensor-parallel engine's ranks keep their KV heads (`LLMEngine(tp_kv_pages=)`).
-TP_KV_PAGES = ("auto", "shared", "private")
 
 # Called after layer i wrote its KV for the step's schedule (used to stream KV out).
 StepLayerHook = Callable[[int, SchedulerOutput], None]

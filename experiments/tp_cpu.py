@@ -3,6 +3,11 @@
 of 72 and 2 KV heads (random weights, made once under experiments/results/) at 1 and 2.
 
     python -m experiments.tp_cpu [--reps 3] [--out experiments/results/tp_cpu.json]
+    python -m experiments.tp_cpu --pages [--reps 3]  # private pages' mirror against shared
+
+`--pages` runs the 8-head model at size 2 as a decode worker's engine (whose KV a
+transport moves) twice: its ranks' KV heads in one shared pool, then in private pages
+mirrored on rank 0 (one gather a layer each step: the GPU layout).
 
 - Decode step: B requests (batch 1 and 8) with 32-token prompts prefilled, then 16 decode
   steps timed; the mean step. Each repetition starts fresh requests.
@@ -27,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine import CacheConfig, LLMEngine, SamplingParams
+from engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from engine.model_loader import resolve_model_dir
 from experiments import RESULTS
 
@@ -84,14 +89,17 @@ def eight_head_model() -> Path:
     return out
 
 
-def measure(model: str, size: int, reps: int) -> dict[str, Any]:
+def measure(model: str, size: int, reps: int, pages: str = "auto",
+            role: str = "mixed") -> dict[str, Any]:
     """Every repetition of each measure at `size` ranks, in seconds."""
     rng = random.Random(size)
-    with LLMEngine(model, "float32", tensor_parallel_size=size,
+    with LLMEngine(model, "float32", tensor_parallel_size=size, tp_kv_pages=pages,
+                   scheduler=SchedulerConfig(role=role),
                    cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)) as engine:
         _decode_step_s(engine, 1, rng)  # warm-up
         _prefill_s(engine, rng)
-        return {"model": Path(model).name, "tensor_parallel_size": size,
+        return {"model": Path(model).name, "tensor_parallel_size": size, "pages": pages,
+                "role": role,
                 "threads_per_rank": torch.get_num_threads(),
                 "weight_bytes_per_rank": engine.weight_bytes_per_rank,
                 "decode_b1_s": [_decode_step_s(engine, 1, rng) for _ in range(reps)],
@@ -102,20 +110,25 @@ def measure(model: str, size: int, reps: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--pages", action="store_true",
+                        help="only the 8-head model at size 2, shared against private pages")
     parser.add_argument("--out", type=Path, default=RESULTS / "tp_cpu.json")
     args = parser.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
                   if line.startswith("Model name")), "unknown")
     eight = str(eight_head_model())
-    runs = [("smollm2", 1), ("smollm2", 3), (eight, 1), (eight, 2)]
-    results = {"cpu": model, "runs": [measure(m, size, args.reps) for m, size in runs]}
+    runs = [(eight, 2, "shared", "decode"), (eight, 2, "private", "decode")] if args.pages \
+        else [("smollm2", 1), ("smollm2", 3), (eight, 1), (eight, 2)]
+    results = {"cpu": model, "runs": [measure(m, size, args.reps, *rest)
+                                      for m, size, *rest in runs]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"CPU: {model}")
     for run in results["runs"]:
         print(f"{run['model']}, tensor_parallel_size {run['tensor_parallel_size']} "
-              f"({run['threads_per_rank']} torch threads per rank):")
+              f"({run['threads_per_rank']} torch threads per rank, {run['pages']} pages, "
+              f"{run['role']}):")
         for key in ("decode_b1_s", "decode_b8_s", "prefill_256_s"):
             print(f"  {key}: " + ", ".join(f"{1000 * s:.1f} ms" for s in run[key]))
 

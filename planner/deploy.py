@@ -3,10 +3,10 @@ per pool, the command that serves it, and a whole KubeRay RayCluster (the head, 
 door's group and a group per pool, as `deploy/kuberay/base/raycluster.yaml` builds them)
 whose pods hold exactly what each pool's workers ask.
 
-A colocated pick with TP > 1 serves with `tensor-parallel-size` in its pool; a
-disaggregated one with TP > 1 in either role is planned but not deployable by this version
-(KV transfer between tensor-parallel GPU workers is not built: the engine moves KV between
-tensor-parallel pools on CPU only), and gets no command, file or manifest."""
+A pick with TP > 1 serves with `tensor-parallel-size` in each pool's section, each pool
+asking the GPUs of its own size (a prefill pool at TP 1 feeding a decode pool at TP 4 is
+one worker of 1 GPU and one of 4: tensor-parallel workers move KV through rank 0's mirror
+of every rank's heads, `engine.parallel.KVMirror`)."""
 
 from __future__ import annotations
 
@@ -170,24 +170,14 @@ def deployment(config: dict[str, Any], prefill: Profile, decode: Profile,
             which `pdcluster serve` refuses until it is replaced.
 
     Returns:
-        `deployable`, `tensor_parallel`, `notes`, and where deployable `serve_config`
-        (the file's YAML), `serve_config_file` (its name in the command), `serve_argv`,
-        `serve_command` and `kuberay_manifest` (YAML); null where not.
+        `tensor_parallel`, `serve_config` (the file's YAML), `serve_config_file` (its name
+        in the command), `serve_argv`, `serve_command`, `kuberay_manifest` (YAML) and
+        `notes`.
     """
     tp = {"prefill": tensor_parallel(prefill) if config["prefill"] else None,
           "decode": tensor_parallel(decode)}
-    sharded = max(t or 1 for t in tp.values())
-    out: dict[str, Any] = {"deployable": sharded == 1 or config["mode"] == "colocated",
-                           "tensor_parallel": tp, "serve_config_file": CONFIG_FILE,
-                           "serve_config": None, "serve_argv": None, "serve_command": None,
-                           "kuberay_manifest": None, "notes": []}
-    if not out["deployable"]:
-        out["notes"].append(
-            f"not deployable by this version: the pick shards a worker over {sharded} "
-            "devices (TP > 1) in a disaggregated split, and KV transfer between "
-            "tensor-parallel GPU workers is not built (on CPU it is); plan colocated or "
-            "with TP-1 profiles for something to serve now")
-        return out
+    out: dict[str, Any] = {"tensor_parallel": tp, "serve_config_file": CONFIG_FILE,
+                           "notes": []}
     file = serve_config(config, prefill, decode, max_num_seqs)
     argv = ["pdcluster", "serve", "--model", model or MODEL_PLACEHOLDER,
             "--config", CONFIG_FILE]

@@ -59,12 +59,11 @@ def print_plan(doc: dict[str, Any]) -> None:
         console.print("calibrated to this machine's speed now" if calibration["applied"]
                       else f"not calibrated: {calibration['reason']}")
     if (deploy := doc.get("deploy")) is not None:
-        if deploy["deployable"]:
-            console.print(f"serve it: write {deploy['serve_config_file']} (the plan's "
-                          f"deploy.serve_config):\n{deploy['serve_config']}",
-                          soft_wrap=True, highlight=False)
-            console.print(f"then run:\n  {deploy['serve_command']}", soft_wrap=True)
-            console.print("on KubeRay: the plan's deploy.kuberay_manifest (a RayCluster)")
+        console.print(f"serve it: write {deploy['serve_config_file']} (the plan's "
+                      f"deploy.serve_config):\n{deploy['serve_config']}",
+                      soft_wrap=True, highlight=False)
+        console.print(f"then run:\n  {deploy['serve_command']}", soft_wrap=True)
+        console.print("on KubeRay: the plan's deploy.kuberay_manifest (a RayCluster)")
         for note in deploy["notes"]:
             console.print(f"note: {note}")
 

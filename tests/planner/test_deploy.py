@@ -103,7 +103,7 @@ def test_a_cpu_analytic_plan_serves_as_planned(tmp_path: Path,
     one_host = deployment({**DISAGG, "prefill": 1, "decode": 2}, CPU_ANALYTIC, CPU_ANALYTIC,
                           32, "tiny")
     assert served(tmp_path, monkeypatch, one_host).transports == TRANSPORTS["shm"]
-    assert deploy["deployable"] and deploy["tensor_parallel"] == {"prefill": 1, "decode": 1}
+    assert deploy["tensor_parallel"] == {"prefill": 1, "decode": 1}
 
 
 def test_a_gpu_plan_gives_each_pool_its_own_gpus_and_an_rdma_capable_transport(
@@ -144,17 +144,17 @@ def test_an_amd_plan_asks_for_amd_gpus() -> None:
     assert pod["tolerations"][0]["key"] == "amd.com/gpu"
 
 
-def test_a_colocated_tp_pick_serves_split_and_a_disaggregated_one_is_not_deployed(
+def test_tp_picks_serve_split_each_pool_asking_its_own_gpus(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A colocated TP-4 pick: each worker asks 4 GPUs and splits its model over 4 ranks,
     and the real CLI builds that pool (tiny's 4 heads and 2 KV heads split into 4: the
-    serve check reads the model). KV transfer between tensor-parallel GPU workers is not
-    built: a disaggregated TP-4 pick gets no command, file or manifest, and says why."""
+    serve check reads the model). A disaggregated TP-1 prefill -> TP-2 decode pick: the
+    real CLI builds pools of 1 and 2 GPUs a worker, split 1 and 2 ways, and the manifest's
+    groups ask the same."""
     profile = gpu_profile("H100-SXM", tp=4, model="llama-3-70b")
     colocated = deployment({**DISAGG, "mode": "colocated", "prefill": 0}, profile, profile,
                            max_num_seqs=64)
-    assert colocated["deployable"] and colocated["tensor_parallel"] == {
-        "prefill": None, "decode": 4}
+    assert colocated["tensor_parallel"] == {"prefill": None, "decode": 4}
     cluster = served(tmp_path, monkeypatch, {
         **colocated, "serve_argv": [a if a != MODEL_PLACEHOLDER else "tiny"
                                     for a in colocated["serve_argv"]]})
@@ -163,13 +163,18 @@ def test_a_colocated_tp_pick_serves_split_and_a_disaggregated_one_is_not_deploye
     groups = assert_valid_raycluster(manifest(colocated), cluster)
     limits = groups["decode"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 4
-    deploy = deployment(DISAGG, gpu_profile("H100-SXM"), profile, max_num_seqs=64)
-    assert deploy["deployable"] is False
-    assert deploy["tensor_parallel"] == {"prefill": 1, "decode": 4}
-    assert [deploy[k] for k in ("serve_argv", "serve_command", "serve_config",
-                                "kuberay_manifest")] == [None] * 4
-    assert "KV transfer between tensor-parallel GPU workers is not built" in \
-        deploy["notes"][0]
+    deploy = deployment(DISAGG, gpu_profile("H100-SXM"),
+                        gpu_profile("H100-SXM", tp=2, model="llama-3-70b"), max_num_seqs=64)
+    assert deploy["tensor_parallel"] == {"prefill": 1, "decode": 2}
+    cluster = served(tmp_path, monkeypatch, {
+        **deploy, "serve_argv": [a if a != MODEL_PLACEHOLDER else "tiny"
+                                 for a in deploy["serve_argv"]]})
+    assert cluster.mode == "disaggregated"
+    assert [(pool.num_gpus, pool.engine["tensor_parallel_size"])
+            for pool in (cluster.prefill, cluster.decode)] == [(1.0, 1), (2.0, 2)]
+    groups = assert_valid_raycluster(manifest(deploy), cluster)
+    assert [groups[role]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"] for role in ("prefill", "decode")] == [1, 2]
 
 
 def test_serve_refuses_the_placeholder_before_starting_anything(

@@ -251,8 +251,14 @@ def test_tensor_parallel_size_reaches_each_pool_and_a_size_the_model_cannot_spli
     assert "prefill workers: tensor-parallel-size 4 does not divide the model's 2 KV heads" \
         in capsys.readouterr().err
     assert main(["serve", "--model", "tiny", "-tp", "4", "--mode", "colocated"]) == 0
-    # On GPUs, each rank's KV heads are on its own device: not built for a transfer.
-    assert main(["serve", "--model", "tiny", "-tp", "2", "--num-gpus-per-worker", "1"]) == 2
-    assert "KV transfer from or to tensor-parallel GPU workers is not built yet" in \
-        capsys.readouterr().err
-    assert len(captured) == 4
+    # On GPUs each rank's KV heads are on its own device: a disaggregated pool of them
+    # moves KV through rank 0's mirror (private pages, which CPU workers may ask for too).
+    assert main(["serve", "--model", "tiny", "-tp", "2", "--num-gpus-per-worker", "2"]) == 0
+    assert captured[4].cluster.decode.num_gpus == 2
+    assert main(["serve", "--model", "tiny", "-tp", "2", "--tp-kv-pages", "private"]) == 0
+    assert [captured[5].cluster.prefill.engine["tp_kv_pages"],
+            captured[5].cluster.decode.engine["tp_kv_pages"]] == ["private", "private"]
+    with pytest.raises(SystemExit, match="2"):
+        main(["serve", "--model", "tiny", "-tp", "2", "--tp-kv-pages", "gpu"])
+    assert "--tp-kv-pages: invalid choice: 'gpu'" in capsys.readouterr().err
+    assert len(captured) == 6

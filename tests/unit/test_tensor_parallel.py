@@ -2,8 +2,9 @@
 equal to `transformers` (fp32) at 2 and 3 ranks on Llama (the bundled tiny one, a 6-head
 one with a padded vocabulary, one with a single KV head replicated on both ranks), Qwen3,
 Qwen3-MoE and SmolLM2; each rank holding about 1/N of the weights; sizes the model does
-not split into refused; a killed follower failing the step at once with nothing left
-running; and size 1 taking the single-process path.
+not split into refused; private pages mirrored on rank 0 both ways (the GPU layout); a
+killed follower failing the step at once with nothing left running; and size 1 taking the
+single-process path.
 
 Each engine start spawns followers that import torch (a few seconds each): engines are
 module-scoped and shared."""
