@@ -16,7 +16,6 @@ import signal
 import pytest
 import ray
 
-from cluster.config import ClusterConfig, PoolSpec
 from cluster.metrics import WorkerCollector
 from engine import SamplingParams
 from protocol import Role
@@ -110,14 +109,3 @@ def test_a_killed_rank_ends_its_worker_and_its_streams_move(cluster, loop_thread
     assert _count(cluster, "migrations") - migrated == 4
     wait_pools_free(loop_thread, cluster)
 
-
-def test_tensor_parallel_gpu_workers_are_refused_in_disaggregated_pools() -> None:
-    sharded = PoolSpec(num_gpus=1, engine={"tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match="tensor-parallel-size 2 on the decode pool with "
-                                         "GPUs: KV transfer from or to tensor-parallel GPU"):
-        ClusterConfig(model="tiny", decode=sharded)
-    with pytest.raises(ValueError, match="on the prefill pool"):
-        ClusterConfig(model="tiny", prefill=sharded)
-    assert ClusterConfig(model="tiny", mode="colocated", decode=sharded).decode is sharded
-    on_cpu = PoolSpec(engine={"tensor_parallel_size": 2})
-    assert ClusterConfig(model="tiny", prefill=on_cpu, decode=on_cpu).decode is on_cpu
