@@ -53,14 +53,16 @@ test: lint
 
 # What an AVX2-only CPU (no AVX-512, no bf16 in hardware) gets, on any x86-64 machine: the
 # engine's, the kernels' and the end-to-end exactness tests with the engine's CPU paths
-# capped at AVX2 (PDCLUSTER_CPU_ISA: kernel variant, fp32 and bf16 linears) and torch's own
-# kernels too (ATEN_CPU_CAPABILITY). `.ci/run` runs it after `make test`.
+# capped at AVX2 (PDCLUSTER_CPU_ISA: kernel variant, fp32 and bf16 linears), torch's own
+# kernels too (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA: without it, on an AMX
+# CPU torch's bf16 attention still asks oneDNN for AMX tiles and then finds its AVX2 kernel
+# unable to pack them). `.ci/run` runs it after `make test`.
 AVX2_TESTS ?= tests/unit/test_hardware.py tests/unit/test_kernels.py \
 	tests/unit/test_attention.py tests/unit/test_blas_linear.py \
 	tests/unit/test_engine_vs_hf.py tests/unit/test_roles.py tests/e2e/test_serve_cli.py
 .PHONY: test-avx2
 test-avx2: install
-	PDCLUSTER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
+	PDCLUSTER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 		$(VENV)/bin/pytest -q -p no:cacheprovider $(AVX2_TESTS)
 
 # The edit loop (~1 minute on 2 cores): no cluster, no server (in-process or `serve`), no SmolLM2,
