@@ -101,9 +101,9 @@ class ServeOptions:
 
 def check_tensor_parallel_sizes(cluster: ClusterConfig) -> None:
     """Refuse, before anything starts, a pool's tensor-parallel size the model's dimensions
-    do not split into (`engine.parallel.check_tensor_parallel` names the one), or, in a
-    disaggregated pool, one that would replicate KV heads; the model's config is read only
-    when a pool is split.
+    do not split into (`engine.parallel.check_tensor_parallel` names the one), or shared KV
+    pages at a size that would replicate KV heads (`--tp-kv-pages shared`; `auto` takes
+    private pages there); the model's config is read only when a pool is split.
 
     Raises:
         ValueError: naming the pool, the size and the dimension.
@@ -117,17 +117,16 @@ def check_tensor_parallel_sizes(cluster: ClusterConfig) -> None:
     from engine.parallel import check_tensor_parallel
 
     config, _ = read_model_config(resolve_model_dir(cluster.model))
-    for name, size in sizes.items():
+    for (name, pool), size in zip(pools, sizes.values(), strict=True):
         try:
             check_tensor_parallel(config, size)
         except ValueError as e:
             raise ValueError(f"{name} workers: {e}") from None
-        if name != "colocated" and config.num_kv_heads % size:
+        if pool.engine.get("tp_kv_pages") == "shared" and config.num_kv_heads % size:
             raise ValueError(
                 f"{name} workers: tensor-parallel-size {size} does not divide the model's "
-                f"{config.num_kv_heads} KV heads, so its ranks would hold copies of them; KV "
-                "transfer needs each head on one rank (a size dividing the KV heads, or "
-                "--mode colocated)")
+                f"{config.num_kv_heads} KV heads, so its ranks hold copies of them, which "
+                "one shared pool cannot: use --tp-kv-pages private (or auto)")
 
 
 def endpoint_file() -> Path:

@@ -169,16 +169,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="ranks each worker's model is split over (vLLM's flag; gloo on "
                              "CPU, NCCL on GPU): rank 0 in the worker's process, the others "
                              "its child processes; prefill and decode pools of any sizes "
-                             "that divide the model's KV heads; give each worker the CPUs "
-                             "or GPUs of all its ranks (--num-cpus-per-worker, "
-                             "--num-gpus-per-worker)")
+                             "exchange KV; give each worker the CPUs or GPUs of all its "
+                             "ranks (--num-cpus-per-worker, --num-gpus-per-worker)")
     worker.add_argument("--tp-kv-pages", choices=engine_defaults.TP_KV_PAGES, default="auto",
                         help="where a tensor-parallel worker's ranks keep their KV heads: "
                              "shared (CPU: one pool in shared memory every rank maps), "
                              "private (each rank its own memory, as on GPU; a prefill or "
                              "decode worker mirrors every rank's heads on rank 0 for KV "
                              "transfer: one gather a layer each step, one scatter a "
-                             "received prompt); auto: shared where it can be")
+                             "received prompt); auto: shared on CPU when the KV heads "
+                             "divide among the ranks, else private")
     worker.add_argument("--prefix-caching", "--enable-prefix-caching",
                         dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse cached prompt blocks")

@@ -264,8 +264,8 @@ class LLMEngine:
         size, cfg, cache = self.tensor_parallel_size, self.model_config, self.cache_config
         check_tensor_parallel(cfg, size)
         shared = _shared_tp_pages(tp_kv_pages, self.device, cfg, size)
-        mirrored = not shared and self.scheduler_config.role != "mixed" and \
-            cfg.num_kv_heads % size == 0
+        # Replicated KV heads (fewer than ranks) mirror too: each replica writes the same rows.
+        mirrored = not shared and self.scheduler_config.role != "mixed"
         if self.device.type == "cuda" and \
                 (self.device.index or 0) + size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices from "

@@ -241,16 +241,18 @@ def test_tensor_parallel_size_reaches_each_pool_and_a_size_the_model_cannot_spli
     assert main(["serve", "--model", "tiny", "--mode", "colocated", "-tp", "3"]) == 2
     assert "colocated workers: tensor_parallel_size 3 does not divide num_attention_heads " \
         "(4)" in capsys.readouterr().err
-    # Disaggregated: both pools split, their pools holding every KV head (tiny's 2 at 2
-    # ranks); at 4 ranks each would hold a copy of one, which a KV transfer cannot use.
+    # Disaggregated: both pools split (tiny's 2 KV heads at 2 ranks); at 4 ranks each
+    # holds a copy of one: private pages (auto picks them), which one shared pool cannot.
     assert main(["serve", "--model", "tiny", "--tensor-parallel-size", "2"]) == 0
     assert [captured[2].cluster.prefill.engine["tensor_parallel_size"],
             captured[2].cluster.decode.engine["tensor_parallel_size"]] == [2, 2]
     capsys.readouterr()
-    assert main(["serve", "--model", "tiny", "-tp", "4"]) == 2
+    assert main(["serve", "--model", "tiny", "-tp", "4", "--tp-kv-pages", "shared"]) == 2
     assert "prefill workers: tensor-parallel-size 4 does not divide the model's 2 KV heads" \
         in capsys.readouterr().err
-    assert main(["serve", "--model", "tiny", "-tp", "4", "--mode", "colocated"]) == 0
+    assert main(["serve", "--model", "tiny", "-tp", "4"]) == 0
+    assert (captured[3].cluster.mode, captured[3].cluster.decode.engine[
+        "tensor_parallel_size"]) == ("disaggregated", 4)
     # On GPUs each rank's KV heads are on its own device: a disaggregated pool of them
     # moves KV through rank 0's mirror (private pages, which CPU workers may ask for too).
     assert main(["serve", "--model", "tiny", "-tp", "2", "--num-gpus-per-worker", "2"]) == 0

@@ -232,6 +232,31 @@ def test_private_pages_are_mirrored_on_rank_zero_both_ways() -> None:
         _stopped(two)
 
 
+def test_replicated_kv_heads_are_mirrored_once(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One KV head on two ranks (each holds a copy): a decode engine's private pages still
+    mirror into a pool of that one head, which after mixed prompts equals one rank's pool
+    block for block, with one rank's tokens."""
+    folder = tmp_path_factory.mktemp("llama1kv-mirror")
+    _llama_folder(folder, heads=4, kv_heads=1, hidden=64, intermediate=128)
+    cache = CacheConfig(block_size=8, num_blocks=32)
+    decode = SchedulerConfig(max_num_batched_tokens=16, role="decode")
+    prompts = _prompts((30, 9), seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    one = LLM(str(folder), cache=cache, scheduler=decode)
+    two = LLM(str(folder), cache=cache, scheduler=decode, tensor_parallel_size=2)
+    try:
+        assert two.engine.kv_cache_whole and two.engine.kv_cache.num_kv_heads == 1
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        torch.testing.assert_close(two.engine.kv_cache.buffer, one.engine.kv_cache.buffer,
+                                   atol=1e-5, rtol=1e-5)
+        assert two.engine.kv_cache.buffer.abs().sum() > 0
+        assert_pool_free(two.engine)
+    finally:
+        _stopped(two)
+
+
 def test_pages_that_cannot_be_shared_are_refused_before_any_process_starts(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     before = _children()
